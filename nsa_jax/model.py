@@ -1,0 +1,71 @@
+"""Decoder-only transformer LM (pre-norm RMSNorm, SwiGLU, RoPE) with NSA or dense attention per
+layer, chosen by `ModelConfig.attention` / `layer_attention`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from nsa_jax.attention import DenseAttention, NSAAttention
+from nsa_jax.config import ModelConfig
+from nsa_jax.layers import RMSNorm, SwiGLU, annotated, dtype_of, linear, sharding_scope
+
+
+class Block(nnx.Module):
+  """x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs):
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    self.kind = kind
+    self.attn_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
+    if kind == "nsa":
+      self.attn = NSAAttention(cfg.d_model, cfg.nsa, rope_theta=cfg.rope_theta, dtype=dt,
+                               param_dtype=pdt, rngs=rngs)
+    else:
+      self.attn = DenseAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                 cfg.head_dim_v, rope_theta=cfg.rope_theta, dtype=dt,
+                                 param_dtype=pdt, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
+    self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, x, segment_ids=None, positions=None):
+    x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class TransformerLM(nnx.Module):
+  """tokens [B, T] int -> logits [B, T, vocab] float32."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    if not isinstance(cfg, ModelConfig):
+      raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    self.cfg = cfg
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    with sharding_scope():
+      self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
+                             embedding_init=annotated(nnx.initializers.normal(1.0), "vocab",
+                                                      "embed"), rngs=rngs)
+      self.blocks = nnx.List([Block(cfg, kind, rngs=rngs) for kind in cfg.attention_kinds])
+      self.final_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
+      if not cfg.tie_embeddings:
+        self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dt,
+                              param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, tokens, segment_ids=None, positions=None):
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+    if tokens.shape[1] > self.cfg.max_seq_len:
+      raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
+                       f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")
+    x = self.embed(tokens)
+    for block in self.blocks:
+      if self.cfg.remat:
+        x = nnx.remat(lambda blk, y: blk(y, segment_ids, positions))(block, x)
+      else:
+        x = block(x, segment_ids, positions)
+    x = self.final_norm(x)
+    if self.cfg.tie_embeddings:
+      logits = self.embed.attend(x)
+    else:
+      logits = self.lm_head(x)
+    return logits.astype(jnp.float32)
