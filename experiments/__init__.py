@@ -1,0 +1,1 @@
+"""Runnable experiments (entry points over the nsa_jax library)."""

@@ -1,0 +1,115 @@
+"""Orbax checkpoints of the train state, the data-iterator state and run metadata.
+
+One step directory holds three items: "state" (sharded arrays, StandardSave), "data" (the
+iterator state, JSON) and "meta" (the model config, JSON, checked before any array is read).
+Restores go straight into the sharded layout described by an abstract target. Failures are
+raised as CheckpointError naming the step directory; nothing is ever deleted or overwritten here
+except by orbax's keep-last-N policy after a newer save has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+ITEMS = ("state", "data", "meta")
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint in the work directory cannot be used; the message says which and why."""
+
+
+def _diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
+  """Human-readable differences between two JSON-like dicts."""
+  out = []
+  for key in sorted(set(saved) | set(current)):
+    a, b = saved.get(key, "<missing>"), current.get(key, "<missing>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _diff(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"{prefix}{key}: checkpoint has {a!r}, config has {b!r}")
+  return out
+
+
+def _jsonable(x):
+  return json.loads(json.dumps(x, default=str))
+
+
+class Checkpointer:
+  """Thin wrapper over ocp.CheckpointManager with the checks training needs."""
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def save(self, step: int, state, data_state: dict, meta: dict):
+    """Starts an (async) save of step; raises if that step already exists (no overwrite)."""
+    if step in self.manager.all_steps():
+      raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}; "
+                            "refusing to overwrite it")
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave(_jsonable(data_state)),
+        meta=ocp.args.JsonSave(_jsonable(meta))))
+
+  def read_meta(self, step: int) -> dict:
+    try:
+      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # orbax raises many kinds; the user needs the path and the cause
+      raise CheckpointError(self._broken(step, "its metadata", e)) from e
+
+  def restore(self, step: int, abstract_state, expected_meta: dict):
+    """Checks meta against expected_meta, then restores (state, data_state) at step.
+
+    abstract_state: a tree of jax.ShapeDtypeStruct carrying the target NamedShardings, so every
+    array is read directly into its shards.
+    """
+    meta = self.read_meta(step)
+    problems = _diff(meta.get("model", {}), _jsonable(expected_meta["model"]))
+    if problems:
+      raise CheckpointError(
+          f"checkpoint {self.step_dir(step)} was written for a different model:\n  "
+          + "\n  ".join(problems)
+          + "\nFix: use the config it was trained with, or a fresh --workdir. The checkpoint was "
+          "left untouched.")
+    try:
+      out = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    except Exception as e:
+      raise CheckpointError(self._broken(step, "its arrays", e)) from e
+    return out["state"], out["data"]
+
+  def _broken(self, step, what, err) -> str:
+    earlier = [s for s in self.all_steps() if s < step]
+    hint = (f"move that directory away to resume from step {max(earlier)}" if earlier
+            else "move that directory away (or use a fresh --workdir) to start over")
+    return (f"checkpoint {self.step_dir(step)} is corrupt or incompatible: could not read {what} "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+            f"It was left untouched. Fix: {hint}.")
+
+  def wait(self):
+    self.manager.wait_until_finished()
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_like(tree, shardings):
+  """ShapeDtypeStructs of tree's leaves with the given shardings (a restore target)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)

@@ -1,0 +1,277 @@
+"""Training data: batches that are a pure function of (seed, split, step, row).
+
+Sources (config.data.source):
+  "stdlib": the source text of the running interpreter's Python standard library, byte-level
+            (vocab 256), files in sorted order, held-out files chosen by a hash of their path.
+            No download; note that it differs between Python versions (the fingerprint says which).
+  "text":   plain text file(s) by path (a file, a directory or a glob), byte-level.
+  "tokens": a flat uint16/uint32 token file (np.memmap), held-out tail or a separate val_path.
+  "passkey" / "needle": retrieval of 1 / num_needles key-value facts hidden in filler text.
+  "mqar":   multi-query associative recall: key-value pairs, a long gap, then queried keys.
+Because a batch depends only on its step, the iterator state is just the next step (plus a
+fingerprint of the source), and a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import sysconfig
+import zlib
+
+import numpy as np
+
+SPLITS = {"train": 0, "val": 1}
+SOURCES = ("stdlib", "text", "tokens", "passkey", "needle", "mqar")
+# Parts of the standard library left out of the corpus: tests and vendored data are huge, repetitive
+# or not Python; site-packages is whatever the user installed (not reproducible).
+_STDLIB_SKIP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
+                "site-packages", "dist-packages", "__pycache__", "pydoc_data"}
+_FILE_SEP = b"\n\x00\n"  # byte 0 never occurs in source text: it marks file boundaries
+
+
+def _row_rng(seed: int, split: str, step: int, row: int) -> np.random.Generator:
+  return np.random.Generator(np.random.PCG64([seed, SPLITS[split], step, row]))
+
+
+def _is_val(relpath: str, val_percent: float) -> bool:
+  # Hash of the path alone: a file's split never depends on which other files exist.
+  return zlib.crc32(relpath.encode()) % 10000 < val_percent * 100
+
+
+def _split_files(paths, root, val_percent):
+  train, val = [], []
+  for p in paths:
+    (val if _is_val(os.path.relpath(p, root), val_percent) else train).append(p)
+  if not train or not val:  # too few files to split by file: the caller splits by position
+    return None
+  return train, val
+
+
+def _read(paths, max_bytes: int) -> np.ndarray:
+  chunks, total = [], 0
+  for p in paths:
+    with open(p, "rb") as f:
+      data = f.read()
+    chunks.append(data + _FILE_SEP)
+    total += len(chunks[-1])
+    if max_bytes and total >= max_bytes:
+      break
+  return np.frombuffer(b"".join(chunks)[:max_bytes or None], dtype=np.uint8)
+
+
+def stdlib_files() -> tuple[str, list[str]]:
+  """Sorted .py files of the running interpreter's standard library (minus _STDLIB_SKIP)."""
+  root = sysconfig.get_paths()["stdlib"]
+  out = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP and not d.startswith("config-"))
+    out += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+  if not out:
+    raise FileNotFoundError(f"no .py files under the standard library at {root}")
+  return root, sorted(out, key=lambda p: os.path.relpath(p, root))
+
+
+def _text_files(path: str) -> tuple[str, list[str]]:
+  if os.path.isdir(path):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    root = path
+  else:
+    files = glob.glob(path)
+    root = os.path.dirname(path) or "."
+  files = sorted(f for f in files if os.path.isfile(f))
+  if not files:
+    raise FileNotFoundError(f"config.data.path={path!r} matches no file. Fix: give a text file, "
+                            "a directory or a glob")
+  return root, files
+
+
+def _position_split(tokens, val_fraction):
+  n_val = max(int(len(tokens) * val_fraction), 1)
+  return tokens[:-n_val], tokens[-n_val:]
+
+
+class WindowSource:
+  """Random windows of a flat token array."""
+
+  def __init__(self, tokens: np.ndarray, fingerprint: dict):
+    self.tokens = tokens
+    self.fingerprint = fingerprint
+
+  def row(self, rng: np.random.Generator, length: int):
+    if len(self.tokens) < length:
+      raise ValueError(f"data split has {len(self.tokens)} tokens, fewer than one window of "
+                       f"{length}. Fix: lower config.data.seq_len or give more data")
+    start = int(rng.integers(0, len(self.tokens) - length + 1))
+    seq = np.asarray(self.tokens[start:start + length], dtype=np.int32)
+    return seq, np.ones(length - 1, np.float32)
+
+
+def _fingerprint(name, tokens, **extra):
+  head = np.asarray(tokens[: 1 << 20]).tobytes()
+  return dict(source=name, num_tokens=int(len(tokens)), crc_head=zlib.crc32(head), **extra)
+
+
+def corpus_sources(cfg) -> dict[str, WindowSource]:
+  """Train and val WindowSources for the stdlib, text and token-file sources."""
+  if cfg.source in ("stdlib", "text"):
+    root, files = stdlib_files() if cfg.source == "stdlib" else _text_files(cfg.path)
+    split = _split_files(files, root, cfg.val_percent)
+    if split is None:
+      train, val = _position_split(_read(files, cfg.max_bytes), cfg.val_percent / 100)
+    else:
+      train, val = _read(split[0], cfg.max_bytes), _read(split[1], cfg.max_bytes)
+    extra = dict(python=sys.version.split()[0]) if cfg.source == "stdlib" else dict(path=cfg.path)
+  elif cfg.source == "tokens":
+    dtype = np.dtype(cfg.token_dtype)
+    if dtype not in (np.uint16, np.uint32):
+      raise ValueError(f"config.data.token_dtype={cfg.token_dtype!r}: expected uint16 or uint32")
+    tokens = np.memmap(cfg.path, dtype=dtype, mode="r")
+    if cfg.val_path:
+      train, val = tokens, np.memmap(cfg.val_path, dtype=dtype, mode="r")
+    else:
+      train, val = _position_split(tokens, cfg.val_percent / 100)
+    extra = dict(path=cfg.path, val_path=cfg.val_path)
+  else:
+    raise ValueError(f"{cfg.source!r} is not a corpus source")
+  return {"train": WindowSource(train, _fingerprint(cfg.source, train, **extra)),
+          "val": WindowSource(val, _fingerprint(cfg.source, val, **extra))}
+
+
+_FILLER = (b"The grass is green. ", b"The sky is blue. ", b"The sun is yellow. ",
+           b"Here we go. ", b"There and back again. ", b"The river flows to the sea. ")
+
+
+class NeedleSource:
+  """num_needles "key -> 5-digit value" facts in filler text; the last one is asked for at the end.
+
+  Only the answer digits carry loss weight: the task is retrieval, the filler is noise.
+  """
+
+  def __init__(self, num_needles: int, fingerprint: dict):
+    self.num_needles = num_needles
+    self.fingerprint = fingerprint
+
+  def row(self, rng: np.random.Generator, length: int):
+    keys = ["".join(chr(c) for c in rng.integers(97, 123, 4)) for _ in range(self.num_needles)]
+    vals = [f"{int(v):05d}" for v in rng.integers(0, 100000, self.num_needles)]
+    if self.num_needles == 1:
+      facts = [f"The pass key is {vals[0]}. Remember it. ".encode()]
+      question = f" What is the pass key? The pass key is {vals[0]}".encode()
+    else:
+      facts = [f"The value of key {k} is {v}. ".encode() for k, v in zip(keys, vals)]
+      q = int(rng.integers(0, self.num_needles))
+      question = f" What is the value of key {keys[q]}? It is {vals[q]}".encode()
+    room = length - len(question) - sum(map(len, facts))
+    if room < 0:
+      raise ValueError(f"seq_len too short for {self.num_needles} needle(s): need at least "
+                       f"{length - room} tokens. Fix: raise config.data.seq_len")
+    filler = b"".join(_FILLER[i] for i in rng.integers(0, len(_FILLER), room // 10 + 1))[:room]
+    cuts = np.sort(rng.integers(0, room + 1, len(facts)))
+    parts, prev = [], 0
+    for cut, fact in zip(cuts, facts):
+      parts += [filler[prev:cut], fact]
+      prev = cut
+    seq = np.frombuffer(b"".join(parts) + filler[prev:] + question, np.uint8).astype(np.int32)
+    weights = np.zeros(length - 1, np.float32)
+    weights[-5:] = 1.0  # targets = seq[1:]: the 5 answer digits are the last 5 targets
+    return seq, weights
+
+
+class MQARSource:
+  """Multi-query associative recall: k1 v1 ... kN vN, a gap of token 0, then Q queried pairs.
+
+  Keys are tokens [16, 136), values [136, 256); loss weight on the value after each queried key.
+  """
+
+  def __init__(self, num_pairs: int, num_queries: int, fingerprint: dict):
+    if not 1 <= num_pairs <= 120:
+      raise ValueError(f"config.data.num_kv_pairs={num_pairs}: must be in [1, 120] (distinct "
+                       "byte-level keys)")
+    self.num_pairs, self.num_queries = num_pairs, num_queries
+    self.fingerprint = fingerprint
+
+  def row(self, rng: np.random.Generator, length: int):
+    n, q = self.num_pairs, self.num_queries
+    if 2 * (n + q) > length:
+      raise ValueError(f"seq_len too short for {n} pairs and {q} queries: need "
+                       f"{2 * (n + q)} tokens. Fix: raise config.data.seq_len")
+    keys = rng.permutation(120)[:n] + 16
+    vals = rng.integers(136, 256, n)
+    asked = rng.integers(0, n, q)
+    seq = np.zeros(length, np.int32)
+    seq[0:2 * n:2], seq[1:2 * n:2] = keys, vals
+    seq[length - 2 * q::2], seq[length - 2 * q + 1::2] = keys[asked], vals[asked]
+    weights = np.zeros(length - 1, np.float32)
+    weights[length - 2 * q::2] = 1.0  # target index j predicts seq[j + 1]: the value after a key
+    return seq, weights
+
+
+def make_sources(cfg) -> dict:
+  """{"train": source, "val": source} for config.data (the `data` block)."""
+  if cfg.source not in SOURCES:
+    raise ValueError(f"config.data.source={cfg.source!r}: unknown. Fix: use one of {SOURCES}")
+  if cfg.source in ("passkey", "needle"):
+    n = 1 if cfg.source == "passkey" else cfg.num_needles
+    return {s: NeedleSource(n, dict(source=cfg.source, num_needles=n)) for s in SPLITS}
+  if cfg.source == "mqar":
+    fp = dict(source="mqar", num_kv_pairs=cfg.num_kv_pairs, num_queries=cfg.num_queries)
+    return {s: MQARSource(cfg.num_kv_pairs, cfg.num_queries, fp) for s in SPLITS}
+  return corpus_sources(cfg)
+
+
+class BatchIterator:
+  """Yields this process's rows of global batch `step`; state() / restore() for checkpoints.
+
+  Row r of step s is drawn from a generator seeded by (seed, split, s, r), so the global batch
+  does not depend on how many processes share it, and any step can be regenerated.
+  """
+
+  def __init__(self, source, *, split: str, global_batch: int, seq_len: int, seed: int,
+               vocab_size: int, process_index: int = 0, process_count: int = 1, step: int = 0):
+    if global_batch % process_count:
+      raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
+    self.source, self.split, self.seed, self.seq_len = source, split, seed, seq_len
+    self.vocab_size = vocab_size
+    local = global_batch // process_count
+    self.rows = range(process_index * local, (process_index + 1) * local)
+    self.step = step
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    seqs, weights = zip(*(self.source.row(_row_rng(self.seed, self.split, step, r), self.seq_len + 1)
+                          for r in self.rows))
+    seqs = np.stack(seqs)
+    if seqs.max() >= self.vocab_size or seqs.min() < 0:
+      raise ValueError(f"{self.split} batch {step} holds token {int(seqs.max())} outside the model "
+                       f"vocabulary [0, {self.vocab_size}). Fix: raise config.model.vocab_size or "
+                       "check config.data.token_dtype")
+    return {"inputs": seqs[:, :-1], "targets": seqs[:, 1:], "weights": np.stack(weights)}
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    out = self.batch(self.step)
+    self.step += 1
+    return out
+
+  def state(self) -> dict:
+    return {"step": self.step, "seed": self.seed, "split": self.split,
+            "fingerprint": self.source.fingerprint}
+
+  def restore(self, state: dict):
+    """Resumes at state["step"]; refuses a state saved for other data."""
+    mine = {"seed": self.seed, "split": self.split, "fingerprint": self.source.fingerprint}
+    theirs = {k: state.get(k) for k in mine}
+    if _canonical(mine) != _canonical(theirs):
+      raise ValueError(f"the checkpoint's data iterator was saved for different data:\n  saved:   "
+                       f"{theirs}\n  current: {mine}\nFix: use the same data config (and, for the "
+                       "stdlib corpus, the same Python version), or start a fresh workdir")
+    self.step = int(state["step"])
+
+
+def _canonical(d) -> str:
+  # JSON round-trips turn tuples into lists: compare in JSON form.
+  return json.dumps(d, sort_keys=True, default=str)

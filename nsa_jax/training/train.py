@@ -1,0 +1,381 @@
+"""Training library: typed configs, sharded state, jitted train/eval steps and the training loop.
+
+The loop in `train_and_evaluate` is the only stateful part; everything it calls is a function of
+its arguments. Train state is a plain dict {"step", "params", "opt_state", "rest"} of global
+jax.Arrays laid out by the mesh rules (see sharding.py), created sharded and never gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from nsa_jax.config import ModelConfig, NSAConfig
+from nsa_jax.training import data as data_lib
+from nsa_jax.training import metrics as metrics_lib
+from nsa_jax.training import sharding as shd
+from nsa_jax.training.checkpointing import Checkpointer, CheckpointError, abstract_like
+from nsa_jax.training.optim import make_optimizer
+
+log = logging.getLogger("nsa_jax.training")
+
+
+class NonFiniteError(FloatingPointError):
+  """Loss or gradient norm became NaN/Inf; the message names the step and the last good checkpoint."""
+
+
+# ----------------------------------------------------------------------------- configs ---------
+
+def _typed(cls, fields: dict, where: str):
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(f"{where}: unknown field(s) {unknown}. Valid fields: {sorted(known)}")
+  # ml_collections turns tuples from the command line into lists; the dataclasses want tuples.
+  return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def model_config_from(cfg_model) -> ModelConfig:
+  """config.model (ConfigDict) -> validated ModelConfig; unknown keys are errors, not ignored."""
+  fields = dict(cfg_model.to_dict() if hasattr(cfg_model, "to_dict") else cfg_model)
+  nsa = _typed(NSAConfig, dict(fields.pop("nsa", {})), "config.model.nsa")
+  return _typed(ModelConfig, {**fields, "nsa": nsa}, "config.model")
+
+
+def initialize_distributed(mode: str = "auto", **kwargs) -> None:
+  """jax.distributed.initialize() when launched multi-process (mode: auto | yes | no).
+
+  auto: only when a launcher says there are several processes (SLURM, Open MPI, or an explicit
+  coordinator address), so a plain single-process run never waits for a coordinator.
+  """
+  env = os.environ
+  launched = (int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+              or "JAX_COORDINATOR_ADDRESS" in env or kwargs.get("coordinator_address"))
+  if mode == "yes" or (mode == "auto" and launched):
+    jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+# ----------------------------------------------------------------------------- state -----------
+
+@dataclasses.dataclass
+class Setup:
+  """Everything static about a run: mesh, model graph, optimizer and the state's layout."""
+  mesh: jax.sharding.Mesh
+  model_cfg: ModelConfig
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  state_shardings: dict
+  abstract_state: dict
+  batch_shardings: dict
+  init_fn: Callable[[], dict]
+  num_params: int
+  matmul_params: int
+
+
+def default_model_factory(model_cfg, rngs):
+  from nsa_jax.model import TransformerLM  # imported late: training is testable without it
+  return TransformerLM(model_cfg, rngs=rngs)
+
+
+def build_setup(config, mesh, model_factory=None) -> Setup:
+  """Abstract model -> logical shardings -> jitted, sharded initialiser (nothing allocated yet)."""
+  model_cfg = model_config_from(config.model)
+  factory = model_factory or default_model_factory
+  seed = int(config.train.seed)
+
+  def make_model():
+    # Eager sharding off: layouts come from our rules table via jit out_shardings, in one place.
+    with nnx.use_eager_sharding(False):
+      return factory(model_cfg, nnx.Rngs(params=seed))
+
+  abstract_model = nnx.eval_shape(make_model)
+  graphdef, abs_params, abs_rest = nnx.split(abstract_model, nnx.Param, ...)
+  specs = shd.param_specs(abs_params, config.mesh.rules, mesh)
+  tx, schedule = make_optimizer(config.optim, config.train.num_steps)
+
+  def init_fn():
+    _, params, rest = nnx.split(make_model(), nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+            "rest": nnx.to_pure_dict(rest)}
+
+  abstract = jax.eval_shape(init_fn)
+  replicated = shd.replicated(mesh)
+  params_sh = shd.named(mesh, specs)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params_sh,
+                                 transform_non_params=lambda _: replicated)
+  state_sh = {"step": replicated, "params": params_sh, "opt_state": opt_sh,
+              "rest": jax.tree.map(lambda _: replicated, abstract["rest"])}
+  lookup = 0 if model_cfg.tie_embeddings else sum(
+      int(np.prod(v.shape)) for v in jax.tree.leaves(abs_params, is_leaf=_is_var)
+      if (v.get_metadata().get("out_sharding") or (None,))[0] == "vocab")
+  total, mats = metrics_lib.count_params(abstract["params"], lookup)
+  bs = shd.batch_sharding(mesh)
+  return Setup(mesh=mesh, model_cfg=model_cfg, graphdef=graphdef, tx=tx, schedule=schedule,
+               state_shardings=state_sh, abstract_state=abstract_like(abstract, state_sh),
+               batch_shardings={"inputs": bs, "targets": bs, "weights": bs},
+               init_fn=init_fn, num_params=total, matmul_params=mats)
+
+
+def _is_var(x):
+  return isinstance(x, nnx.Variable)
+
+
+def create_train_state(setup: Setup) -> dict:
+  """Initialises parameters and optimizer state directly in their shards."""
+  return jax.jit(setup.init_fn, out_shardings=setup.state_shardings)()
+
+
+# ----------------------------------------------------------------------------- steps -----------
+
+def _loss_sums(graphdef, params, rest, batch):
+  """(sum of weighted token NLL, (sum of weights, weighted count of correct argmax))."""
+  model = nnx.merge(graphdef, params, rest)
+  logits = model(batch["inputs"]).astype(jnp.float32)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  w = batch["weights"]
+  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+  return jnp.sum(nll * w), (jnp.sum(w), jnp.sum(correct * w))
+
+
+def make_train_step(setup: Setup, grad_accum_steps: int = 1):
+  """Jitted (state, batch) -> (state, metrics); the state buffers are donated."""
+  grad_fn = jax.value_and_grad(_loss_sums, argnums=1, has_aux=True)
+  params_sh = setup.state_shardings["params"]
+
+  def grads_of(params, rest, batch):
+    if grad_accum_steps == 1:
+      return grad_fn(setup.graphdef, params, rest, batch)
+    # Row b goes to microbatch b % A, so each device's contiguous shard of rows splits evenly.
+    micro = jax.tree.map(lambda x: jnp.swapaxes(
+        x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]), 0, 1), batch)
+
+    def body(carry, mb):
+      (loss, aux), g = grad_fn(setup.graphdef, params, rest, mb)
+      acc = jax.tree.map(jnp.add, carry, ((loss, aux), g))
+      return jax.lax.with_sharding_constraint(acc, (None, params_sh)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = ((jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()))), zeros)
+    acc, _ = jax.lax.scan(body, jax.lax.with_sharding_constraint(init, (None, params_sh)), micro)
+    return acc
+
+  def step(state, batch):
+    (loss_sum, (wsum, correct)), grads = grads_of(state["params"], state["rest"], batch)
+    denom = jnp.maximum(wsum, 1.0)  # sums -> means over weighted tokens, as one big batch would
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
+    new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+           "opt_state": opt_state, "rest": state["rest"]}
+    metrics = {"loss": loss_sum / denom, "accuracy": correct / denom,
+               "grad_norm": optax.global_norm(grads), "lr": setup.schedule(state["step"])}
+    return new, metrics
+
+  return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
+                 out_shardings=(setup.state_shardings, shd.replicated(setup.mesh)),
+                 donate_argnums=(0,))
+
+
+def make_eval_step(setup: Setup):
+  """Jitted (state, batch) -> sums {nll, weight, correct} (summed over batches by the caller)."""
+  def step(state, batch):
+    nll, (w, correct) = _loss_sums(setup.graphdef, state["params"], state["rest"], batch)
+    return {"nll": nll, "weight": w, "correct": correct}
+  return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
+                 out_shardings=shd.replicated(setup.mesh))
+
+
+def to_global(batch: dict, setup: Setup) -> dict:
+  """This process's numpy rows -> global jax.Arrays sharded over (data, fsdp)."""
+  return {k: jax.make_array_from_process_local_data(setup.batch_shardings[k], v)
+          for k, v in batch.items()}
+
+
+def evaluate(eval_step, state, batches, setup) -> dict:
+  sums = None
+  for b in batches:
+    out = eval_step(state, to_global(b, setup))
+    sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+  sums = jax.device_get(sums)
+  loss = float(sums["nll"] / max(sums["weight"], 1.0))
+  return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)),
+          "accuracy": float(sums["correct"] / max(sums["weight"], 1.0))}
+
+
+# ----------------------------------------------------------------------------- loop ------------
+
+class _StopFlag:
+  """Set by SIGTERM (preemption); processes agree on it so all of them save the same step."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = None
+
+  def __enter__(self):
+    try:
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread: no handler, the run simply cannot be preempted
+      self._old = None
+    return self
+
+  def _handle(self, signum, frame):
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+  def agreed(self) -> bool:
+    if jax.process_count() == 1:
+      return self.requested
+    return bool(multihost_utils.process_allgather(np.int32(self.requested)).max())
+
+
+def check_batch_layout(config, mesh, model_cfg):
+  b, a = config.data.global_batch_size, config.optim.grad_accum_steps
+  per_step = shd.batch_divisor(mesh) * a
+  if b % per_step or b % jax.process_count():
+    raise ValueError(f"config.data.global_batch_size={b} must be a multiple of data*fsdp devices x "
+                     f"grad_accum_steps = {per_step} and of {jax.process_count()} processes. Fix: "
+                     f"use a batch of {per_step * max(1, round(b / per_step))}")
+  if config.data.seq_len > model_cfg.max_seq_len:
+    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds config.model.max_seq_len="
+                     f"{model_cfg.max_seq_len}. Fix: raise max_seq_len or lower seq_len")
+
+
+def _iterators(config, model_cfg, start_step=0):
+  sources = data_lib.make_sources(config.data)
+  kw = dict(global_batch=config.data.global_batch_size, seq_len=config.data.seq_len,
+            seed=config.data.seed, vocab_size=model_cfg.vocab_size,
+            process_index=jax.process_index(), process_count=jax.process_count())
+  train = data_lib.BatchIterator(sources["train"], split="train", step=start_step, **kw)
+  val = data_lib.BatchIterator(sources["val"], split="val", **kw)
+  return train, [val.batch(i) for i in range(config.train.eval_batches)]
+
+
+def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool):
+  latest = ckpt.latest_step() if resume else None
+  if latest is None:
+    return create_train_state(setup), 0
+  state, data_state = ckpt.restore(latest, setup.abstract_state, meta)
+  train_iter.restore(data_state)
+  step = int(jax.device_get(state["step"]))
+  if step != latest or train_iter.step != latest:
+    raise CheckpointError(f"checkpoint {ckpt.step_dir(latest)} is inconsistent: directory step "
+                          f"{latest}, state step {step}, data step {train_iter.step}")
+  return state, step
+
+
+def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) -> dict:
+  """Trains config in workdir, resuming from its newest checkpoint; returns a summary dict.
+
+  step_hooks: callables (step, metrics) run on the host after each step's metrics arrive.
+  """
+  is_main = jax.process_index() == 0
+  mesh = shd.make_mesh(config.mesh)
+  setup = build_setup(config, mesh, model_factory)
+  check_batch_layout(config, mesh, setup.model_cfg)
+  train_iter, val_batches = _iterators(config, setup.model_cfg)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
+                      async_save=config.checkpoint.async_save)
+  meta = {"model": dataclasses.asdict(setup.model_cfg)}
+  state, start = _restore_or_init(setup, ckpt, meta, train_iter, config.checkpoint.resume)
+
+  seq, batch = config.data.seq_len, config.data.global_batch_size
+  flops_tok = metrics_lib.train_flops_per_token(setup.model_cfg, setup.matmul_params, seq)
+  peak = metrics_lib.peak_flops_per_device(config.train.peak_tflops)
+  speed = metrics_lib.Throughput(seq * batch, flops_tok, peak and peak * jax.device_count())
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, tensorboard=config.train.tensorboard)
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  header = dict(event="start", step=start, params=setup.num_params, mesh=dict(mesh.shape),
+                devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
+                flops_per_token=flops_tok, attention=setup.model_cfg.attention_kinds)
+  writer.note(header)
+  log.info("run: %s", json.dumps(header))
+
+  train_step = make_train_step(setup, config.optim.grad_accum_steps)
+  eval_step = make_eval_step(setup)
+  total = config.train.num_steps
+  bar = metrics_lib.Progress(total, start, enabled=is_main and config.train.progress_bar)
+  last_saved = start if ckpt.latest_step() == start and start > 0 else None
+  pending, last, val, stopped = None, {}, {}, None
+
+  def fetch():
+    """Host-side handling of the previous step's metrics: NaN guard, logs, hooks."""
+    nonlocal pending, last
+    if pending is None:
+      return
+    s, m = pending
+    pending = None
+    last = {k: float(v) for k, v in jax.device_get(m).items()}
+    if not (math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])):
+      good = ckpt.latest_step()
+      raise NonFiniteError(
+          f"non-finite training metrics at step {s}: loss={last['loss']}, grad_norm="
+          f"{last['grad_norm']}. Stopped without saving; the last good checkpoint is "
+          f"{ckpt.step_dir(good) if good is not None else '(none)'}. Fix: lower "
+          "config.optim.learning_rate or raise warmup_steps, then rerun to resume from it.")
+    speed.tick()
+    if s == start + 1:
+      speed.reset()  # the first step includes compilation
+    if s % config.train.log_every == 0 or s == total:
+      rates = speed.report() if s > start + 1 else {}
+      writer.write(s, {**last, **rates}, prefix="train/")
+      bar.update(0, loss=last["loss"], **{k: v for k, v in rates.items() if k != "step_time_s"})
+    for hook in step_hooks:
+      hook(s, last)
+
+  with _StopFlag() as stop, jax.set_mesh(mesh):
+    try:
+      for s in range(start + 1, total + 1):
+        state, m = train_step(state, to_global(next(train_iter), setup))
+        fetch()
+        pending = (s, m)
+        bar.update(1)
+        stop_now = stop.agreed()
+        if s % config.checkpoint.every_steps == 0 or s == total or stop_now:
+          fetch()  # never save a step whose metrics were not checked
+          ckpt.save(s, state, train_iter.state(), {**meta, "step": s})
+          last_saved = s
+        if s % config.train.eval_every == 0 or s == total:
+          fetch()
+          val = evaluate(eval_step, state, val_batches, setup)
+          writer.write(s, val, prefix="val/")
+          bar.write(f"step {s}: val loss {val['loss']:.4f}  ppl {val['perplexity']:.2f}"
+                    f"  acc {val['accuracy']:.3f}")
+        if stop_now:
+          stopped = "SIGTERM"
+          bar.write(f"SIGTERM: saved step {s} to {ckpt.step_dir(s)}; exiting")
+          break
+      fetch()
+    finally:
+      bar.close()
+      ckpt.close()  # waits for async saves: a finished run's last checkpoint is on disk
+      writer.close()
+
+  final_step = int(jax.device_get(state["step"]))
+  summary = dict(event="end", step=final_step, stopped=stopped, last_saved=last_saved,
+                 train=last, val=val)
+  if is_main:
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+      f.write(json.dumps(summary) + "\n")
+    if config.train.plot:
+      from nsa_jax.training.plotting import plot_runs
+      plot_runs([workdir], os.path.join(workdir, "loss.png"))
+  return summary
