@@ -1,0 +1,203 @@
+"""Shared helpers of the selection kernels: tiling config, dim splitting, and the index maps built in XLA.
+
+The Triton lowering only loads power-of-two sized tiles, so head dims such as 192 are walked in
+power-of-two pieces (`dim_pieces`). The index maps (`tile_union`, `inverse_lists`) are built once per
+call in plain XLA from block_idx [B, T, K, n]; the kernels only read them as scalars or small vectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG = logging.getLogger("pallas_kernels")
+_LOGGED: set = set()
+
+BIG = 2 ** 30  # sort sentinel for empty slots: larger than any block index
+
+
+def log_once(key, msg, *args):
+  """Log `msg` once per distinct `key` (called at trace time, so once per shape)."""
+  if key not in _LOGGED:
+    _LOGGED.add(key)
+    LOG.info(msg, *args)
+
+
+def cdiv(a, b):
+  return -(-a // b)
+
+
+def next_pow2(x):
+  p = 1
+  while p < x:
+    p *= 2
+  return p
+
+
+def dim_pieces(d):
+  """Split a head dim into power-of-two (offset, size) pieces, largest first: 192 -> (0,128),(128,64)."""
+  pieces, off = [], 0
+  while off < d:
+    size = 1 << ((d - off).bit_length() - 1)
+    pieces.append((off, size))
+    off += size
+  return tuple(pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectTiling:
+  """Static tiling of the selection kernels (hashable: passed as a static custom_vjp argument).
+
+  tokens_per_tile: query positions per forward/dq program. 1 = the paper's per-token program (the
+    G heads padded up to 16 rows when G < 16); >1 = the tile walks the union of its tokens' blocks
+    and masks rows whose token did not pick the block (pays off when neighbours share blocks).
+  block_k: keys per inner step (divides block_size).
+  bwd_tokens: tokens gathered per dK/dV inner step (rows = bwd_tokens * G).
+  chunk_entries: max (token, block) entries one dK/dV program handles (load balance vs. partials).
+  """
+  tokens_per_tile: int = 1
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  bwd_tokens: int = 4
+  chunk_entries: int = 512
+  bwd_num_warps: int = 4
+  bwd_num_stages: int = 2
+
+
+def default_tiling(g, block_size):
+  """Heuristic default: enough stacked rows for the 16-row matrix-unit minimum."""
+  tq = 1 if g >= 16 else max(1, 16 // g)
+  bwd = max(1, 64 // g)
+  return SelectTiling(tokens_per_tile=tq, block_k=min(64, block_size), bwd_tokens=bwd)
+
+
+def rows_of(g, tq):
+  """Rows of a query tile: tq tokens x g heads, padded up to a power of two >= 16."""
+  return max(16, next_pow2(g * tq))
+
+
+# ----------------------------------------------------------------------------- XLA index maps
+
+def tile_union(block_idx, tq):
+  """Union of the block lists of tq consecutive tokens.
+
+  block_idx [B, T, K, n] int32 (-1 empty). Returns ub [B, nT, K, U] (ascending union, 0 past cnt),
+  bits [B, nT, K, U] int32 (bit i set iff token i of the tile picked that block), cnt [B, nT, K].
+  With tq = 1 this is block_idx itself (no sort), empty slots carrying bits = 0.
+  """
+  b, t, kh, n = block_idx.shape
+  if tq == 1:
+    valid = block_idx >= 0
+    return jnp.where(valid, block_idx, 0), valid.astype(jnp.int32), jnp.full((b, t, kh), n, jnp.int32)
+  nt = cdiv(t, tq)
+  x = jnp.pad(block_idx, ((0, 0), (0, nt * tq - t), (0, 0), (0, 0)), constant_values=-1)
+  x = x.reshape(b, nt, tq, kh, n).transpose(0, 1, 3, 2, 4)  # [B, nT, K, tq, n]
+  flat = jnp.where(x < 0, BIG, x).reshape(b, nt, kh, tq * n)
+  s = jnp.sort(flat, axis=-1)
+  dup = jnp.concatenate([jnp.zeros_like(s[..., :1], bool), s[..., 1:] == s[..., :-1]], axis=-1)
+  s = jnp.sort(jnp.where(dup, BIG, s), axis=-1)
+  cnt = jnp.sum(s < BIG, axis=-1).astype(jnp.int32)
+  member = jnp.any(x[:, :, :, None, :, :] == s[..., :, None, None], axis=-1)  # [B, nT, K, U, tq]
+  bits = jnp.sum(member.astype(jnp.int32) << jnp.arange(tq, dtype=jnp.int32), axis=-1)
+  return jnp.where(s < BIG, s, 0), bits, cnt
+
+
+def inverse_lists(block_idx, num_blocks, chunk):
+  """Inverse selection map, cut into work items of at most `chunk` entries.
+
+  Returns (all per [B, K, ...], int32):
+    tokens [B, K, T*n]: query positions sorted by (block, position) (the entries);
+    item_blk, item_start, item_end [B, K, W]: block and entry range of each work item (empty: start = end);
+    blk_first, blk_items [B, K, NB]: first work item of each block and how many it has.
+  Items of a block are contiguous and ordered, so a fixed-order sum over them is deterministic.
+  """
+  b, t, kh, n = block_idx.shape
+  if num_blocks * t >= 2 ** 31:
+    raise ValueError(f"T={t} too long for int32 (block, position) keys")
+  pos = jnp.arange(t, dtype=jnp.int32)[None, :, None, None]
+  key = jnp.where(block_idx >= 0, block_idx * t + pos, num_blocks * t)
+  key = jnp.sort(key.transpose(0, 2, 1, 3).reshape(b, kh, t * n), axis=-1)
+  tokens = key % t
+  bounds = jnp.arange(num_blocks + 1, dtype=jnp.int32) * t
+  starts = jax.vmap(jax.vmap(lambda k: jnp.searchsorted(k, bounds, side="left")))(key).astype(jnp.int32)
+  cnt = starts[..., 1:] - starts[..., :-1]  # [B, K, NB]
+  blk_items = cdiv(cnt, chunk).astype(jnp.int32)
+  item_end_cum = jnp.cumsum(blk_items, axis=-1)
+  blk_first = (item_end_cum - blk_items).astype(jnp.int32)
+  w_total = cdiv(t * n, chunk) + num_blocks
+  w = jnp.arange(w_total, dtype=jnp.int32)
+  blk = jax.vmap(jax.vmap(lambda c: jnp.searchsorted(c, w, side="right")))(item_end_cum).astype(jnp.int32)
+  live = blk < num_blocks
+  blk_c = jnp.minimum(blk, num_blocks - 1)
+  local = w - jnp.take_along_axis(blk_first, blk_c, axis=-1)
+  s0 = jnp.take_along_axis(starts[..., :-1], blk_c, axis=-1) + local * chunk
+  s1 = jnp.minimum(s0 + chunk, jnp.take_along_axis(starts[..., 1:], blk_c, axis=-1))
+  item_start = jnp.where(live, s0, 0).astype(jnp.int32)
+  item_end = jnp.where(live, s1, 0).astype(jnp.int32)
+  return tokens.astype(jnp.int32), blk_c, item_start, item_end, blk_first, blk_items
+
+
+# ----------------------------------------------------------------------------- in-kernel pieces
+
+def tile_rows(tile, kk, *, tq, g, m, t, h):
+  """Rows of a query tile (tq tokens x g heads of KV group kk, padded to m rows).
+
+  Padding rows (r >= tq*g) and positions past T are exact copies of a real row (same position, head
+  and token slot), so they compute bitwise the same values and every store can stay unmasked: no
+  masked-off lane aliases a real row (the CPU interpreter's scatter would race on such duplicates).
+  Returns tok [m] (token slot in the tile), pos [m] (query position), row [m] (row of the [T*H, D]
+  view of q/o/dq).
+  """
+  r = jax.lax.iota(jnp.int32, m)
+  if m > tq * g:
+    r = r % (tq * g)
+  pos = jnp.minimum(tile * tq + r // g, t - 1)
+  return pos - tile * tq, pos, pos * h + kk * g + r % g
+
+
+def load_pieces(ref, rows, pieces):
+  """[len(rows), size] loads of each power-of-two column piece of a [N, D] ref."""
+  return [ref[rows, pl.ds(off, size)] for off, size in pieces]
+
+
+def dot_pieces(a_pieces, b_pieces):
+  """sum_i a_i @ b_i^T in float32 (the contraction split into power-of-two pieces)."""
+  acc = None
+  for a, b in zip(a_pieces, b_pieces):
+    d = plgpu.dot(a, b, trans_b=True)
+    acc = d if acc is None else acc + d
+  return acc
+
+
+def key_rows(blk, sub, kk, *, bk, block_size, t, kh):
+  """Key positions [bk] of step `sub` of block blk and their rows in the [T*K, D] view of k/v."""
+  kpos = blk * block_size + sub * bk + jax.lax.iota(jnp.int32, bk)
+  return kpos, jnp.minimum(kpos, t - 1) * kh + kk
+
+
+def visible(rows_on, pos, kpos, seg_q=None, seg_k=None):
+  """[m, bk] mask: row switched on, causal (key <= query) and same segment."""
+  vis = rows_on[:, None] & (kpos[None, :] <= pos[:, None])
+  if seg_q is not None:
+    vis = vis & (seg_q[:, None] == seg_k[None, :])
+  return vis
+
+
+def store_rows(ref, rows, off, val):
+  """ref[rows, off:off+size] = val (rows [m]); all-array indices, the form that both the Triton
+  lowering and the CPU interpreter accept for a row scatter."""
+  cols = off + jax.lax.iota(jnp.int32, val.shape[1])
+  plgpu.store(ref.at[rows[:, None], cols[None, :]], val)
+
+
+def atomic_add_rows(ref, rows, off, val, mask):
+  """Atomic ref[rows, off:off+size] += val where mask."""
+  cols = off + jax.lax.iota(jnp.int32, val.shape[1])
+  plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val,
+                   mask=jnp.broadcast_to(mask[:, None], val.shape))
