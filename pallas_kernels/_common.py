@@ -98,13 +98,18 @@ def tile_union(block_idx, tq):
   nt = cdiv(t, tq)
   x = jnp.pad(block_idx, ((0, 0), (0, nt * tq - t), (0, 0), (0, 0)), constant_values=-1)
   x = x.reshape(b, nt, tq, kh, n).transpose(0, 1, 3, 2, 4)  # [B, nT, K, tq, n]
-  flat = jnp.where(x < 0, BIG, x).reshape(b, nt, kh, tq * n)
+  flat = jnp.where(x < 0, BIG, x).reshape(b, nt, kh, tq * n)  # token-major: entry e is token e // n
   s = jnp.sort(flat, axis=-1)
   dup = jnp.concatenate([jnp.zeros_like(s[..., :1], bool), s[..., 1:] == s[..., :-1]], axis=-1)
   s = jnp.sort(jnp.where(dup, BIG, s), axis=-1)
   cnt = jnp.sum(s < BIG, axis=-1).astype(jnp.int32)
-  member = jnp.any(x[:, :, :, None, :, :] == s[..., :, None, None], axis=-1)  # [B, nT, K, U, tq]
-  bits = jnp.sum(member.astype(jnp.int32) << jnp.arange(tq, dtype=jnp.int32), axis=-1)
+  # Each (token, slot) entry sets its token's bit at its block's place in the union (a token's valid
+  # blocks are distinct, so adding bits is or-ing them).
+  u = tq * n
+  tok_bit = jnp.where(flat < BIG, 1 << (jnp.arange(u, dtype=jnp.int32) // n), 0)
+  place = jax.vmap(lambda srt, q: jnp.searchsorted(srt, q))(s.reshape(-1, u), flat.reshape(-1, u))
+  bits = jax.vmap(lambda p, v: jnp.zeros((u + 1,), jnp.int32).at[p].add(v))(place, tok_bit.reshape(-1, u))
+  bits = bits[:, :u].reshape(b, nt, kh, u)
   return jnp.where(s < BIG, s, 0), bits, cnt
 
 

@@ -1,0 +1,99 @@
+"""Shared benchmark plumbing: a device-synchronised timer, measured machine peaks, FLOP/byte floors,
+and the JSON + Markdown record writer used by every benchmarks/results/*.json file.
+
+A record is one measurement: op, impl, pass ("fwd" | "bwd" | "decode"), T, batch, q_heads, kv_heads,
+d_k, d_v, ms, cudnn_ms, speedup (= cudnn_ms / ms), hardware, date, command, plus optional extras
+(pattern, tflops, floor_ms, ...). Ops add rows by calling `record(...)` from their own bench function.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+BASE_FIELDS = ("op", "impl", "pass", "T", "batch", "q_heads", "kv_heads", "d_k", "d_v", "ms",
+               "cudnn_ms", "speedup", "hardware", "date", "command")
+
+
+def time_ms(fn, *args, warmup=2, iters=10, min_total_s=0.0):
+  """Median wall time (ms) of fn(*args), device synchronised around every call.
+
+  fn should be jitted; its first call (compile) is excluded by the warm-up.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times, start = [], time.perf_counter()
+  while len(times) < iters or time.perf_counter() - start < min_total_s:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def hardware():
+  d = jax.devices()[0]
+  return f"{d.device_kind} ({d.platform})"
+
+
+def measure_peaks(n=8192, copy_mib=2048):
+  """Measured bf16 matmul rate (FLOP/s, n^3 matmul) and HBM copy rate (bytes/s, read + write)."""
+  key = jax.random.key(0)
+  a = jax.random.normal(key, (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  mm = jax.jit(lambda x, y: x @ y)
+  flops = 2 * n ** 3 / (time_ms(mm, a, b, iters=10) / 1e3)
+  x = jax.random.normal(key, (copy_mib * 2 ** 19,), jnp.bfloat16)  # copy_mib MiB
+  cp = jax.jit(lambda x: x * 2)  # one read + one write per element, not fusable away
+  bw = 2 * x.size * 2 / (time_ms(cp, x, iters=10) / 1e3)
+  return flops, bw
+
+
+def floor_ms(flops, nbytes, peaks):
+  """The larger of FLOPs / matmul rate and bytes / copy rate, in ms."""
+  return max(flops / peaks[0], nbytes / peaks[1]) * 1e3
+
+
+def command_line():
+  return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), "-m",
+                                            "experiments." + os.path.splitext(
+                                                os.path.basename(sys.argv[0]))[0], *sys.argv[1:]])
+
+
+def record(*, op, impl, pass_, t, batch, q_heads, kv_heads, d_k, d_v, ms, cudnn_ms, **extra):
+  """One result row with the base fields filled in (hardware, date, command, speedup)."""
+  rec = dict(op=op, impl=impl, T=t, batch=batch, q_heads=q_heads, kv_heads=kv_heads, d_k=d_k,
+             d_v=d_v, ms=round(ms, 4), cudnn_ms=None if cudnn_ms is None else round(cudnn_ms, 4),
+             speedup=None if not cudnn_ms else round(cudnn_ms / ms, 3), hardware=hardware(),
+             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             command=command_line())
+  rec["pass"] = pass_
+  rec = {f: rec[f] for f in BASE_FIELDS}
+  rec.update(extra)
+  return rec
+
+
+def markdown_table(records, extra_cols=("pattern", "tflops", "floor_ms", "floor_ratio")):
+  cols = ["op", "impl", "pass", "pattern", "T", "q_heads", "kv_heads", "d_k", "d_v", "ms",
+          "cudnn_ms", "speedup", "tflops", "floor_ms", "floor_ratio"]
+  cols = [c for c in cols if c in BASE_FIELDS or c in extra_cols]
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for r in records:
+    lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+  return "\n".join(lines)
+
+
+def write_results(records, out_dir, name, preamble=""):
+  """Write out_dir/name.json (list of records) and out_dir/name.md (preamble + table)."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, name + ".json"), "w") as f:
+    json.dump(records, f, indent=1)
+  with open(os.path.join(out_dir, name + ".md"), "w") as f:
+    f.write(preamble + "\n\n" + markdown_table(records) + "\n")

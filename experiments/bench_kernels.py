@@ -1,0 +1,272 @@
+"""GPU benchmark of the Pallas selection kernel (forward, backward) against cuDNN dense causal attention.
+
+Run on the H200 (writes <out>/select_<tag>.json + .md and prints the Markdown table):
+  python3 -m experiments.bench_kernels --T 8192,16384,32768,65536 --groups 16,4 --out benchmarks/results
+  python3 -m experiments.bench_kernels --check            # compiled kernels vs the reference first
+  python3 -m experiments.bench_kernels --sweep --T 65536  # tiling variants (tuning)
+Index patterns (issue 4): "random" = forced initial block + 2 local blocks + (n-3) random earlier
+blocks per token; "clustered" = the tokens of one l'-block share n-4 random blocks, 1 drawn per token.
+Each op is one bench_* function returning records; the timer and record writer are in bench_common.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_common as bc
+from pallas_kernels import _common as kc
+from pallas_kernels.select_attention import select_attention
+
+BIG = 2 ** 30
+
+
+# ----------------------------------------------------------------------------- index patterns
+
+def _floyd(key, m, count):
+  """`count` distinct ints in [0, m) for every element of m (any shape); -1 pads when m < count."""
+  picks = []
+  for i, k in enumerate(jax.random.split(key, count)):
+    j = m - count + i  # Floyd's sampler: draw from [0, j], take j itself on a repeat
+    r = jnp.floor(jax.random.uniform(k, m.shape) * (j + 1)).astype(jnp.int32)
+    dup = functools.reduce(jnp.logical_or, [p == r for p in picks], jnp.zeros(m.shape, bool))
+    picks.append(jnp.where(j < 0, -1, jnp.where(dup, j, r)))
+  return jnp.stack(picks, -1)
+
+
+def _finish(parts):
+  """Sort slots ascending with -1 (empty) at the end."""
+  x = jnp.concatenate(parts, -1)
+  x = jnp.sort(jnp.where(x < 0, BIG, x), -1)
+  return jnp.where(x == BIG, -1, x).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def index_pattern(key, b, t, kh, n, bs, pattern):
+  """block_idx [B, T, K, n] for the benchmark patterns (see module docstring)."""
+  cur = jnp.broadcast_to((jnp.arange(t, dtype=jnp.int32) // bs)[None, :, None], (b, t, kh))
+  forced = jnp.stack([jnp.zeros_like(cur), jnp.where(cur >= 2, cur - 1, -1),
+                      jnp.where(cur >= 1, cur, -1)], -1)
+  m = jnp.maximum(cur - 2, 0)  # candidates 1 .. cur-2
+  k1, k2 = jax.random.split(key)
+  if pattern == "random":
+    rnd = _floyd(k1, m, n - 3)
+    return _finish([forced, jnp.where(rnd >= 0, rnd + 1, -1)])
+  if pattern != "clustered":
+    raise ValueError(f"pattern={pattern!r}")
+  nb = -(-t // bs)
+  mb = jnp.maximum(jnp.arange(nb, dtype=jnp.int32) - 2, 0)[None, :, None]
+  shared = _floyd(k1, jnp.broadcast_to(mb, (b, nb, kh)), n - 4)  # per (block, group)
+  shared = jnp.where(shared >= 0, shared + 1, -1)
+  shared = jnp.repeat(shared, bs, axis=1)[:, :t]
+  own = jnp.full((b, t, kh), -1, jnp.int32)
+  for k in jax.random.split(k2, 4):  # one own block per token, redrawn on a clash with the shared ones
+    r = 1 + jnp.floor(jax.random.uniform(k, m.shape) * m).astype(jnp.int32)
+    ok = (m > 0) & ~jnp.any(shared == r[..., None], -1) & (own < 0)
+    own = jnp.where(ok, r, own)
+  return _finish([forced, shared, own[..., None]])
+
+
+# ----------------------------------------------------------------------------- inputs and counts
+
+def make_qkv(key, b, t, h, kh, dk, dv, dtype=jnp.bfloat16):
+  kq, kk, kv, ko = jax.random.split(key, 4)
+  return (jax.random.normal(kq, (b, t, h, dk), dtype), jax.random.normal(kk, (b, t, kh, dk), dtype),
+          jax.random.normal(kv, (b, t, kh, dv), dtype), jax.random.normal(ko, (b, t, h, dv), dtype))
+
+
+def select_flops(block_idx, bs, g, dk, dv):
+  """Forward FLOPs: 2 matmuls over every selected key (all l' keys of each selected block)."""
+  pairs = int(jnp.sum(block_idx >= 0))
+  return 2.0 * pairs * bs * g * (dk + dv)
+
+
+def dense_flops(b, t, h, dk, dv):
+  return 2.0 * b * h * t * (t + 1) / 2 * (dk + dv)
+
+
+def unique_bytes(b, t, h, kh, dk, dv, n, pass_):
+  """Bytes that must move at least once (bf16 tensors, f32 lse/delta, int32 indices)."""
+  q, kv, o, lse, idx = b * t * h * dk * 2, b * t * kh * (dk + dv) * 2, b * t * h * dv * 2, b * t * h * 4, b * t * kh * n * 4
+  if pass_ == "fwd":
+    return q + kv + o + lse + idx
+  return 2 * q + 2 * kv + 2 * o + 2 * lse + idx  # read q,k,v,o,do,lse; write dq,dk,dv (+delta)
+
+
+# ----------------------------------------------------------------------------- timed ops
+
+def time_fwd_bwd(f, q, k, v, do, iters=10):
+  """(fwd ms, bwd ms) of o = f(q, k, v); bwd = the VJP alone (residuals precomputed)."""
+  fwd = jax.jit(f)
+  fwd_ms = bc.time_ms(fwd, q, k, v, iters=iters)
+  _, vjp = jax.vjp(f, q, k, v)
+  bwd = jax.jit(lambda fn, ct: fn(ct))
+  bwd_ms = bc.time_ms(bwd, vjp, do, iters=iters)
+  return fwd_ms, bwd_ms
+
+
+def bench_cudnn(t, h, kh, d, b=1, iters=10):
+  q, k, v, do = make_qkv(jax.random.key(1), b, t, h, kh, d, d)
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  return time_fwd_bwd(f, q, k, v, do, iters=iters)
+
+
+def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic=True, b=1,
+                 cudnn=None, peaks=None, impl_note="", iters=10):
+  """Forward and backward records of the Pallas selection kernel at one shape and pattern."""
+  q, k, v, do = make_qkv(jax.random.key(2), b, t, h, kh, dk, dv)
+  idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
+  g = h // kh
+  tiling = tiling or kc.default_tiling(g, bs)
+  f = lambda q, k, v: select_attention(q, k, v, idx, bs, tiling=tiling, deterministic=deterministic)[0]
+  fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, iters=iters)
+  flops = select_flops(idx, bs, g, dk, dv)
+  impl = (f"pallas-triton tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
+          f"s{tiling.num_stages} | bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
+          f"w{tiling.bwd_num_warps}s{tiling.bwd_num_stages} {'det' if deterministic else 'atomic'}"
+          + impl_note)
+  recs = []
+  for pass_, ms, fl, base in (("fwd", fwd_ms, flops, cudnn and cudnn[0]),
+                              ("bwd", bwd_ms, 2.5 * flops, cudnn and cudnn[1])):
+    floor = bc.floor_ms(fl, unique_bytes(b, t, h, kh, dk, dv, n, pass_), peaks) if peaks else None
+    recs.append(bc.record(op="select", impl=impl, pass_=pass_, t=t, batch=b, q_heads=h, kv_heads=kh,
+                          d_k=dk, d_v=dv, ms=ms, cudnn_ms=base, pattern=pattern, n=n, block=bs,
+                          tflops=round(fl / ms / 1e9, 1),
+                          floor_ms=None if floor is None else round(floor, 3),
+                          floor_ratio=None if floor is None else round(ms / floor, 2)))
+  return recs
+
+
+def bench_prep(t, kh, n, bs, pattern, tq, chunk, b=1):
+  """ms of the XLA index maps alone (tile union for tq > 1, inverse lists)."""
+  idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
+  nb = -(-t // bs)
+  u = bc.time_ms(jax.jit(lambda i: kc.tile_union(i, tq)), idx)
+  inv = bc.time_ms(jax.jit(lambda i: kc.inverse_lists(i, nb, chunk)), idx)
+  return u, inv
+
+
+# ----------------------------------------------------------------------------- correctness on device
+
+def check_compiled(cases=((1, 1000, 16, 1, 128, 128, 16), (1, 777, 16, 4, 192, 128, 16),
+                          (2, 500, 2, 1, 256, 64, 16), (1, 600, 1, 1, 64, 64, 16))):
+  """Compiled kernels (bf16) vs the f32 reference: forward, grads, and bitwise-repeatable grads."""
+  from nsa_jax import reference as ref
+  ok_all = True
+  for b, t, h, kh, dk, dv, n in cases:
+    for tq_mode in ("default", "union"):
+      g = h // kh
+      tiling = kc.default_tiling(g, 64)
+      if tq_mode == "union":
+        tiling = kc.SelectTiling(tokens_per_tile=4, bwd_tokens=tiling.bwd_tokens, chunk_entries=128)
+      key = jax.random.key(t + h)
+      q, k, v, do = make_qkv(key, b, t, h, kh, dk, dv)
+      idx = index_pattern(jax.random.key(5), b, t, kh, min(n, 16), 64, "random")
+      seg = jnp.asarray(np.sort(np.random.default_rng(t).integers(0, 3, (b, t)), 1), jnp.int32)
+
+      def loss(fn):
+        def inner(q, k, v):
+          o, lse = fn(q, k, v)
+          return jnp.sum(o.astype(jnp.float32) * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+        return inner
+      f32 = lambda x: x.astype(jnp.float32)
+      rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, 64, seg)
+      kf = lambda q, k, v: select_attention(q, k, v, idx, 64, seg, tiling=tiling)
+      (o1, l1), (o2, l2) = rf(q, k, v), jax.jit(kf)(q, k, v)
+      g1 = jax.grad(loss(rf), (0, 1, 2))(q, k, v)
+      gk = jax.jit(jax.grad(loss(kf), (0, 1, 2)))
+      g2, g3 = gk(q, k, v), gk(q, k, v)
+      errs = [float(jnp.max(jnp.abs(f32(o2) - o1)))]
+      errs += [float(jnp.max(jnp.abs(f32(a) - c)) / (jnp.max(jnp.abs(c)) + 1e-6)) for a, c in zip(g2, g1)]
+      fin = bool(jnp.all(jnp.isfinite(l1) == jnp.isfinite(l2)))
+      lerr = float(jnp.max(jnp.where(jnp.isfinite(l1), jnp.abs(l2 - l1), 0)))
+      same = all(bool(jnp.array_equal(a, c)) for a, c in zip(g2, g3))
+      ok = errs[0] < 3e-2 and max(errs[1:]) < 3e-2 and fin and lerr < 1e-2 and same
+      ok_all &= ok
+      print(f"check b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {tq_mode}: o_err={errs[0]:.2e} "
+            f"lse_err={lerr:.2e} grad_rel_err={max(errs[1:]):.2e} bitwise_repeat={same} "
+            f"{'OK' if ok else 'FAIL'}", flush=True)
+  return ok_all
+
+
+# ----------------------------------------------------------------------------- main
+
+def sweep_variants(g, pattern):
+  """(tiling, deterministic) pairs for tuning: the default first."""
+  d = kc.default_tiling(g, 64)
+  r = dataclasses.replace
+  out = [(d, True)]
+  if g >= 16 and pattern == "random":
+    out += [(d, False), (r(d, num_stages=3), True), (r(d, bwd_tokens=8, bwd_num_warps=8), True),
+            (r(d, chunk_entries=2048), True), (r(d, tokens_per_tile=4), True)]
+  elif g >= 16:
+    out += [(r(d, tokens_per_tile=4), True), (r(d, tokens_per_tile=4, num_warps=8), True)]
+  elif pattern == "random":
+    out += [(r(d, tokens_per_tile=1), True), (r(d, tokens_per_tile=64 // g), True), (d, False)]
+  else:
+    out += [(r(d, tokens_per_tile=64 // g), True)]
+  return out
+
+
+def _show(recs):
+  for x in recs:
+    print({k: x[k] for k in ("pass", "pattern", "T", "kv_heads", "ms", "speedup", "tflops",
+                             "floor_ratio", "impl")}, flush=True)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--T", default="8192,16384,32768,65536")
+  p.add_argument("--groups", default="16,4", help="G = q heads / kv heads (64 q heads)")
+  p.add_argument("--patterns", default="random,clustered")
+  p.add_argument("--n", type=int, default=16)
+  p.add_argument("--block", type=int, default=64)
+  p.add_argument("--d", type=int, default=128)
+  p.add_argument("--out", default="benchmarks/results")
+  p.add_argument("--tag", default="h200")
+  p.add_argument("--check", action="store_true")
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--no-bench", action="store_true")
+  p.add_argument("--sweep", action="store_true", help="time tiling variants instead of the default")
+  a = p.parse_args(argv)
+  if a.check and not check_compiled():
+    print("CHECK FAILED", flush=True)
+  if a.no_bench:
+    return
+  peaks = bc.measure_peaks()
+  print(f"peaks: matmul {peaks[0] / 1e12:.0f} TFLOP/s, copy {peaks[1] / 1e12:.2f} TB/s", flush=True)
+  recs, h = [], 64
+  for t in map(int, a.T.split(",")):
+    for g in map(int, a.groups.split(",")):
+      cud = bench_cudnn(t, h, h // g, a.d)
+      print(f"T={t} G={g} cudnn fwd {cud[0]:.2f} ms bwd {cud[1]:.2f} ms", flush=True)
+      for pat in a.patterns.split(","):
+        variants = sweep_variants(g, pat) if a.sweep else [(kc.default_tiling(g, a.block), True)]
+        for tiling, det in variants:
+          try:
+            r = bench_select(t, h, h // g, a.d, a.d, a.n, a.block, pat, tiling=tiling,
+                             deterministic=det, cudnn=cud, peaks=peaks, iters=a.iters)
+          except Exception as e:  # keep sweeping: one tiling failing to compile is a finding
+            print(f"FAILED {tiling} det={det}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+          _show(r)
+          recs += r
+          bc.write_results(recs, a.out, f"select_{a.tag}", "(partial)")
+      if a.sweep:
+        for tq in (1, 4, 16):
+          u, inv = bench_prep(t, h // g, a.n, a.block, "random", tq, 512)
+          print(f"prep T={t} G={g} tile_union(tq={tq}) {u:.3f} ms, inverse_lists {inv:.3f} ms", flush=True)
+  pre = (f"# Selection kernel vs cuDNN dense causal ({bc.hardware()})\n\nCommand: `{bc.command_line()}`\n"
+         f"Measured peaks: bf16 matmul {peaks[0] / 1e12:.0f} TFLOP/s, HBM copy {peaks[1] / 1e12:.2f} TB/s.")
+  bc.write_results(recs, a.out, f"select_{a.tag}", pre)
+  print(bc.markdown_table(recs))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
