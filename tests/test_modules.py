@@ -1,0 +1,194 @@
+"""NNX modules and the LM: shapes, layer-level causality, module options, training smoke, and use from
+Linen through nnx.bridge."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+from nsa_jax import ModelConfig, NSAConfig, reference
+from nsa_jax.attention import DenseAttention, NSAAttention
+from nsa_jax.model import TransformerLM
+
+SEED = int.from_bytes(os.urandom(4), "little")
+
+
+def fresh_key(i=0):
+  print(f"seed={SEED}")
+  return jax.random.fold_in(jax.random.key(SEED), i)
+
+
+def small_nsa(**kw):
+  base = dict(num_heads=4, num_kv_heads=2, head_dim=8, head_dim_v=6, cmp_block=8, cmp_stride=4,
+              sel_block=16, num_selected=3, window=12)
+  base.update(kw)
+  return NSAConfig(**base)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("opts", [{}, {"shared_kv": True}, {"gating": "sum"},
+                                  {"compression": "mean"}, {"branches": ("cmp", "win")},
+                                  {"selector": "quest"}])
+def test_nsa_layer_is_causal_and_finite(impl, opts):
+  """Layer-level causality: d y_t / d x_s == 0 exactly for every s > t (all branches, phi, gates)."""
+  cfg = small_nsa(**opts)
+  layer = NSAAttention(16, cfg, rngs=nnx.Rngs(int(SEED % 1000)))
+  t, probe = 45, 20
+  x = jax.random.normal(fresh_key(1), (1, t, 16))
+  w = jax.random.normal(fresh_key(2), (16,))
+
+  def y_at(x):
+    return layer(x, implementation=impl)[0, probe] @ w
+
+  g = jax.jit(jax.grad(y_at))(x)
+  assert np.all(np.isfinite(np.asarray(g)))
+  assert np.all(np.asarray(g[0, probe + 1:]) == 0.0), "output at t depends on inputs after t"
+  assert np.any(np.asarray(g[0, :probe + 1]) != 0.0)
+
+
+def test_nsa_layer_respects_segments():
+  cfg = small_nsa()
+  layer = NSAAttention(16, cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(fresh_key(3), (1, 40, 16))
+  seg = jnp.asarray([[0] * 17 + [1] * 23])
+  w = jax.random.normal(fresh_key(4), (16,))
+  g = jax.jit(jax.grad(lambda x: layer(x, segment_ids=seg, implementation="reference")[0, 30] @ w))(x)
+  assert np.all(np.asarray(g[0, :17]) == 0.0), "second document sees the first"
+  assert np.all(np.asarray(g[0, 31:]) == 0.0)
+
+
+def test_nsa_layer_impls_agree():
+  cfg = small_nsa()
+  layer = NSAAttention(16, cfg, rngs=nnx.Rngs(1))
+  x = jax.random.normal(fresh_key(5), (2, 50, 16))
+  a = jax.jit(lambda x: layer(x, implementation="reference"))(x)
+  b = jax.jit(lambda x: layer(x, implementation="xla"))(x)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_aux_reports_blocks_and_gates():
+  cfg = small_nsa()
+  layer = NSAAttention(16, cfg, rngs=nnx.Rngs(2))
+  x = jax.random.normal(fresh_key(6), (1, 40, 16))
+  _, aux = layer(x, implementation="reference", return_aux=True)
+  assert aux["block_idx"].shape == (1, 40, 2, 3)
+  assert aux["gates"].shape == (1, 40, 4, 3)
+  assert float(aux["gates"].min()) > 0.0 and float(aux["gates"].max()) < 1.0
+
+
+def test_bad_layer_input_is_reported():
+  layer = NSAAttention(16, small_nsa(), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="expects x"):
+    layer(jnp.zeros((1, 10, 15)))
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    DenseAttention(16, 6, 4, 8, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="NSAConfig"):
+    NSAAttention(16, {"num_heads": 4}, rngs=nnx.Rngs(0))
+
+
+def test_dense_layer_matches_reference_attention():
+  layer = DenseAttention(16, 4, 2, 8, rngs=nnx.Rngs(0))
+  x = jax.random.normal(fresh_key(7), (2, 33, 16))
+  seg = jnp.asarray([[0] * 10 + [1] * 23, [0] * 33])
+  a = jax.jit(lambda x: layer(x, segment_ids=seg, implementation="xla"))(x)
+  b = jax.jit(lambda x: layer(x, segment_ids=seg, implementation="reference"))(x)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def tiny_model_cfg(attention, **kw):
+  return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     ffn_dim=64, max_seq_len=96, attention=attention,
+                     nsa=small_nsa(num_selected=3), **kw)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_lm_trains_on_a_fixed_batch(attention):
+  model = TransformerLM(tiny_model_cfg(attention), rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(fresh_key(8), (2, 65), 0, 64)
+  logits = model(tokens[:, :-1])
+  assert logits.shape == (2, 64, 64) and logits.dtype == jnp.float32
+  opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, tokens):
+    def loss_fn(m):
+      lg = m(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(lg, tokens[:, 1:]).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    finite = jax.tree.reduce(lambda a, g: a & jnp.all(jnp.isfinite(g)), grads, True)
+    opt.update(model, grads)
+    return loss, finite
+
+  losses = []
+  for _ in range(8):
+    loss, finite = step(model, opt, tokens)
+    assert bool(finite)
+    losses.append(float(loss))
+  assert abs(losses[0] - np.log(64)) < 1.0, losses[0]
+  assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_lm_mixed_layers_and_bf16():
+  cfg = tiny_model_cfg("nsa", layer_attention=("dense", "nsa"), dtype="bfloat16")
+  model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+  assert isinstance(model.blocks[0].attn, DenseAttention)
+  assert isinstance(model.blocks[1].attn, NSAAttention)
+  assert model.blocks[1].attn.q_proj.kernel[...].dtype == jnp.float32  # params stay float32
+  logits = model(jax.random.randint(fresh_key(9), (1, 40), 0, 64))
+  assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_lm_rejects_too_long_input():
+  model = TransformerLM(tiny_model_cfg("dense"), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="max_seq_len"):
+    model(jnp.zeros((1, 97), jnp.int32))
+
+
+def test_every_param_has_logical_axes():
+  model = TransformerLM(tiny_model_cfg("nsa"), rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  for path, var in jax.tree.leaves_with_path(params, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+    names = var.get_metadata().get("out_sharding")
+    assert names is not None and len(names) == var[...].ndim, (path, names)
+
+
+def test_nsa_layer_from_linen_via_bridge():
+  cfg = small_nsa()
+
+  class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(16)(x)
+      y = nnx.bridge.to_linen(NSAAttention, 16, cfg)(x, implementation="reference")
+      return x + y
+
+  net = LinenNet()
+  x = jax.random.normal(fresh_key(10), (1, 40, 16))
+  variables = net.init(jax.random.key(0), x)
+  y = net.apply(variables, x)
+  assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
+  # The NNX layer's parameters live in the Linen variable tree and get gradients.
+  grads = jax.grad(lambda v: jnp.sum(net.apply(v, x) ** 2))(variables)
+  leaves = jax.tree.leaves(grads)
+  assert len(leaves) > 10 and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+
+
+def test_phi_reads_position_encoding():
+  """phi is an MLP over the whole block with a learned position encoding: permuting the keys inside
+  a block changes the compressed key (mean pooling would not)."""
+  cfg = small_nsa()
+  layer = NSAAttention(16, cfg, rngs=nnx.Rngs(3))
+  k = jax.random.normal(fresh_key(11), (1, 16, 2, 8))
+  params = layer.phi_k.params()
+  a = reference.mlp_compress(k, params, 8, 4)
+  b = reference.mlp_compress(k[:, ::-1], params, 8, 4)
+  assert not np.allclose(np.asarray(a[:, 0]), np.asarray(b[:, -1]))
+  m = reference.mean_compress(k, 8, 4)
+  mr = reference.mean_compress(k[:, ::-1], 8, 4)
+  np.testing.assert_allclose(np.asarray(m[:, 0]), np.asarray(mr[:, -1]), rtol=1e-5, atol=1e-6)
