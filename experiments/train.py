@@ -27,7 +27,8 @@ def main(argv):
   from nsa_jax.training import train  # after flag parsing: --help stays fast
   train.initialize_distributed(_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save at INFO
   try:
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ValueError, train.CheckpointError, train.NonFiniteError) as e:

@@ -7,11 +7,12 @@ import optax
 
 
 def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to cfg.learning_rate, then cosine down to min_lr_ratio * peak."""
+  """Linear warmup to cfg.learning_rate, then cosine down to min_lr_ratio * peak."""
   total = max(int(total_steps), 1)
   warmup = min(int(cfg.warmup_steps), total)
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
+      # Start one warmup increment above zero so the very first update already moves the weights.
+      init_value=cfg.learning_rate / (warmup + 1), peak_value=cfg.learning_rate, warmup_steps=warmup,
       decay_steps=max(total, warmup + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
 
 

@@ -179,10 +179,13 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
     denom = jnp.maximum(wsum, 1.0)  # sums -> means over weighted tokens, as one big batch would
     grads = jax.tree.map(lambda g: g / denom, grads)
     updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
-    new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-           "opt_state": opt_state, "rest": state["rest"]}
+    params = optax.apply_updates(state["params"], updates)
+    new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rest": state["rest"]}
+    # param_norm lets the NaN guard catch an update that broke the weights while the loss and
+    # gradients it was computed from were still finite.
     metrics = {"loss": loss_sum / denom, "accuracy": correct / denom,
-               "grad_norm": optax.global_norm(grads), "lr": setup.schedule(state["step"])}
+               "grad_norm": optax.global_norm(grads), "param_norm": optax.global_norm(params),
+               "lr": setup.schedule(state["step"])}
     return new, metrics
 
   return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
@@ -324,11 +327,12 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
     s, m = pending
     pending = None
     last = {k: float(v) for k, v in jax.device_get(m).items()}
-    if not (math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])):
+    if not all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "param_norm")):
       good = ckpt.latest_step()
       raise NonFiniteError(
           f"non-finite training metrics at step {s}: loss={last['loss']}, grad_norm="
-          f"{last['grad_norm']}. Stopped without saving; the last good checkpoint is "
+          f"{last['grad_norm']}, param_norm={last['param_norm']}. Stopped without saving; the "
+          "last good checkpoint is "
           f"{ckpt.step_dir(good) if good is not None else '(none)'}. Fix: lower "
           "config.optim.learning_rate or raise warmup_steps, then rerun to resume from it.")
     speed.tick()

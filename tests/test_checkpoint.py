@@ -1,0 +1,103 @@
+"""Checkpointer: sharded round trip, keep-last-N, no overwrite, clear errors for bad checkpoints."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nsa_jax.training.checkpointing import Checkpointer, CheckpointError, abstract_like
+
+SEED = int.from_bytes(os.urandom(3), "little")
+META = {"model": {"d_model": 16, "nsa": {"window": 8, "branches": ["cmp", "slc", "win"]}}}
+
+
+def make_state(seed):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {"step": jnp.asarray(3, jnp.int32),
+          "params": {"w": jax.random.normal(k1, (8, 16)), "layers": {0: {"b": jax.random.normal(k2, (16,))}}},
+          "opt_state": (jnp.zeros((8, 16)), {"count": jnp.asarray(7)})}
+
+
+def shardings(state):
+  mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  return jax.tree.map(lambda x: NamedSharding(mesh, P("fsdp") if x.ndim == 2 else P()), state)
+
+
+def save(ckpt, step, state, data_step=None):
+  ckpt.save(step, state, {"step": data_step or step, "fingerprint": {"n": 1}}, {**META, "step": step})
+  ckpt.wait()
+
+
+def test_round_trip_into_sharded_target_and_keep_last_n(tmp_path):
+  state = make_state(SEED)
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=2)
+  for step in (1, 2, 3):
+    save(ckpt, step, state)
+  assert ckpt.all_steps() == [2, 3], "keeps only the newest max_to_keep"
+  target = abstract_like(state, shardings(state))
+  restored, data_state = ckpt.restore(3, target, META)
+  ckpt.close()
+  assert data_state == {"step": 3, "fingerprint": {"n": 1}}
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for a, b, t in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(target)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {SEED}")
+    assert a.sharding == t.sharding
+
+
+def test_refuses_to_overwrite_a_step(tmp_path):
+  ckpt = Checkpointer(str(tmp_path))
+  save(ckpt, 5, make_state(SEED))
+  with pytest.raises(CheckpointError, match="already exists"):
+    ckpt.save(5, make_state(SEED + 1), {}, META)
+  ckpt.close()
+
+
+def test_mismatched_model_is_named_and_left_alone(tmp_path):
+  state = make_state(SEED)
+  ckpt = Checkpointer(str(tmp_path))
+  save(ckpt, 4, state)
+  other = {"model": {"d_model": 32, "nsa": {"window": 8, "branches": ["cmp", "slc", "win"]}}}
+  with pytest.raises(CheckpointError, match=r"d_model: checkpoint has 16, config has 32"):
+    ckpt.restore(4, abstract_like(state, shardings(state)), other)
+  assert ckpt.all_steps() == [4]
+  ckpt.close()
+
+
+def test_shape_mismatch_is_a_clear_error(tmp_path):
+  state = make_state(SEED)
+  ckpt = Checkpointer(str(tmp_path))
+  save(ckpt, 2, state)
+  bigger = dict(state, params={**state["params"], "w": jnp.zeros((8, 32))})
+  with pytest.raises(CheckpointError, match="corrupt or incompatible"):
+    ckpt.restore(2, abstract_like(bigger, shardings(bigger)), META)
+  ckpt.close()
+
+
+def test_corrupt_checkpoint_names_the_step_and_keeps_the_good_ones(tmp_path):
+  state = make_state(SEED)
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
+  save(ckpt, 1, state)
+  save(ckpt, 2, state)
+  ckpt.close()
+  # Garble every array file of step 2 (a torn write / disk error).
+  broken = 0
+  for dirpath, _, files in os.walk(tmp_path / "2" / "state"):
+    for f in files:
+      with open(os.path.join(dirpath, f), "r+b") as fh:
+        size = fh.seek(0, 2)
+        fh.seek(0)
+        fh.write(os.urandom(max(size, 16)))
+      broken += 1
+  assert broken
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
+  assert ckpt.latest_step() == 2
+  with pytest.raises(CheckpointError, match="is corrupt or incompatible") as err:
+    ckpt.restore(2, abstract_like(state, shardings(state)), META)
+  assert str(tmp_path / "2") in str(err.value) and "resume from step 1" in str(err.value)
+  assert ckpt.all_steps() == [1, 2], "nothing deleted"
+  restored, _ = ckpt.restore(1, abstract_like(state, shardings(state)), META)
+  np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
+  ckpt.close()

@@ -1,0 +1,143 @@
+"""Data sources and the batch iterator: determinism, resume, process split, splits, tasks."""
+
+import os
+
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from nsa_jax.training import data
+
+SEED = int.from_bytes(os.urandom(3), "little")  # fresh every run; shown in failure messages
+
+
+def data_cfg(**kw):
+  cfg = dict(source="stdlib", path="", val_path="", token_dtype="uint16", val_percent=2.0,
+             max_bytes=4 << 20, num_needles=3, num_kv_pairs=8, num_queries=4)
+  cfg.update(kw)
+  return ConfigDict(cfg)
+
+
+def iterator(source, split="train", **kw):
+  args = dict(split=split, global_batch=4, seq_len=64, seed=SEED, vocab_size=256)
+  args.update(kw)
+  return data.BatchIterator(source, **args)
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+  return data.make_sources(data_cfg())
+
+
+def test_stdlib_corpus_is_deterministic_and_split_by_file(stdlib):
+  root, files = data.stdlib_files()
+  rel = [os.path.relpath(f, root) for f in files]
+  assert rel == sorted(rel) and all(r.endswith(".py") for r in rel)
+  assert not any(part in ("test", "idlelib", "site-packages") for r in rel for part in r.split(os.sep))
+  val = [r for r in rel if data._is_val(r, 2.0)]
+  assert 0 < len(val) < len(rel) / 10, "about 2% of the files are held out"
+  again = data.make_sources(data_cfg())
+  for split in ("train", "val"):
+    assert again[split].fingerprint == stdlib[split].fingerprint
+    assert len(stdlib[split].tokens) > 10_000
+  # held-out text is absent from the training stream (probe the middle of the largest val file)
+  largest = max(val, key=lambda r: os.path.getsize(os.path.join(root, r)))
+  with open(os.path.join(root, largest), "rb") as f:
+    text = f.read()
+  assert len(text) > 2000
+  assert text[len(text) // 2:len(text) // 2 + 300] not in stdlib["train"].tokens.tobytes()
+
+
+def test_batches_are_a_function_of_seed_and_step(stdlib):
+  a, b = iterator(stdlib["train"]), iterator(stdlib["train"])
+  first = [next(a) for _ in range(3)]
+  assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(first, [next(b) for _ in range(3)]))
+  assert not np.array_equal(first[0]["inputs"], first[1]["inputs"]), f"seed {SEED}"
+  batch = first[0]
+  assert batch["inputs"].shape == (4, 64) and batch["inputs"].dtype == np.int32
+  np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+  other = iterator(stdlib["train"], seed=SEED + 1)
+  assert not np.array_equal(next(other)["inputs"], batch["inputs"])
+
+
+def test_resume_from_state_sees_the_same_batches(stdlib):
+  a = iterator(stdlib["train"])
+  for _ in range(2):
+    next(a)
+  saved = a.state()
+  expected = [next(a)["inputs"] for _ in range(2)]
+  b = iterator(stdlib["train"])
+  b.restore(saved)
+  assert [next(b)["inputs"].tolist() for _ in range(2)] == [e.tolist() for e in expected]
+  c = iterator(stdlib["train"], seed=SEED + 1)
+  with pytest.raises(ValueError, match="different data"):
+    c.restore(saved)
+
+
+def test_processes_split_the_global_batch(stdlib):
+  whole = iterator(stdlib["train"]).batch(5)["inputs"]
+  parts = [iterator(stdlib["train"], process_index=p, process_count=2).batch(5)["inputs"]
+           for p in range(2)]
+  np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+@pytest.mark.parametrize("dtype,vocab", [("uint16", 60000), ("uint32", 200_000)])
+def test_token_file_windows_are_contiguous(tmp_path, dtype, vocab):
+  n = 5000
+  offset = int(np.random.default_rng(SEED).integers(0, vocab - n))
+  tokens = (np.arange(n) + offset).astype(dtype)  # consecutive ids: a window is a run of +1 steps
+  path = tmp_path / "tokens.bin"
+  tokens.tofile(path)
+  src = data.make_sources(data_cfg(source="tokens", path=str(path), token_dtype=dtype,
+                                   val_percent=10.0))
+  assert len(src["train"].tokens) == 4500 and len(src["val"].tokens) == 500
+  batch = iterator(src["train"], vocab_size=vocab).batch(0)
+  seq = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+  assert (np.diff(seq, axis=1) == 1).all()
+  assert seq.min() >= offset and seq.max() < offset + 4500
+  with pytest.raises(ValueError, match="outside the model vocabulary"):
+    iterator(src["val"], vocab_size=offset + 10).batch(0)
+
+
+def test_text_files_split_by_file(tmp_path):
+  for i in range(300):
+    (tmp_path / f"doc{i:03d}.txt").write_text(f"document {i} " * 20)
+  src = data.make_sources(data_cfg(source="text", path=str(tmp_path), val_percent=5.0))
+  train, val = src["train"].tokens.tobytes(), src["val"].tokens.tobytes()
+  assert val and train
+  val_docs = {int(w) for w in val.split() if w.isdigit()}
+  train_docs = {int(w) for w in train.split() if w.isdigit()}
+  assert val_docs and not val_docs & train_docs
+  with pytest.raises(FileNotFoundError, match="matches no file"):
+    data.make_sources(data_cfg(source="text", path=str(tmp_path / "missing*.txt")))
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_retrieval_tasks_weight_the_answer_that_was_hidden(task):
+  src = data.make_sources(data_cfg(source=task))
+  batch = iterator(src["train"], seq_len=400).batch(3)
+  for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"]):
+    text = bytes(np.append(inputs, targets[-1]).astype(np.uint8)).decode()
+    answer = bytes(targets[weights > 0].astype(np.uint8)).decode()
+    assert len(answer) == 5 and answer.isdigit()
+    assert text.endswith(answer)
+    assert text.count(answer) >= 2, f"the answer also appears in the hidden fact (seed {SEED})"
+    assert len(text) == 401
+
+
+def test_mqar_values_follow_their_keys():
+  src = data.make_sources(data_cfg(source="mqar"))
+  batch = iterator(src["val"], seq_len=128, split="val").batch(0)
+  for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"]):
+    table = dict(zip(inputs[0:16:2].tolist(), inputs[1:16:2].tolist()))
+    asked = np.nonzero(weights)[0]
+    assert len(asked) == 4
+    for j in asked:
+      assert table[int(inputs[j])] == int(targets[j])
+  with pytest.raises(ValueError, match="seq_len too short"):
+    iterator(src["train"], seq_len=16).batch(0)
+
+
+def test_unknown_source_is_a_clear_error():
+  with pytest.raises(ValueError, match="unknown"):
+    data.make_sources(data_cfg(source="stdlb"))
