@@ -169,12 +169,12 @@ def selection_scores(p_cmp, num_kv_heads, t_len, l, d, lsel, alignment="overlap"
   """[B, T, K, Ns]: per query, Eq. 9 remap of each head's p_cmp, summed over the group's heads
   (Eq. 10, probabilities not logits). Out-of-range compression indices are skipped."""
   p_cmp = _f64(p_cmp)
-  b, _, h_num, nc = p_cmp.shape
+  b, n_queries, h_num, nc = p_cmp.shape
   g = h_num // num_kv_heads
-  ns = -(-t_len // lsel)
-  scores = np.zeros((b, t_len, num_kv_heads, ns))
+  ns = -(-t_len // lsel)  # selection blocks of a sequence of t_len tokens
+  scores = np.zeros((b, n_queries, num_kv_heads, ns))
   for bi in range(b):
-    for t in range(t_len):
+    for t in range(n_queries):
       for kv in range(num_kv_heads):
         for j in range(ns):
           s = 0.0

@@ -234,3 +234,242 @@ def test_nsa_attention_matches_oracle(case):
   assert_close(o, o_w, "nsa o", seed)
   for name in BRANCHES:
     assert_close(aux["outputs"][name], outs_w[name], f"branch {name}", seed)
+
+
+# ----------------------------------------------------------------------------- compression phi
+
+@pytest.mark.parametrize("t,l,d,kh,dim,hidden,dim_out", [
+    (37, 8, 4, 2, 6, 10, 5),  # T not a multiple of d
+    (40, 16, 16, 1, 4, 8, 4),  # non-overlapping blocks
+    (9, 4, 1, 3, 3, 7, 3),  # stride 1
+    (5, 8, 4, 2, 4, 6, 4),  # T < l: no block at all
+])
+def test_mean_and_mlp_compress_match_oracle(t, l, d, kh, dim, hidden, dim_out, rng):
+  x = rng.standard_normal((2, t, kh, dim)).astype(np.float32)
+  params = dict(pos=rng.standard_normal((l, dim)), w1=rng.standard_normal((l * dim, hidden)) /
+                np.sqrt(l * dim), b1=rng.standard_normal(hidden),
+                w2=rng.standard_normal((hidden, dim_out)) / np.sqrt(hidden),
+                b2=rng.standard_normal(dim_out))
+  params = {k: v.astype(np.float32) for k, v in params.items()}
+  got_mean = reference.mean_compress(jnp.asarray(x), l, d)
+  got_mlp = reference.mlp_compress(jnp.asarray(x), {k: jnp.asarray(v) for k, v in params.items()},
+                                   l, d)
+  nc = literal_nsa.num_cmp_blocks(t, l, d)
+  assert nc == (0 if t < l else (t - l) // d + 1)
+  assert_close(got_mean, literal_nsa.mean_compress(x, l, d), "mean_compress", None)
+  want_mlp = literal_nsa.mlp_compress(x, params, l, d)
+  assert want_mlp.shape == (2, nc, kh, dim_out)
+  assert_close(got_mlp, want_mlp, "mlp_compress", None)
+
+
+# ----------------------------------------------------------------------------- ties in top-n
+
+def tie_cfg(**kw):
+  base = dict(num_heads=2, num_kv_heads=1, head_dim=4, cmp_block=4, cmp_stride=4, sel_block=4,
+              num_selected=4, window=4)
+  return NSAConfig(**{**base, **kw})
+
+
+def test_select_blocks_ties_go_to_lower_index_hand_worked():
+  """T = 32, l' = 4 (8 blocks), n = 4 = 1 initial + 2 local + 1 free slot."""
+  cfg = tie_cfg()
+  t = 32
+  flat = np.ones((1, t, 1, 8), np.float32)  # all scores equal
+  idx = np.asarray(select_blocks(jnp.asarray(flat), cfg, None))
+  assert idx[0, 0, 0].tolist() == [0, -1, -1, -1]  # only block 0 eligible
+  assert idx[0, 5, 0].tolist() == [0, 1, -1, -1]  # blocks 0, 1: fewer than n, all of them
+  assert idx[0, 9, 0].tolist() == [0, 1, 2, -1]
+  assert idx[0, 13, 0].tolist() == [0, 1, 2, 3]
+  assert idx[0, 23, 0].tolist() == [0, 1, 4, 5]  # free slot: lowest of the tied blocks 1..3
+  two_top = flat.copy()
+  two_top[..., 2] = two_top[..., 3] = 5.0  # tie between blocks 2 and 3 at the top
+  idx = np.asarray(select_blocks(jnp.asarray(two_top), cfg, None))
+  assert idx[0, 31, 0].tolist() == [0, 2, 6, 7]
+  # With documents: the second document starts at 10 (inside block 2): its first block is 2.
+  seg = jnp.asarray((np.arange(t) >= 10).astype(np.int32)[None])
+  idx = np.asarray(select_blocks(jnp.asarray(flat), cfg, seg))
+  assert idx[0, 31, 0].tolist() == [2, 3, 6, 7]
+  assert idx[0, 11, 0].tolist() == [2, -1, -1, -1]
+  assert idx[0, 9, 0].tolist() == [0, 1, 2, -1]  # first document still sees blocks 0..2
+
+
+@pytest.mark.parametrize("n_init,n_local,n", [(1, 2, 4), (0, 1, 3), (2, 2, 5), (0, 0, 2)])
+def test_select_blocks_integer_scores_with_many_ties_match_oracle(n_init, n_local, n, rng):
+  cfg = tie_cfg(num_selected=n, num_init_blocks=n_init, num_local_blocks=n_local, num_heads=4,
+                num_kv_heads=2)
+  t, ns = 45, 12
+  scores = rng.integers(0, 3, size=(2, t, 2, ns)).astype(np.float32)
+  seg = random_segments(rng, 2, t)
+  for s in (None, seg):
+    got = np.asarray(select_blocks(jnp.asarray(scores), cfg, None if s is None else jnp.asarray(s)))
+    want, _ = literal_nsa.select_blocks(scores, 4, n, n_init, n_local, s)
+    bad = np.argwhere(np.any(got != want, axis=-1))
+    assert bad.size == 0, f"ties: {bad[:3].tolist()} got {got[tuple(bad[0])]} want {want[tuple(bad[0])]}"
+
+
+# ----------------------------------------------------------------------------- Eq. 9 by hand
+
+# l = 32, d = 16, l' = 64, T = 160: Nc = 9 compression blocks, Ns = 3 selection blocks. Column j
+# holds the weights of p_cmp[i] in p_slc[j]; 1, 2, 2, 2, 1 clipped at the edges.
+EQ9_OVERLAP = np.array([  # blocks 4j-1 .. 4j+3
+    [2, 0, 0], [2, 0, 0], [2, 0, 0], [1, 1, 0], [0, 2, 0], [0, 2, 0], [0, 2, 0], [0, 1, 1],
+    [0, 0, 2]])
+EQ9_LITERAL = np.array([  # blocks 4j-4 .. 4j
+    [1, 1, 0], [0, 2, 0], [0, 2, 0], [0, 2, 0], [0, 1, 1], [0, 0, 2], [0, 0, 2], [0, 0, 2],
+    [0, 0, 1]])
+
+
+def oracle_weights(nc, ns, l, d, lsel, alignment):
+  """The oracle's Eq. 9 as a matrix: its score for one-hot p_cmp = e_i is row i."""
+  eye = np.eye(nc)[None, :, None, :]  # [1, T=nc, H=1, Nc]: query "t" carries e_t
+  return literal_nsa.selection_scores(eye, 1, ns * lsel, l, d, lsel, alignment)[0, :, 0, :]
+
+
+@pytest.mark.parametrize("alignment,want", [("overlap", EQ9_OVERLAP), ("literal", EQ9_LITERAL)])
+def test_eq9_weights_hand_worked(alignment, want):
+  got = reference.cmp_to_sel_weights(9, 3, 32, 16, 64, alignment)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(oracle_weights(9, 3, 32, 16, 64, alignment), want)
+  # The reference's selection_scores uses these weights (sum over a group of 2 heads).
+  cfg = NSAConfig(num_heads=2, num_kv_heads=1, head_dim=4, cmp_block=32, cmp_stride=16,
+                  sel_block=64, num_selected=3, window=8, score_alignment=alignment)
+  p = np.zeros((1, 160, 2, 9), np.float32)
+  p[0, :9, 0] = np.eye(9)
+  p[0, :9, 1] = 2 * np.eye(9)
+  scores = np.asarray(reference.selection_scores(jnp.asarray(p), 1, 160, cfg))
+  np.testing.assert_array_equal(scores[0, :9, 0], 3 * want)
+
+
+@pytest.mark.parametrize("alignment", ["overlap", "literal"])
+def test_eq9_identity_when_l_eq_lsel_eq_d(alignment):
+  np.testing.assert_array_equal(reference.cmp_to_sel_weights(6, 6, 8, 8, 8, alignment), np.eye(6))
+  np.testing.assert_array_equal(oracle_weights(6, 6, 8, 8, 8, alignment), np.eye(6))
+
+
+# ----------------------------------------------------------------------------- causality
+
+CAUSAL_T = 36
+CAUSAL_CFG = NSAConfig(num_heads=4, num_kv_heads=2, head_dim=4, head_dim_v=3, cmp_block=4,
+                       cmp_stride=2, sel_block=8, num_selected=3, window=5,
+                       implementation="reference")
+# Argument names of nsa_from_raw; kc/vc are the raw keys/values the compressed ones are built from.
+RAW_ARGS = ("q", "kc", "vc", "ks", "vs", "kw", "vw", "gates")
+USES = {"cmp": ("q", "kc", "vc", "gates"), "slc": ("q", "ks", "vs", "gates"),
+        "win": ("q", "kw", "vw", "gates")}
+
+
+def nsa_from_raw(cfg, seg, compression, mlp_params):
+  """o = NSA(q, phi(kc), phi(vc), ks, vs, kw, vw, gates): compressed k/v built inside, so their
+  gradient lands on the raw positions each compressed block comes from."""
+  def f(q, kc, vc, ks, vs, kw, vw, gates):
+    if compression == "mean":
+      k_cmp = reference.mean_compress(kc, cfg.cmp_block, cfg.cmp_stride)
+      v_cmp = reference.mean_compress(vc, cfg.cmp_block, cfg.cmp_stride)
+    else:
+      k_cmp = reference.mlp_compress(kc, mlp_params["k"], cfg.cmp_block, cfg.cmp_stride)
+      v_cmp = reference.mlp_compress(vc, mlp_params["v"], cfg.cmp_block, cfg.cmp_stride)
+    return reference.nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, gates, cfg, segment_ids=seg)
+  return f
+
+
+def random_mlp_params(rng, l, dim, hidden):
+  f = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)
+  return dict(pos=f(l, dim), w1=f(l * dim, hidden), b1=f(hidden), w2=f(hidden, dim), b2=f(dim))
+
+
+@pytest.mark.parametrize("branches,compression", [
+    (("cmp",), "mean"), (("slc",), "mean"), (("win",), "mean"), (BRANCHES, "mean"),
+    (BRANCHES, "mlp")])
+@pytest.mark.parametrize("with_segments", [False, True], ids=["one_doc", "docs"])
+def test_no_gradient_from_future_or_other_documents(branches, compression, with_segments, rng):
+  """d o_t / d x_s == 0 exactly for s > t, and for s in another document; q_s and gates_s only
+  reach o_s. Full Jacobians, every branch alone and the whole op."""
+  cfg = dataclasses.replace(CAUSAL_CFG, branches=branches)
+  t = CAUSAL_T
+  x = random_nsa_inputs(rng, cfg, 1, t)
+  dv = cfg.dim_v
+  raw = [x[0], rng.standard_normal((1, t, 2, 4)).astype(np.float32),
+         rng.standard_normal((1, t, 2, dv)).astype(np.float32), *x[3:]]
+  seg = random_segments(rng, 1, t) if with_segments else np.zeros((1, t), np.int32)
+  mlp = {k: random_mlp_params(rng, cfg.cmp_block, dd, 6) for k, dd in (("k", 4), ("v", dv))}
+  f = nsa_from_raw(cfg, jnp.asarray(seg) if with_segments else None, compression, mlp)
+  jac = jax.jit(jax.jacrev(f, argnums=tuple(range(8))))(*(jnp.asarray(a) for a in raw))
+  pos = np.arange(t)
+  visible = (pos[None, :] <= pos[:, None]) & (seg[0][:, None] == seg[0][None, :])  # [t_out, s_in]
+  used = {a for b in branches for a in USES[b]}
+  for name, j in zip(RAW_ARGS, jac):
+    dep = np.any(np.asarray(j)[0] != 0, axis=(1, 2, 3, 5, 6))  # [t_out, s_in]
+    allowed = np.eye(t, dtype=bool) if name in ("q", "gates") else visible
+    leak = np.argwhere(dep & ~allowed)
+    assert leak.size == 0, f"o_t depends on {name}_s at (t, s) = {leak[:5].tolist()}"
+    # The test must be able to fail: each used input really does reach some o_t.
+    assert dep.any() == (name in used), f"{name}: dependence {dep.any()}, expected {name in used}"
+  if with_segments:
+    assert not np.all(seg == seg[0, 0])  # there was a boundary to leak across
+
+
+# ----------------------------------------------------------------------------- limits
+
+@pytest.mark.parametrize("t,lsel,n", [(37, 8, 5), (40, 8, 5), (40, 8, 7)])
+@pytest.mark.parametrize("with_segments", [False, True], ids=["one_doc", "docs"])
+def test_selection_of_every_block_is_dense_causal(t, lsel, n, with_segments, rng):
+  """n * l' >= T: every eligible block is selected and the branch is full causal attention."""
+  cfg = NSAConfig(num_heads=4, num_kv_heads=2, head_dim=8, head_dim_v=5, cmp_block=4,
+                  cmp_stride=2, sel_block=lsel, num_selected=n, window=3,
+                  branches=("slc",), implementation="reference")
+  assert n * lsel >= t
+  q, k_cmp, v_cmp, k, v, kw, vw, _ = (jnp.asarray(a) for a in random_nsa_inputs(rng, cfg, 2, t))
+  seg = jnp.asarray(random_segments(rng, 2, t)) if with_segments else None
+  dense, _ = dense_causal_attention(q, k, v, seg)
+  ones = jnp.ones((2, t, 4, 3), jnp.float32)
+  o = nsa_attention(q, k_cmp, v_cmp, k, v, kw, vw, ones, cfg=cfg, segment_ids=seg)
+  assert_close(o, dense, "selection branch with n*l' >= T vs dense", None, rtol=1e-5, atol=1e-6)
+  want, _ = literal_nsa.causal_attention(q, k, v, None if seg is None else np.asarray(seg))
+  assert_close(dense, want, "dense_causal_attention vs oracle", None)
+
+
+@pytest.mark.parametrize("extra", [0, 7])
+@pytest.mark.parametrize("with_segments", [False, True], ids=["one_doc", "docs"])
+def test_window_of_whole_sequence_is_dense_causal(extra, with_segments, rng):
+  t = 29
+  q = jnp.asarray(rng.standard_normal((2, t, 4, 6)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, t, 1, 6)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((2, t, 1, 3)), jnp.float32)
+  seg = jnp.asarray(random_segments(rng, 2, t)) if with_segments else None
+  o, lse = window_attention(q, k, v, t + extra, seg)
+  dense, lse_dense = dense_causal_attention(q, k, v, seg)
+  assert_close(o, dense, "window w >= T vs dense", None, rtol=1e-5, atol=1e-6)
+  assert_close(lse, lse_dense, "window lse vs dense", None, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- NaN-freeness
+
+@pytest.mark.parametrize("t", [30, 7])  # 7 < l: no compressed block at all
+def test_no_visible_compressed_block_gives_zero_and_finite_gradients(t, rng):
+  """l = 16, d = 8: queries t < 15, and the first 15 tokens of the second document, see no
+  compressed block: zero compression output and finite gradients everywhere."""
+  cfg = NSAConfig(num_heads=4, num_kv_heads=2, head_dim=8, head_dim_v=4, cmp_block=16,
+                  cmp_stride=8, sel_block=16, num_selected=3, window=4,
+                  implementation="reference")
+  seg_np = (np.arange(t) >= 12).astype(np.int32)[None]  # second document from token 12
+  for seg in (None, jnp.asarray(seg_np)):
+    x = [jnp.asarray(a) for a in random_nsa_inputs(rng, cfg, 1, t)]
+    o, lse, p = compressed_attention(x[0], x[1], x[2], 16, 8, seg)
+    blind = np.arange(t) < 15
+    if seg is not None:
+      blind |= (np.arange(t) >= 12) & (np.arange(t) < 12 + 15)
+    assert np.all(np.asarray(o)[0, blind] == 0) and np.all(np.isneginf(np.asarray(lse)[0, blind]))
+    assert np.all(np.asarray(p)[0, blind] == 0)
+    assert np.all(np.isfinite(np.asarray(o)))
+    cot = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+    grads = jax.jit(jax.grad(
+        lambda q, k, v: jnp.sum(reference.compressed_attention(q, k, v, 16, 8, seg)[0] * cot),
+        argnums=(0, 1, 2)))(*x[:3])
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+    assert np.all(np.asarray(grads[0])[0, blind] == 0)
+    kc = jnp.asarray(rng.standard_normal((1, t, 2, 8)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((1, t, 2, 4)), jnp.float32)
+    f = nsa_from_raw(cfg, seg, "mean", None)
+    whole = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=tuple(range(8))))(
+        x[0], kc, vc, *x[3:])
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in whole)
