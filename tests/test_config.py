@@ -1,0 +1,151 @@
+"""Bad input is refused early: every invalid NSAConfig / ModelConfig raises a ValueError naming the
+field and saying how to fix it, and reference.check_nsa_inputs names the mis-shaped tensor."""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa_jax import reference
+from nsa_jax.config import ModelConfig, NSAConfig
+
+
+def assert_names_field_and_fix(excinfo, field):
+  msg = str(excinfo.value)
+  assert re.search(rf"\b{re.escape(field)}\b", msg), f"message does not name {field!r}: {msg}"
+  assert "Fix" in msg, f"message gives no fix: {msg}"
+
+
+NSA_BAD = [
+    # (field named in the error, overrides)
+    ("cmp_block", dict(cmp_block=24, cmp_stride=16)),  # l not a multiple of d
+    ("sel_block", dict(cmp_block=32, cmp_stride=16, sel_block=72)),  # l' not a multiple of d
+    ("cmp_block", dict(cmp_block=128, cmp_stride=16, sel_block=64)),  # l > l'
+    ("num_selected", dict(num_selected=2)),  # 1 initial + 2 local forced, counted inside n
+    ("num_selected", dict(num_selected=4, num_init_blocks=2, num_local_blocks=3)),
+    ("num_heads", dict(num_heads=6, num_kv_heads=4)),
+    ("window", dict(window=0)),
+    ("window", dict(window=-3)),
+    ("num_heads", dict(num_heads=0)),
+    ("num_kv_heads", dict(num_kv_heads=0)),
+    ("head_dim", dict(head_dim=0)),
+    ("head_dim_v", dict(head_dim_v=0)),
+    ("cmp_stride", dict(cmp_stride=0)),
+    ("sel_block", dict(sel_block=0)),
+    ("num_selected", dict(num_selected=0)),
+    ("query_chunk", dict(query_chunk=0)),
+    ("cmp_hidden", dict(cmp_hidden=0)),
+    ("cmp_block", dict(cmp_block=2.5)),
+    ("num_init_blocks", dict(num_init_blocks=-1)),
+    ("num_local_blocks", dict(num_local_blocks=-1)),
+    ("score_alignment", dict(score_alignment="spatial")),
+    ("compression", dict(compression="conv")),
+    ("gating", dict(gating="softmax")),
+    ("selector", dict(selector="random")),
+    ("implementation", dict(implementation="cuda")),
+    ("branches", dict(branches=())),
+    ("branches", dict(branches=["cmp", "win"])),  # a list, not a tuple
+    ("branches", dict(branches=("cmp", "sparse"))),
+    ("branches", dict(branches=("cmp", "cmp"))),
+]
+
+
+@pytest.mark.parametrize("field,overrides", NSA_BAD, ids=[f"{f}:{o}" for f, o in NSA_BAD])
+def test_invalid_nsa_config_names_field_and_fix(field, overrides):
+  with pytest.raises(ValueError) as excinfo:
+    NSAConfig(**overrides)
+  assert_names_field_and_fix(excinfo, field)
+
+
+MODEL_BAD = [
+    ("n_heads", dict(n_heads=6, n_kv_heads=4)),
+    ("head_dim", dict(head_dim=31)),  # odd: RoPE rotates pairs
+    ("layer_attention", dict(n_layers=4, layer_attention=("nsa", "dense"))),
+    ("layer_attention", dict(n_layers=2, layer_attention=("nsa", "sparse"))),
+    ("attention", dict(attention="linear")),
+    ("dtype", dict(dtype="int8")),
+    ("param_dtype", dict(param_dtype="float64")),
+    ("vocab_size", dict(vocab_size=0)),
+    ("d_model", dict(d_model=-1)),
+    ("n_layers", dict(n_layers=0)),
+    ("n_kv_heads", dict(n_kv_heads=0)),
+    ("ffn_dim", dict(ffn_dim=0)),
+    ("max_seq_len", dict(max_seq_len=0)),
+]
+
+
+@pytest.mark.parametrize("field,overrides", MODEL_BAD, ids=[f"{f}:{o}" for f, o in MODEL_BAD])
+def test_invalid_model_config_names_field_and_fix(field, overrides):
+  with pytest.raises(ValueError) as excinfo:
+    ModelConfig(**overrides)
+  assert_names_field_and_fix(excinfo, field)
+
+
+def test_model_config_validates_its_nsa_block():
+  """The head layout is copied into the NSA config, which must then still be valid."""
+  with pytest.raises(ValueError) as excinfo:
+    ModelConfig(nsa=NSAConfig(num_heads=8, num_kv_heads=2, head_dim=32, cmp_block=16,
+                              cmp_stride=8, sel_block=32, num_selected=2, window=64))
+  assert_names_field_and_fix(excinfo, "num_selected")
+
+
+def test_valid_configs_and_derived_sizes():
+  cfg = NSAConfig()  # the paper's settings
+  assert (cfg.group_size, cfg.dim_v, cfg.cmp_hidden_dim) == (16, 128, 384)
+  for t in (1, 31, 32, 33, 47, 48, 8192):
+    assert cfg.num_cmp_blocks(t) == (0 if t < 32 else (t - 32) // 16 + 1)
+    assert cfg.num_sel_blocks(t) == -(-t // 64)
+  model = ModelConfig(n_heads=8, n_kv_heads=4, head_dim=16, n_layers=2,
+                      layer_attention=("dense", "nsa"))
+  assert model.attention_kinds == ("dense", "nsa")
+  assert (model.nsa.num_heads, model.nsa.num_kv_heads, model.nsa.head_dim) == (8, 4, 16)
+  assert ModelConfig(head_dim_v=24).nsa.dim_v == 24
+
+
+# ----------------------------------------------------------------------------- input shapes
+
+CFG = NSAConfig(num_heads=4, num_kv_heads=2, head_dim=8, head_dim_v=6, cmp_block=4, cmp_stride=2,
+                sel_block=8, num_selected=3, window=4, implementation="reference")
+B, T = 2, 20
+NC = CFG.num_cmp_blocks(T)
+GOOD = dict(q=(B, T, 4, 8), k_cmp=(B, NC, 2, 8), v_cmp=(B, NC, 2, 6), k_slc=(B, T, 2, 8),
+            v_slc=(B, T, 2, 6), k_win=(B, T, 2, 8), v_win=(B, T, 2, 6), gates=(B, T, 4, 3))
+NAMES = tuple(GOOD)
+
+
+def nsa_inputs(**shapes):
+  return [jnp.zeros(shapes.get(n, GOOD[n]), jnp.float32) for n in NAMES]
+
+
+def test_good_shapes_pass():
+  reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=jnp.zeros((B, T), jnp.int32))
+  o = reference.nsa_attention(*nsa_inputs(), CFG)
+  assert o.shape == (B, T, 4, 6)
+
+
+BAD_SHAPES = [
+    ("k_cmp", (B, NC + 1, 2, 8)), ("k_cmp", (B, NC, 1, 8)), ("v_cmp", (B, NC, 2, 8)),
+    ("k_slc", (B, T - 1, 2, 8)), ("v_slc", (B, T, 2, 5)), ("k_win", (B, T, 4, 8)),
+    ("v_win", (1, T, 2, 6)), ("gates", (B, T, 4, 2)), ("gates", (B, T, 2, 3)),
+    ("q", (B, T, 3, 8)), ("q", (B, T, 4, 7)), ("q", (B, T, 32)),
+]
+
+
+@pytest.mark.parametrize("name,shape", BAD_SHAPES, ids=[f"{n}{s}" for n, s in BAD_SHAPES])
+def test_mismatched_shape_names_the_tensor(name, shape):
+  for fn in (reference.check_nsa_inputs, reference.nsa_attention):
+    with pytest.raises(ValueError) as excinfo:
+      fn(*nsa_inputs(**{name: shape}), CFG)
+    msg = str(excinfo.value)
+    assert re.match(rf"{name}\b", msg), f"message does not start with {name!r}: {msg}"
+    if name != "q":  # the expected shape is the fix
+      assert str(GOOD[name]) in msg, f"message does not give the expected shape: {msg}"
+
+
+def test_mismatched_segment_ids_named():
+  for bad in ((B, T + 1), (T,), (1, T)):
+    with pytest.raises(ValueError, match=r"segment_ids.*expected"):
+      reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=np.zeros(bad, np.int32))
