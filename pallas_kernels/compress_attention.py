@@ -1,0 +1,411 @@
+"""Compression-branch attention of NSA (Eq. 7-8) as Pallas Triton-lowered kernels with a hand-written VJP.
+
+Query t (0-indexed) sees compressed block i iff i*d + l - 1 <= t (the block lies wholly in its past),
+the block lies inside one document and t is in that document (nsja_jax.reference.cmp_visible_mask).
+A program owns a tile of `tq` query positions x the G query heads of one KV group (GQA heads become
+tile rows, padded to a power of two) and walks the compressed keys with online softmax, stopping at
+the last block any of its positions can see (block-causal skipping).
+
+Backward: dq on the forward's tiles (p recomputed from the saved log-sum-exp); dK/dV with one program
+per tile of compressed keys walking the query tiles that can see it (no atomics, deterministic).
+The forward also returns the log-sum-exp: the top-n kernel (select_topn.py) needs it to turn logits
+into the probabilities of Eq. 8, and its cotangent is honoured in the backward.
+
+Contract: compress_attention(q [B,T,H,Dk], k_cmp [B,Nc,K,Dk], v_cmp [B,Nc,K,Dv], block, stride,
+segment_ids=None, scale=None) -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32), equal to
+nsa_jax.reference.compressed_attention's (o, lse); a query with no visible block gets o = 0, lse = -inf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------- tiling and helpers
+
+@dataclasses.dataclass(frozen=True)
+class CmpTiling:
+  """Static tiling (hashable: a static custom_vjp argument).
+
+  rows: query rows (tokens x padded heads) per forward / dq program; tokens per tile = rows // Gp.
+  block_k: compressed keys per inner step of the forward and dq kernels.
+  bwd_block_k: compressed keys owned by one dK/dV program.
+  bwd_rows: query rows per inner step of the dK/dV kernel.
+  """
+  rows: int = 64
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  bwd_block_k: int = 64
+  bwd_rows: int = 64
+  bwd_num_warps: int = 8
+  bwd_num_stages: int = 2
+
+
+def next_pow2(x):
+  return 1 << max(0, int(x - 1).bit_length())
+
+
+def cdiv(a, b):
+  return -(-a // b)
+
+
+def tile_shape(g, rows):
+  """(tokens per tile tq, padded heads gp, tile rows m = tq * gp) for G heads per KV group."""
+  gp = next_pow2(g)
+  tq = max(1, rows // gp)
+  return tq, gp, max(16, tq * gp)
+
+
+def dim_pieces(d):
+  """Split a head dim into power-of-two (offset, size) pieces (Triton loads power-of-two tiles)."""
+  pieces, off = [], 0
+  while off < d:
+    size = 1 << ((d - off).bit_length() - 1)
+    pieces.append((off, size))
+    off += size
+  return tuple(pieces)
+
+
+def tile_rows(tile, kk, *, tq, g, gp, m, t, h):
+  """Rows of a query tile: row r is token r // gp, head r % gp of KV group kk.
+
+  Padded heads (r % gp >= g) and positions past T are made copies of a real row so that every load
+  stays in bounds; `valid` marks the real ones (sums over rows must mask the copies).
+  Returns pos [m] (query position), row [m] (row of the [T*H, D] view of q / o), valid [m].
+  """
+  r = lax.iota(jnp.int32, m)
+  if m > tq * gp:  # fewer rows than the matrix-unit minimum: wrap around
+    r = r % (tq * gp)
+  head = r % gp
+  raw = tile * tq + r // gp
+  valid = (head < g) & (raw < t)
+  if m > tq * gp:
+    valid = valid & (lax.iota(jnp.int32, m) < tq * gp)
+  pos = jnp.minimum(raw, t - 1)
+  return pos, pos * h + kk * g + jnp.minimum(head, g - 1), valid
+
+
+def load_rows(ref, rows, pieces):
+  return [ref[rows, pl.ds(off, size)] for off, size in pieces]
+
+
+def load_block(ref, start, n, pieces):
+  return [ref[pl.ds(start, n), pl.ds(off, size)] for off, size in pieces]
+
+
+def dot_pieces(a_pieces, b_pieces):
+  """sum_i a_i @ b_i^T (the contraction walked in power-of-two pieces), float32."""
+  acc = None
+  for a, b in zip(a_pieces, b_pieces):
+    d = plgpu.dot(a, b, trans_b=True)
+    acc = d if acc is None else acc + d
+  return acc
+
+
+def store_rows(ref, rows, off, val):
+  """ref[rows, off:off+size] = val, with all-array indices (accepted by Triton and the interpreter)."""
+  cols = off + lax.iota(jnp.int32, val.shape[1])
+  plgpu.store(ref.at[rows[:, None], cols[None, :]], val)
+
+
+def num_visible(pos, block, stride, nc):
+  """How many compressed blocks query position `pos` sees (blocks 0 .. i with i*d + l - 1 <= pos)."""
+  n = jnp.where(pos >= block - 1, (jnp.maximum(pos - block + 1, 0)) // stride + 1, 0)
+  return jnp.minimum(n, nc)
+
+
+def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc):
+  """[m, bk] mask: block kidx lies in pos's past, exists, and (with segments) is in pos's document."""
+  vis = (kidx[None, :] * stride + (block - 1) <= pos[:, None]) & (kidx < nc)[None, :]
+  if seg_q is not None:
+    vis = vis & (seg_q[:, None] == bseg[None, :]) & (bpure != 0)[None, :]
+  return vis
+
+
+def block_meta(seg, nc_pad, block, stride):
+  """Per compressed block: segment of its first token and whether it lies in one document.
+
+  seg [B, T] int32 -> bseg, bpure [B, nc_pad] int32 (padding blocks: pure = 0).
+  """
+  b, t = seg.shape
+  nc = 0 if t < block else (t - block) // stride + 1
+  pos = jnp.arange(nc)[:, None] * stride + jnp.arange(block)[None, :]
+  sb = seg[:, pos]  # [B, Nc, l]
+  pure = jnp.all(sb == sb[:, :, :1], axis=-1).astype(jnp.int32)
+  pad = ((0, 0), (0, nc_pad - nc))
+  return jnp.pad(sb[:, :, 0], pad), jnp.pad(pure, pad)
+
+
+def _whole(*shape):
+  """BlockSpec of batch bb's whole array on a (x, group, batch) grid."""
+  return pl.BlockSpec((None, *shape), lambda i, j, bb: (bb,) + (0,) * len(shape))
+
+
+def _group(*shape):
+  """BlockSpec of KV group j of batch bb of a [B, K, ...] array."""
+  return pl.BlockSpec((None, None, *shape), lambda i, j, bb: (bb, j) + (0,) * len(shape))
+
+
+# ----------------------------------------------------------------------------- forward
+
+def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tq, g, gp, m,
+                t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale, has_seg):
+  tile, kk = pl.program_id(0), pl.program_id(1)
+  pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
+  qs = load_rows(q_ref, row, dk_pieces)
+  seg_q = seg_ref[pos] if has_seg else None
+  last = jnp.minimum(tile * tq + tq - 1, t - 1)
+  steps = cdiv(num_visible(last, block, stride, nc), bk)
+
+  def body(i, carry):
+    m_i, l_i, accs = carry
+    start = pl.multiple_of(i * bk, bk)
+    kidx = start + lax.iota(jnp.int32, bk)
+    ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
+    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
+    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+    s = dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
+    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: avoid inf - inf
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    pv = p.astype(vs[0].dtype)
+    accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
+    return m_new, l_i, accs
+
+  init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
+          tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
+  m_i, l_i, accs = lax.fori_loop(0, steps, body, init)
+  seen = l_i > 0.0
+  l_safe = jnp.where(seen, l_i, 1.0)
+  for (off, _), a in zip(dv_pieces, accs):
+    store_rows(o_ref, row, off, (a / l_safe[:, None]).astype(o_ref.dtype))
+  lse_ref[row] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, has_seg, interpret):
+  """q [B,T,H,Dk]; kc/vc [B,K,Ncp,D] (group-major, padded); seg [B,T]; bseg/bpure [B,Ncp]."""
+  b, t, h, dk = q.shape
+  kh, ncp, dv = kc.shape[1], kc.shape[2], vc.shape[3]
+  g = h // kh
+  tq, gp, m = tile_shape(g, tiling.rows)
+  kernel = functools.partial(
+      _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
+      bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
+      has_seg=has_seg)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(cdiv(t, tq), kh, b),
+      in_specs=[_whole(t), _whole(ncp), _whole(ncp), _whole(t * h, dk), _group(ncp, dk),
+                _group(ncp, dv)],
+      out_specs=[_whole(t * h, dv), _whole(t * h)],
+      out_shape=[jax.ShapeDtypeStruct((b, t * h, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, t * h), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+      interpret=interpret,
+      name="nsa_cmp_fwd",
+  )(seg, bseg, bpure, q.reshape(b, t * h, dk), kc, vc)
+  return o.reshape(b, t, h, dv), lse.reshape(b, t, h)
+
+
+# ----------------------------------------------------------------------------- backward: dq
+
+def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale,
+               has_seg):
+  tile, kk = pl.program_id(0), pl.program_id(1)
+  pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
+  qs, dos = load_rows(q_ref, row, dk_pieces), load_rows(do_ref, row, dv_pieces)
+  lse = lse_ref[row]
+  lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+  delta = delta_ref[row]
+  seg_q = seg_ref[pos] if has_seg else None
+  last = jnp.minimum(tile * tq + tq - 1, t - 1)
+  steps = cdiv(num_visible(last, block, stride, nc), bk)
+
+  def body(i, accs):
+    start = pl.multiple_of(i * bk, bk)
+    kidx = start + lax.iota(jnp.int32, bk)
+    ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
+    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
+    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+    s = dot_pieces(qs, ks) * (scale * LOG2E)
+    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
+    ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
+    return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
+
+  init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
+  accs = lax.fori_loop(0, steps, body, init)
+  for (off, _), a in zip(dk_pieces, accs):
+    store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
+
+
+# ----------------------------------------------------------------------------- backward: dK, dV
+
+def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces,
+                scale, has_seg):
+  j, kk = pl.program_id(0), pl.program_id(1)
+  start = pl.multiple_of(j * bk, bk)
+  kidx = start + lax.iota(jnp.int32, bk)
+  ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
+  bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
+  bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+  first_tile = jnp.minimum(start * stride + block - 1, t) // tq  # first query that sees key `start`
+
+  def body(i, accs):
+    dk_accs, dv_accs = accs
+    pos, row, valid = tile_rows(i, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
+    qs, dos = load_rows(q_ref, row, dk_pieces), load_rows(do_ref, row, dv_pieces)
+    lse = lse_ref[row]
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    delta = delta_ref[row]
+    seg_q = seg_ref[pos] if has_seg else None
+    s = dot_pieces(qs, ks) * (scale * LOG2E)
+    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    vis = vis & valid[:, None]  # copied rows must not count twice
+    p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
+    pt = p.astype(dos[0].dtype)
+    dv_accs = tuple(a + plgpu.dot(pt, dp, trans_a=True) for a, dp in zip(dv_accs, dos))
+    ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(qs[0].dtype)
+    dk_accs = tuple(a + plgpu.dot(ds, qp, trans_a=True) for a, qp in zip(dk_accs, qs))
+    return dk_accs, dv_accs
+
+  init = (tuple(jnp.zeros((bk, size), jnp.float32) for _, size in dk_pieces),
+          tuple(jnp.zeros((bk, size), jnp.float32) for _, size in dv_pieces))
+  dk_accs, dv_accs = lax.fori_loop(first_tile, cdiv(t, tq), body, init)
+  for (off, size), a in zip(dk_pieces, dk_accs):
+    dk_ref[pl.ds(start, bk), pl.ds(off, size)] = (a * scale).astype(dk_ref.dtype)
+  for (off, size), a in zip(dv_pieces, dv_accs):
+    dv_ref[pl.ds(start, bk), pl.ds(off, size)] = a.astype(dv_ref.dtype)
+
+
+def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, stride, scale, tiling,
+              has_seg, interpret):
+  b, t, h, dk = q.shape
+  kh, ncp, dv = kc.shape[1], kc.shape[2], vc.shape[3]
+  g = h // kh
+  # dL/dlogits = p * (dp - delta) with delta = rowsum(do * o) - dlse (lse's own cotangent).
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
+  delta = jnp.where(lse == -jnp.inf, 0.0, delta).reshape(b, t * h)
+  lse_f = lse.reshape(b, t * h)
+  qf, dof = q.reshape(b, t * h, dk), do.astype(q.dtype).reshape(b, t * h, dv)
+  common = dict(g=g, t=t, h=h, nc=nc, block=block, stride=stride, dk_pieces=dim_pieces(dk),
+                dv_pieces=dim_pieces(dv), scale=scale, has_seg=has_seg)
+  ins = [_whole(t), _whole(ncp), _whole(ncp), _whole(t * h, dk), _group(ncp, dk), _group(ncp, dv),
+         _whole(t * h, dv), _whole(t * h), _whole(t * h)]
+  args = (seg, bseg, bpure, qf, kc, vc, dof, lse_f, delta)
+
+  tq, gp, m = tile_shape(g, tiling.rows)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.block_k, **common),
+      grid=(cdiv(t, tq), kh, b),
+      in_specs=ins,
+      out_specs=_whole(t * h, dk),
+      out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+      interpret=interpret,
+      name="nsa_cmp_dq",
+  )(*args)
+
+  tq, gp, m = tile_shape(g, tiling.bwd_rows)
+  bk = tiling.bwd_block_k
+  dkc, dvc = pl.pallas_call(
+      functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, **common),
+      grid=(ncp // bk, kh, b),  # low key tiles (seen by the most queries) start first
+      in_specs=ins,
+      out_specs=[_group(ncp, dk), _group(ncp, dv)],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, ncp, dk), kc.dtype),
+                 jax.ShapeDtypeStruct((b, kh, ncp, dv), vc.dtype)],
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
+                                           num_stages=tiling.bwd_num_stages),
+      interpret=interpret,
+      name="nsa_cmp_dkv",
+  )(*args)
+  return dq.reshape(b, t, h, dk), dkc, dvc
+
+
+# ----------------------------------------------------------------------------- custom VJP
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
+def _cmp(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg, interpret):
+  return _forward(q, kc, vc, seg, bseg, bpure, nc=nc, block=block, stride=stride, scale=scale,
+                  tiling=tiling, has_seg=has_seg, interpret=interpret)
+
+
+def _cmp_fwd(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg, interpret):
+  o, lse = _cmp(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg, interpret)
+  # Saved: the inputs (needed anyway), o and lse ([B,T,H], small); p is recomputed, never stored.
+  return (o, lse), (q, kc, vc, seg, bseg, bpure, o, lse)
+
+
+def _cmp_bwd(nc, block, stride, scale, tiling, has_seg, interpret, res, cts):
+  q, kc, vc, seg, bseg, bpure, o, lse = res
+  do, dlse = cts
+  dq, dkc, dvc = _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, nc=nc, block=block,
+                           stride=stride, scale=scale, tiling=tiling, has_seg=has_seg,
+                           interpret=interpret)
+  return dq, dkc, dvc, None, None, None
+
+
+_cmp.defvjp(_cmp_fwd, _cmp_bwd)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def supports(q_shape, kc_shape, vc_shape):
+  """(ok, reason): whether the kernels handle these shapes."""
+  b, t, h, dk = q_shape
+  if kc_shape[0] != b or kc_shape[3] != dk or vc_shape[:3] != kc_shape[:3]:
+    return False, f"k_cmp {kc_shape} / v_cmp {vc_shape} do not match q {q_shape}"
+  if h % kc_shape[2]:
+    return False, f"{h} query heads not a multiple of {kc_shape[2]} KV heads"
+  for name, d in (("d_k", dk), ("d_v", vc_shape[3])):
+    if d < 16 or d % 16:
+      return False, f"{name}={d}: needs a multiple of 16 for the matrix unit"
+  if t * h >= 2 ** 31:
+    return False, f"T*H={t * h} too large for int32 row indices"
+  return True, "ok"
+
+
+def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=None, *,
+                       interpret=False, tiling=None):
+  """Compression-branch attention; see the module docstring. Returns (o, lse)."""
+  ok, why = supports(q.shape, k_cmp.shape, v_cmp.shape)
+  if not ok:
+    raise ValueError(f"compress_attention does not support this call: {why}")
+  tiling = tiling or CmpTiling()
+  b, t, h, dk = q.shape
+  nc = k_cmp.shape[1]
+  expect = 0 if t < block else (t - block) // stride + 1
+  if nc != expect:
+    raise ValueError(f"k_cmp has {nc} blocks, expected {expect} for T={t}, l={block}, d={stride}")
+  scale = float(dk ** -0.5 if scale is None else scale)
+  step = math.lcm(tiling.block_k, tiling.bwd_block_k)
+  ncp = max(step, cdiv(nc, step) * step)
+  kc = jnp.pad(k_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  vc = jnp.pad(v_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  has_seg = segment_ids is not None
+  seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
+  if has_seg:
+    bseg, bpure = block_meta(seg, ncp, block, stride)
+  else:
+    bseg = bpure = jnp.zeros((b, ncp), jnp.int32)
+  o, lse = _cmp(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg, interpret)
+  return o, lse

@@ -1,0 +1,232 @@
+"""NSA block importance and top-n selection (Eq. 8-11) fused in one Pallas Triton-lowered kernel.
+
+Writes only block_idx [B, T, K, n] int32: the [H, T, Nc] probabilities and the [T, K, Ns] scores
+never reach memory. A program owns `tq` query positions x the G heads of one KV group and walks the
+selection blocks in chunks of `sel_chunk` (= r * sel_chunk compressed blocks, r = l'/d):
+  1. p = exp(q . K_cmp * scale - lse) on visible blocks (Eq. 8; lse from compress_attention);
+  2. Eq. 9 as a matmul with the constant band matrix W (weights 1,2,2,2,1 for l=32, d=16, l'=64):
+     a chunk of compressed blocks feeds its own selection blocks and the next chunk's, so the part
+     for the next chunk is carried. p is split into three bfloat16 terms so that the matrix unit
+     computes p @ W to float32 accuracy (W holds small integers, exact in bfloat16);
+  3. Eq. 10: sum over the group's heads (a reshape + sum over the tile rows of one token);
+  4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
+     top-n (replace-the-minimum while any candidate beats the current n-th best).
+Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
+to the lower block index (a later chunk never displaces an equal score; the evicted entry is the
+smallest score, highest index), output ascending, -1 in empty slots. Floating-point sums run in a
+different order than the reference, so two scores within ~1e-7 relative may rank differently.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import compress_attention as ca
+
+LOG2E = math.log2(math.e)
+BIG = 2 ** 30
+ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
+
+
+def _band(u, k_base, r, c):
+  """Eq. 9 weight of compressed block (chunk row u) for a selection block whose base - chunk start
+  is k_base: #{(m, n): m < r, n < c, m + n = k_base - u}."""
+  k = k_base - u
+  w = jnp.minimum(jnp.minimum(k, r - 1), jnp.minimum(c - 1, r + c - 2 - k)) + 1
+  return jnp.where((k >= 0) & (k <= r + c - 2), w, 0).astype(jnp.float32)
+
+
+def _split3(x):
+  """float32 x = hi + mid + lo, each bfloat16 (24 significant bits in all)."""
+  hi = x.astype(jnp.bfloat16)
+  r1 = x - hi.astype(jnp.float32)
+  mid = r1.astype(jnp.bfloat16)
+  lo = (r1 - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+  return hi, mid, lo
+
+
+def _exact_dot(parts, w):
+  acc = None
+  for p in parts:
+    d = plgpu.dot(p, w)
+    acc = d if acc is None else acc + d
+  return acc
+
+
+def _merge(a_val, a_idx, cand, jv, *, n):
+  """Merge candidates cand [tq, S] (block ids jv) into the running top-n (a_val, a_idx) [tq, NP]."""
+  npad = a_val.shape[1]
+  slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
+  real = slot < n
+
+  def bounds(a_val, c):
+    return jnp.max(c, axis=1), jnp.min(jnp.where(real, a_val, jnp.inf), axis=1)
+
+  def cond(st):
+    a_val, _, c = st
+    c_best, a_min = bounds(a_val, c)
+    return jnp.max((c_best > a_min).astype(jnp.int32)) > 0
+
+  def body(st):
+    a_val, a_idx, c = st
+    c_best, a_min = bounds(a_val, c)
+    c_pick = jnp.min(jnp.where(c == c_best[:, None], jv, BIG), axis=1)  # ties: lower block
+    a_eff = jnp.where(real, a_val, jnp.inf)
+    key = jnp.where(a_eff == a_min[:, None], (a_idx + 1) * npad + slot, -1)
+    evict = jnp.max(key, axis=1) & (npad - 1)  # smallest score, highest block among equals
+    ins = c_best > a_min
+    hit = ins[:, None] & (slot == evict[:, None])
+    a_val = jnp.where(hit, c_best[:, None], a_val)
+    a_idx = jnp.where(hit, c_pick[:, None], a_idx)
+    c = jnp.where(ins[:, None] & (jv == c_pick[:, None]), -jnp.inf, c)
+    return a_val, a_idx, c
+
+  a_val, a_idx, _ = lax.while_loop(cond, body, (a_val, a_idx, cand))
+  return a_val, a_idx
+
+
+def _ascending(a_val, a_idx, *, n):
+  """[tq, NP] chosen blocks -> ascending block ids, -1 in empty slots (and in slots >= n)."""
+  slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
+  key = jnp.where((slot < n) & (a_val > -jnp.inf), a_idx, BIG)
+  out = jnp.full(a_val.shape, -1, jnp.int32)
+  for s in range(n):
+    mn = jnp.min(key, axis=1)
+    out = jnp.where(slot == s, jnp.where(mn == BIG, -1, mn)[:, None], out)
+    key = jnp.where(key == mn[:, None], BIG, key)
+  return out
+
+
+def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref, idx_ref, *, tq, g,
+                 gp, m, t, h, kh, nc, block, stride, sel_block, nsj, n, npad, n_init, n_local, off,
+                 dk_pieces, scale, has_seg):
+  tile, kk = pl.program_id(0), pl.program_id(1)
+  pos, row, _ = ca.tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
+  # Only padded heads are dropped: tokens past T copy token T-1 whole, so they compute (and store)
+  # exactly its indices.
+  real_head = lax.iota(jnp.int32, m) % gp < g
+  qs = ca.load_rows(q_ref, row, dk_pieces)
+  lse = lse_ref[row]
+  lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+  seg_q = seg_ref[pos] if has_seg else None
+  r, c = sel_block // stride, block // stride
+  bkc = r * nsj
+  tpos = jnp.minimum(tile * tq + lax.iota(jnp.int32, tq), t - 1)  # per token of the tile
+  cur = tpos // sel_block
+  first = first_ref[tpos] if has_seg else jnp.zeros((tq,), jnp.int32)
+  u = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 0)
+  v = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 1)
+  w_own = _band(u, r * v + off, r, c).astype(jnp.bfloat16)
+  w_next = _band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
+  last = jnp.minimum(tile * tq + tq - 1, t - 1)
+  chunks = last // sel_block // nsj + 1
+
+  def body(ci, st):
+    a_val, a_idx, carry = st
+    start = pl.multiple_of(ci * bkc, bkc)
+    kidx = start + lax.iota(jnp.int32, bkc)
+    ks = ca.load_block(k_ref, start, bkc, dk_pieces)
+    bseg = bseg_ref[pl.ds(start, bkc)] if has_seg else None
+    bpure = bpure_ref[pl.ds(start, bkc)] if has_seg else None
+    s = ca.dot_pieces(qs, ks) * (scale * LOG2E)
+    vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    p = jnp.where(vis & real_head[:, None], jnp.exp2(s - lse2[:, None]), 0.0)  # Eq. 8
+    parts = _split3(p)
+    own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
+    nxt = _exact_dot(parts, w_next)
+    own = jnp.sum(own.reshape(tq, gp, nsj), axis=1) + carry  # Eq. 10 [tq, nsj]
+    carry = jnp.sum(nxt.reshape(tq, gp, nsj), axis=1)
+    j = ci * nsj + lax.broadcasted_iota(jnp.int32, (tq, nsj), 1)
+    elig = (j <= cur[:, None]) & (j >= first[:, None])
+    forced = elig & ((j < first[:, None] + n_init) | (j > cur[:, None] - n_local))
+    cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
+    a_val, a_idx = _merge(a_val, a_idx, cand, j, n=n)
+    return a_val, a_idx, carry
+
+  init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32),
+          jnp.zeros((tq, nsj), jnp.float32))
+  a_val, a_idx, _ = lax.fori_loop(0, chunks, body, init)
+  ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
+
+
+def supports(q_shape, kc_shape, block, stride, sel_block, rows=64):
+  """(ok, reason): whether the kernel handles these shapes and block sizes."""
+  b, t, h, dk = q_shape
+  if kc_shape[0] != b or kc_shape[3] != dk or h % kc_shape[2]:
+    return False, f"k_cmp {kc_shape} does not match q {q_shape}"
+  if dk < 16 or dk % 16:
+    return False, f"d_k={dk}: needs a multiple of 16"
+  r = sel_block // stride
+  if sel_block % stride or r & (r - 1):
+    return False, f"l'/d = {sel_block}/{stride} must be a power of two"
+  tq, gp, m = ca.tile_shape(h // kc_shape[2], rows)
+  if m != tq * gp:
+    return False, f"rows={rows} below the 16-row matrix-unit minimum"
+  if t * h >= 2 ** 31:
+    return False, f"T*H={t * h} too large for int32 row indices"
+  return True, "ok"
+
+
+def document_first_block(seg, sel_block):
+  """[B, T] selection block holding each token's document start (segments are contiguous)."""
+  t = seg.shape[1]
+  pos = jnp.arange(t, dtype=jnp.int32)
+  boundary = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  return lax.cummax(jnp.where(boundary, pos, 0), axis=1) // sel_block
+
+
+def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_init=1, num_local=2,
+                alignment="overlap", segment_ids=None, scale=None, interpret=False, rows=64,
+                sel_chunk=16, num_warps=4, num_stages=2):
+  """Top-n selection blocks [B, T, K, n] int32 from q [B,T,H,Dk], k_cmp [B,Nc,K,Dk], lse [B,T,H]
+  (the compression softmax's log-sum-exp). Not differentiable (inputs are stop_gradient-ed)."""
+  ok, why = supports(q.shape, k_cmp.shape, block, stride, sel_block, rows)
+  if not ok:
+    raise ValueError(f"select_topn does not support this call: {why}")
+  if alignment not in ALIGN_OFFSET:
+    raise ValueError(f"alignment={alignment!r}: expected one of {sorted(ALIGN_OFFSET)}")
+  q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
+  b, t, h, dk = q.shape
+  nc, kh = k_cmp.shape[1], k_cmp.shape[2]
+  g = h // kh
+  tq, gp, m = ca.tile_shape(g, rows)
+  r = sel_block // stride
+  nsj = max(sel_chunk, 16, 16 // r)  # the dots need >= 16 columns and rows
+  bkc = r * nsj
+  ns = ca.cdiv(t, sel_block)
+  ncp = max(ca.cdiv(ns, nsj) * bkc, ca.cdiv(nc, bkc) * bkc)
+  kc = jnp.pad(k_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  has_seg = segment_ids is not None
+  seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
+  if has_seg:
+    bseg, bpure = ca.block_meta(seg, ncp, block, stride)
+    first = document_first_block(seg, sel_block).astype(jnp.int32)
+  else:
+    bseg = bpure = jnp.zeros((b, ncp), jnp.int32)
+    first = jnp.zeros((b, t), jnp.int32)
+  npad = ca.next_pow2(num_selected)
+  scale = float(dk ** -0.5 if scale is None else scale)
+  kernel = functools.partial(
+      _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
+      sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
+      n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
+      has_seg=has_seg)
+  w = ca._whole
+  idx = pl.pallas_call(
+      kernel,
+      grid=(ca.cdiv(t, tq), kh, b),
+      in_specs=[w(t), w(t), w(ncp), w(ncp), w(t * h, dk), ca._group(ncp, dk), w(t * h)],
+      out_specs=w(t * kh, npad),
+      out_shape=jax.ShapeDtypeStruct((b, t * kh, npad), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="nsa_select_topn",
+  )(seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
+  return idx.reshape(b, t, kh, npad)[..., :num_selected]
