@@ -1,0 +1,24 @@
+"""Sweep: NSA without each branch in turn (compression, selection, window).
+
+"no_cmp" still computes compression attention, because the NSA selector's block scores come from
+it (Eq. 8); only its output leaves the gated sum. "no_slc" has no selection branch at all.
+
+Run: python -m experiments.ablate --config=configs/sweep_branches.py [--run=NAME]
+"""
+
+from configs.sweep_base import sweep_base_config
+
+REFERENCE = "nsa"
+
+
+def get_config():
+  return sweep_base_config()
+
+
+def get_runs():
+  return {
+      "nsa": {},
+      "no_cmp": {"model.nsa.branches": ("slc", "win")},
+      "no_slc": {"model.nsa.branches": ("cmp", "win")},
+      "no_win": {"model.nsa.branches": ("cmp", "slc")},
+  }
