@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import sys
 
 import jax
@@ -105,7 +106,7 @@ def time_fwd_bwd(f, q, k, v, do, iters=10):
   """(fwd ms, bwd ms) of o = f(q, k, v); bwd = the VJP alone (residuals precomputed)."""
   fwd = jax.jit(f)
   fwd_ms = bc.time_ms(fwd, q, k, v, iters=iters)
-  _, vjp = jax.vjp(f, q, k, v)
+  vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1])(q, k, v)  # residuals computed once
   bwd = jax.jit(lambda fn, ct: fn(ct))
   bwd_ms = bc.time_ms(bwd, vjp, do, iters=iters)
   return fwd_ms, bwd_ms
@@ -154,17 +155,14 @@ def bench_prep(t, kh, n, bs, pattern, tq, chunk, b=1):
 
 # ----------------------------------------------------------------------------- correctness on device
 
-def check_compiled(cases=((1, 1000, 16, 1, 128, 128, 16), (1, 777, 16, 4, 192, 128, 16),
-                          (2, 500, 2, 1, 256, 64, 16), (1, 600, 1, 1, 64, 64, 16))):
+def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128, 16))):
   """Compiled kernels (bf16) vs the f32 reference: forward, grads, and bitwise-repeatable grads."""
   from nsa_jax import reference as ref
   ok_all = True
   for b, t, h, kh, dk, dv, n in cases:
-    for tq_mode in ("default", "union"):
+    for tq_mode in ("default",):
       g = h // kh
-      tiling = kc.default_tiling(g, 64)
-      if tq_mode == "union":
-        tiling = kc.SelectTiling(tokens_per_tile=4, bwd_tokens=tiling.bwd_tokens, chunk_entries=128)
+      tiling = dataclasses.replace(kc.default_tiling(g, 64), chunk_entries=256)
       key = jax.random.key(t + h)
       q, k, v, do = make_qkv(key, b, t, h, kh, dk, dv)
       idx = index_pattern(jax.random.key(5), b, t, kh, min(n, 16), 64, "random")
@@ -220,11 +218,29 @@ def _show(recs):
                              "floor_ratio", "impl")}, flush=True)
 
 
+def plan_jobs(name, ts, groups, patterns, block):
+  """[(T, G, pattern, tiling, deterministic)] in run order (most important first)."""
+  if name == "default":
+    return [(t, g, p, kc.default_tiling(g, block), True) for t in ts for g in groups for p in patterns]
+  if name == "sweep":
+    return [(t, g, p, tl, det) for t in ts for g in groups for p in patterns
+            for tl, det in sweep_variants(g, p)]
+  if name == "final":  # the issue's target shapes first, then the other lengths
+    r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
+    jobs = [(65536, 16, "random", d16, True), (65536, 16, "clustered", d16, True),
+            (65536, 4, "random", d4, True), (65536, 4, "clustered", d4, True),
+            (65536, 4, "clustered", r(d4, tokens_per_tile=16), True),
+            (65536, 16, "random", r(d16, tokens_per_tile=2), True)]
+    return jobs + [(t, 16, p, d16, True) for t in (8192, 16384, 32768) for p in patterns]
+  raise ValueError(f"--plan {name!r}")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--T", default="8192,16384,32768,65536")
   p.add_argument("--groups", default="16,4", help="G = q heads / kv heads (64 q heads)")
   p.add_argument("--patterns", default="random,clustered")
+  p.add_argument("--plan", default="default", help="default | sweep | final")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
   p.add_argument("--d", type=int, default=128)
@@ -233,37 +249,33 @@ def main(argv=None):
   p.add_argument("--check", action="store_true")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--no-bench", action="store_true")
-  p.add_argument("--sweep", action="store_true", help="time tiling variants instead of the default")
   a = p.parse_args(argv)
+  logging.basicConfig(level=logging.WARNING)
+  logging.getLogger("pallas_kernels").setLevel(logging.INFO)
   if a.check and not check_compiled():
     print("CHECK FAILED", flush=True)
   if a.no_bench:
     return
   peaks = bc.measure_peaks()
   print(f"peaks: matmul {peaks[0] / 1e12:.0f} TFLOP/s, copy {peaks[1] / 1e12:.2f} TB/s", flush=True)
-  recs, h = [], 64
-  for t in map(int, a.T.split(",")):
-    for g in map(int, a.groups.split(",")):
-      cud = bench_cudnn(t, h, h // g, a.d)
-      print(f"T={t} G={g} cudnn fwd {cud[0]:.2f} ms bwd {cud[1]:.2f} ms", flush=True)
-      for pat in a.patterns.split(","):
-        variants = sweep_variants(g, pat) if a.sweep else [(kc.default_tiling(g, a.block), True)]
-        for tiling, det in variants:
-          try:
-            r = bench_select(t, h, h // g, a.d, a.d, a.n, a.block, pat, tiling=tiling,
-                             deterministic=det, cudnn=cud, peaks=peaks, iters=a.iters)
-          except Exception as e:  # keep sweeping: one tiling failing to compile is a finding
-            print(f"FAILED {tiling} det={det}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-          _show(r)
-          recs += r
-          bc.write_results(recs, a.out, f"select_{a.tag}", "(partial)")
-      if a.sweep:
-        for tq in (1, 4, 16):
-          u, inv = bench_prep(t, h // g, a.n, a.block, "random", tq, 512)
-          print(f"prep T={t} G={g} tile_union(tq={tq}) {u:.3f} ms, inverse_lists {inv:.3f} ms", flush=True)
   pre = (f"# Selection kernel vs cuDNN dense causal ({bc.hardware()})\n\nCommand: `{bc.command_line()}`\n"
          f"Measured peaks: bf16 matmul {peaks[0] / 1e12:.0f} TFLOP/s, HBM copy {peaks[1] / 1e12:.2f} TB/s.")
+  recs, h, cudnn = [], 64, {}
+  jobs = plan_jobs(a.plan, [int(x) for x in a.T.split(",")], [int(x) for x in a.groups.split(",")],
+                   a.patterns.split(","), a.block)
+  for t, g, pat, tiling, det in jobs:
+    if (t, g) not in cudnn:
+      cudnn[t, g] = bench_cudnn(t, h, h // g, a.d, iters=a.iters)
+      print(f"T={t} G={g} cudnn fwd {cudnn[t, g][0]:.2f} ms bwd {cudnn[t, g][1]:.2f} ms", flush=True)
+    try:
+      r = bench_select(t, h, h // g, a.d, a.d, a.n, a.block, pat, tiling=tiling, deterministic=det,
+                       cudnn=cudnn[t, g], peaks=peaks, iters=a.iters)
+    except Exception as e:  # keep going: one tiling failing to compile is a finding, not a crash
+      print(f"FAILED T={t} G={g} {pat} {tiling} det={det}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+      continue
+    _show(r)
+    recs += r
+    bc.write_results(recs, a.out, f"select_{a.tag}", pre + "\n\n(partial: written after every job)")
   bc.write_results(recs, a.out, f"select_{a.tag}", pre)
   print(bc.markdown_table(recs))
 

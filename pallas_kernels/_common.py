@@ -53,14 +53,19 @@ def dim_pieces(d):
 class SelectTiling:
   """Static tiling of the selection kernels (hashable: passed as a static custom_vjp argument).
 
-  tokens_per_tile: query positions per forward/dq program. 1 = the paper's per-token program (the
-    G heads padded up to 16 rows when G < 16); >1 = the tile walks the union of its tokens' blocks
-    and masks rows whose token did not pick the block (pays off when neighbours share blocks).
+  mode: how a multi-token tile walks its tokens' blocks.
+    "union": one stacked tile (tokens x G heads as rows) walks the union of its tokens' blocks,
+      masking rows whose token did not pick the block (fills the 16-row matrix unit when G < 16);
+    "shared": each token keeps its own G-row tile and softmax state; blocks picked by every token of
+      the tile are loaded once and used by all of them, the rest per token (exact FLOPs, fewer bytes).
+  tokens_per_tile: query positions per forward/dq program (1 = the paper's per-token program, the G
+    heads padded up to 16 rows when G < 16).
   block_k: keys per inner step (divides block_size).
   bwd_tokens: tokens gathered per dK/dV inner step (rows = bwd_tokens * G).
   chunk_entries: max (token, block) entries one dK/dV program handles (load balance vs. partials).
   """
   tokens_per_tile: int = 1
+  mode: str = "union"
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
@@ -71,10 +76,13 @@ class SelectTiling:
 
 
 def default_tiling(g, block_size):
-  """Heuristic default: enough stacked rows for the 16-row matrix-unit minimum."""
-  tq = 1 if g >= 16 else max(1, 16 // g)
+  """Heuristic default. G >= 16: "shared" tiles of 4 tokens (the paper's 16-row per-token tiles, with
+  the blocks all 4 pick loaded once). G < 16: "union" tiles stacking 16 // G tokens to fill 16 rows."""
   bwd = max(1, 64 // g)
-  return SelectTiling(tokens_per_tile=tq, block_k=min(64, block_size), bwd_tokens=bwd)
+  bk = min(64, block_size)
+  if g >= 16:
+    return SelectTiling(tokens_per_tile=4, mode="shared", block_k=bk, bwd_tokens=bwd)
+  return SelectTiling(tokens_per_tile=max(1, 16 // g), block_k=bk, bwd_tokens=bwd)
 
 
 def rows_of(g, tq):
@@ -84,17 +92,59 @@ def rows_of(g, tq):
 
 # ----------------------------------------------------------------------------- XLA index maps
 
+def tile_maps(block_idx, tiling):
+  """The forward/dq index maps of `tiling.mode` (tuple of int32 arrays, see tile_union/tile_shared)."""
+  if tiling.mode == "shared":
+    return tile_shared(block_idx, tiling.tokens_per_tile)
+  if tiling.mode == "union":
+    return tile_union(block_idx, tiling.tokens_per_tile)
+  raise ValueError(f"tiling.mode={tiling.mode!r}: expected 'union' or 'shared'")
+
+
+def map_specs(maps, mode):
+  """BlockSpecs (grid (tile, group, batch)) of the index maps: one tile's slice of each."""
+  def spec(a):
+    tail = a.shape[3:]
+    return pl.BlockSpec((None, None, None, *tail), lambda i, j, bb: (bb, i, j) + (0,) * len(tail))
+  return [spec(a) for a in maps]
+
+
+def tile_shared(block_idx, tq):
+  """Blocks shared by all tq tokens of a tile, and each token's remaining (private) blocks.
+
+  block_idx [B, T, K, n]. Returns common [B, nT, K, n], ccnt [B, nT, K, 1], private [B, nT, K, tq, n],
+  pcnt [B, nT, K, tq] (lists ascending, 0 past their count). Tokens past T repeat token T-1's list,
+  so their (unstored-anyway duplicate) rows compute the same values as token T-1.
+  """
+  b, t, kh, n = block_idx.shape
+  nt = cdiv(t, tq)
+  x = jnp.pad(block_idx, ((0, 0), (0, nt * tq - t), (0, 0), (0, 0)), mode="edge")
+  x = x.reshape(b, nt, tq, kh, n).transpose(0, 1, 3, 2, 4)  # [B, nT, K, tq, n]
+  valid = x >= 0
+  hit = x[..., :, :, None, None] == jnp.where(valid, x, -2)[..., None, None, :, :]
+  in_all = jnp.all(jnp.any(hit, axis=-1), axis=-1) & valid  # [B, nT, K, tq, n]
+
+  def compact(a):
+    a = jnp.sort(jnp.where(a < 0, BIG, a), axis=-1)
+    return jnp.where(a < BIG, a, 0).astype(jnp.int32), jnp.sum(a < BIG, axis=-1).astype(jnp.int32)
+
+  common, ccnt = compact(jnp.where(in_all[..., 0, :], x[..., 0, :], -1))
+  private, pcnt = compact(jnp.where(valid & ~in_all, x, -1))
+  return common, ccnt[..., None], private, pcnt
+
+
 def tile_union(block_idx, tq):
   """Union of the block lists of tq consecutive tokens.
 
   block_idx [B, T, K, n] int32 (-1 empty). Returns ub [B, nT, K, U] (ascending union, 0 past cnt),
-  bits [B, nT, K, U] int32 (bit i set iff token i of the tile picked that block), cnt [B, nT, K].
+  bits [B, nT, K, U] int32 (bit i set iff token i of the tile picked that block), cnt [B, nT, K, 1].
   With tq = 1 this is block_idx itself (no sort), empty slots carrying bits = 0.
   """
   b, t, kh, n = block_idx.shape
   if tq == 1:
     valid = block_idx >= 0
-    return jnp.where(valid, block_idx, 0), valid.astype(jnp.int32), jnp.full((b, t, kh), n, jnp.int32)
+    return (jnp.where(valid, block_idx, 0), valid.astype(jnp.int32),
+            jnp.full((b, t, kh, 1), n, jnp.int32))
   nt = cdiv(t, tq)
   x = jnp.pad(block_idx, ((0, 0), (0, nt * tq - t), (0, 0), (0, 0)), constant_values=-1)
   x = x.reshape(b, nt, tq, kh, n).transpose(0, 1, 3, 2, 4)  # [B, nT, K, tq, n]
@@ -110,7 +160,7 @@ def tile_union(block_idx, tq):
   place = jax.vmap(lambda srt, q: jnp.searchsorted(srt, q))(s.reshape(-1, u), flat.reshape(-1, u))
   bits = jax.vmap(lambda p, v: jnp.zeros((u + 1,), jnp.int32).at[p].add(v))(place, tok_bit.reshape(-1, u))
   bits = bits[:, :u].reshape(b, nt, kh, u)
-  return jnp.where(s < BIG, s, 0), bits, cnt
+  return jnp.where(s < BIG, s, 0), bits, cnt[..., None]
 
 
 def inverse_lists(block_idx, num_blocks, chunk):

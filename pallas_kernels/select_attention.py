@@ -29,73 +29,124 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-# ----------------------------------------------------------------------------- forward kernel
+# ----------------------------------------------------------------------------- forward kernels
 
-def _fwd_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces, scale, has_seg):
+def _init_state(m, dv_pieces):
+  """Online-softmax state of an m-row tile: running max (base 2), running sum, accumulators."""
+  return (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
+          tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
+
+
+def _softmax_step(state, s, vs):
+  """Fold base-2 logits s [m, bk] (-inf where masked) and values vs into the state."""
+  m_i, l_i, accs = state
+  m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked row so far: avoid inf - inf
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - m_use[:, None])
+  pv = p.astype(vs[0].dtype)
+  accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
+  return m_new, l_i * alpha + jnp.sum(p, axis=1), accs
+
+
+def _store_state(state, row, o_ref, lse_ref, dv_pieces):
+  """o = acc / l and lse = log(l) + max (o = 0, lse = -inf where no key was visible)."""
+  m_i, l_i, accs = state
+  seen = l_i > 0.0
+  l_safe = jnp.where(seen, l_i, 1.0)
+  for (off, _), a in zip(dv_pieces, accs):
+    C.store_rows(o_ref, row, off, (a / l_safe[:, None]).astype(o_ref.dtype))
+  lse_ref[row] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+def _kv_steps(blk, kk, k_ref, v_ref, seg_ref, *, bk, block_size, t, kh, dk_pieces, dv_pieces, has_seg):
+  """Per l'-block, its key steps: (key positions, K pieces, V pieces, key segment ids)."""
+  for sub in range(block_size // bk):
+    kpos, krow = C.key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
+    seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
+    yield kpos, C.load_pieces(k_ref, krow, dk_pieces), C.load_pieces(v_ref, krow, dv_pieces), seg_k
+
+
+def _fwd_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                      tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces, scale, has_seg):
   tile, kk = pl.program_id(0), pl.program_id(1)
   tok, pos, row = C.tile_rows(tile, kk, tq=tq, g=g, m=m, t=t, h=h)
   qs = C.load_pieces(q_ref, row, dk_pieces)
-  seg_q = seg_ref[jnp.minimum(pos, t - 1)] if has_seg else None
+  seg_q = seg_ref[pos] if has_seg else None
+  kv = functools.partial(_kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
+                         block_size=block_size, t=t, kh=kh, dk_pieces=dk_pieces,
+                         dv_pieces=dv_pieces, has_seg=has_seg)
 
-  def body(u, carry):
-    m_i, l_i, accs = carry
-    blk, bits = ub_ref[u], bits_ref[u]
-    rows_on = ((bits >> tok) & 1) == 1  # this row's token picked the block
-    for sub in range(block_size // bk):
-      kpos, krow = C.key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
-      ks = C.load_pieces(k_ref, krow, dk_pieces)
-      vs = C.load_pieces(v_ref, krow, dv_pieces)
-      seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
+  def body(u, state):
+    rows_on = ((bits_ref[u] >> tok) & 1) == 1  # this row's token picked the block
+    for kpos, ks, vs, seg_k in kv(ub_ref[u]):
       s = C.dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
       s = jnp.where(C.visible(rows_on, pos, kpos, seg_q, seg_k), s, -jnp.inf)
-      m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked row so far: avoid inf - inf
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s - m_use[:, None])
-      l_i = l_i * alpha + jnp.sum(p, axis=1)
-      pv = p.astype(vs[0].dtype)
-      accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
-      m_i = m_new
-    return m_i, l_i, accs
+      state = _softmax_step(state, s, vs)
+    return state
 
-  init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
-          tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
-  m_i, l_i, accs = lax.fori_loop(0, cnt_ref[0], body, init)
-  seen = l_i > 0.0
-  l_safe = jnp.where(seen, l_i, 1.0)
-  for (off, size), a in zip(dv_pieces, accs):
-    C.store_rows(o_ref, row, off, (a / l_safe[:, None]).astype(o_ref.dtype))
-  lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
-  lse_ref[row] = lse
+  state = lax.fori_loop(0, cnt_ref[0], body, _init_state(m, dv_pieces))
+  _store_state(state, row, o_ref, lse_ref, dv_pieces)
 
 
-def forward(q, k, v, seg, ub, bits, cnt, *, block_size, scale, tiling, has_seg, interpret):
-  """Pallas forward. q [B,T,H,Dk], k/v [B,T,K,D*], seg [B,T], ub/bits [B,nT,K,U], cnt [B,nT,K]."""
+def _fwd_shared_kernel(com_ref, ccnt_ref, priv_ref, pcnt_ref, seg_ref, q_ref, k_ref, v_ref, o_ref,
+                       lse_ref, *, tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces, scale,
+                       has_seg):
+  tile, kk = pl.program_id(0), pl.program_id(1)
+  toks = []  # per token of the tile: (pos, row, q pieces, query segment ids), m rows each
+  for i in range(tq):
+    _, pos, row = C.tile_rows(tile * tq + i, kk, tq=1, g=g, m=m, t=t, h=h)
+    toks.append((pos, row, C.load_pieces(q_ref, row, dk_pieces), seg_ref[pos] if has_seg else None))
+  kv = functools.partial(_kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
+                         block_size=block_size, t=t, kh=kh, dk_pieces=dk_pieces,
+                         dv_pieces=dv_pieces, has_seg=has_seg)
+  on = jnp.ones((m,), jnp.bool_)
+
+  def step(state, tok, kpos, ks, vs, seg_k):
+    pos, _, qs, seg_q = tok
+    s = C.dot_pieces(qs, ks) * (scale * LOG2E)
+    s = jnp.where(C.visible(on, pos, kpos, seg_q, seg_k), s, -jnp.inf)
+    return _softmax_step(state, s, vs)
+
+  def common_body(u, states):  # one K/V load serves every token of the tile
+    for kpos, ks, vs, seg_k in kv(com_ref[u]):
+      states = tuple(step(st, tok, kpos, ks, vs, seg_k) for st, tok in zip(states, toks))
+    return states
+
+  states = lax.fori_loop(0, ccnt_ref[0], common_body, tuple(_init_state(m, dv_pieces) for _ in toks))
+  for i, tok in enumerate(toks):
+    def private_body(u, st, i=i, tok=tok):
+      for kpos, ks, vs, seg_k in kv(priv_ref[i, u]):
+        st = step(st, tok, kpos, ks, vs, seg_k)
+      return st
+    st = lax.fori_loop(0, pcnt_ref[i], private_body, states[i])
+    _store_state(st, tok[1], o_ref, lse_ref, dv_pieces)
+
+
+def forward(q, k, v, seg, maps, *, block_size, scale, tiling, has_seg, interpret):
+  """Pallas forward. q [B,T,H,Dk], k/v [B,T,K,D*], seg [B,T], maps = C.tile_maps(block_idx, tiling)."""
   b, t, h, dk = q.shape
   kh, dv = k.shape[2], v.shape[3]
   g, tq = h // kh, tiling.tokens_per_tile
-  nt, u = ub.shape[1], ub.shape[3]
-  m = C.rows_of(g, tq)
+  shared = tiling.mode == "shared"
+  m = C.rows_of(g, 1 if shared else tq)
   kernel = functools.partial(
-      _fwd_kernel, tq=tq, g=g, m=m, t=t, h=h, kh=kh, block_size=block_size, bk=tiling.block_k,
-      dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale, has_seg=has_seg)
-  idx_spec = pl.BlockSpec((None, None, None, u), lambda i, j, bb: (bb, i, j, 0))
+      _fwd_shared_kernel if shared else _fwd_union_kernel, tq=tq, g=g, m=m, t=t, h=h, kh=kh,
+      block_size=block_size, bk=tiling.block_k, dk_pieces=C.dim_pieces(dk),
+      dv_pieces=C.dim_pieces(dv), scale=scale, has_seg=has_seg)
   whole = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, bb: (bb,) + (0,) * len(shape))
   o, lse = pl.pallas_call(
       kernel,
-      grid=(nt, kh, b),  # tiles fastest: neighbouring tokens (sharing forced blocks) run together
-      in_specs=[idx_spec, idx_spec,
-                pl.BlockSpec((None, None, None, 1), lambda i, j, bb: (bb, i, j, 0)),
-                whole(t), whole(t * h, dk), whole(t * kh, dk), whole(t * kh, dv)],
+      grid=(maps[0].shape[1], kh, b),  # tiles fastest: neighbouring tokens (sharing blocks) run together
+      in_specs=C.map_specs(maps, tiling.mode) + [
+          whole(t), whole(t * h, dk), whole(t * kh, dk), whole(t * kh, dv)],
       out_specs=[whole(t * h, dv), whole(t * h)],
       out_shape=[jax.ShapeDtypeStruct((b, t * h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, t * h), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
       interpret=interpret,
-      name=f"nsa_select_fwd_tq{tq}",
-  )(ub, bits, cnt[..., None], seg, q.reshape(b, t * h, dk), k.reshape(b, t * kh, dk),
-    v.reshape(b, t * kh, dv))
+      name=f"nsa_select_fwd_{tiling.mode}{tq}",
+  )(*maps, seg, q.reshape(b, t * h, dk), k.reshape(b, t * kh, dk), v.reshape(b, t * kh, dv))
   return o.reshape(b, t, h, dv), lse.reshape(b, t, h)
 
 
@@ -109,16 +160,16 @@ def _select(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpr
 
 def _select_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret, deterministic):
   del deterministic
-  ub, bits, cnt = C.tile_union(block_idx, tiling.tokens_per_tile)
-  o, lse = forward(q, k, v, seg, ub, bits, cnt, block_size=block_size, scale=scale, tiling=tiling,
+  maps = C.tile_maps(block_idx, tiling)
+  o, lse = forward(q, k, v, seg, maps, block_size=block_size, scale=scale, tiling=tiling,
                    has_seg=has_seg, interpret=interpret)
-  return (o, lse), (q, k, v, block_idx, seg, ub, bits, cnt, o, lse)
+  return (o, lse), (q, k, v, block_idx, seg, maps, o, lse)
 
 
 def _select_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, res, cts):
-  q, k, v, block_idx, seg, ub, bits, cnt, o, lse = res
+  q, k, v, block_idx, seg, maps, o, lse = res
   do, dlse = cts
-  dq, dk, dv = bwd.backward(q, k, v, block_idx, seg, ub, bits, cnt, o, lse, do, dlse,
+  dq, dk, dv = bwd.backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse,
                             block_size=block_size, scale=scale, tiling=tiling, has_seg=has_seg,
                             interpret=interpret, deterministic=deterministic)
   return dq, dk, dv, None, None

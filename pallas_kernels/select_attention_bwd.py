@@ -36,61 +36,99 @@ def _params(tiling):
 
 # ----------------------------------------------------------------------------- dq
 
-def _dq_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces, scale, has_seg):
+def _dq_step(accs, qs, dos, lse2, delta, vis, ks, vs, scale):
+  """dq accumulators += dS @ K for one key step (p recomputed from the saved base-2 lse)."""
+  s = C.dot_pieces(qs, ks) * (scale * LOG2E)
+  p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
+  ds = (p * (C.dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
+  return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
+
+
+def _dq_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                     delta_ref, dq_ref, *, tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces,
+                     scale, has_seg):
   tile, kk = pl.program_id(0), pl.program_id(1)
   tok, pos, row = C.tile_rows(tile, kk, tq=tq, g=g, m=m, t=t, h=h)
-  qs = C.load_pieces(q_ref, row, dk_pieces)
-  dos = C.load_pieces(do_ref, row, dv_pieces)
-  lse2 = lse_ref[row] * LOG2E
-  delta = delta_ref[row]
-  seg_q = seg_ref[jnp.minimum(pos, t - 1)] if has_seg else None
+  qs, dos = C.load_pieces(q_ref, row, dk_pieces), C.load_pieces(do_ref, row, dv_pieces)
+  lse2, delta = lse_ref[row] * LOG2E, delta_ref[row]
+  seg_q = seg_ref[pos] if has_seg else None
 
   def body(u, accs):
-    blk, bits = ub_ref[u], bits_ref[u]
-    rows_on = ((bits >> tok) & 1) == 1
+    rows_on = ((bits_ref[u] >> tok) & 1) == 1
     for sub in range(block_size // bk):
-      kpos, krow = C.key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
-      ks = C.load_pieces(k_ref, krow, dk_pieces)
-      vs = C.load_pieces(v_ref, krow, dv_pieces)
+      kpos, krow = C.key_rows(ub_ref[u], sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
       seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
-      s = C.dot_pieces(qs, ks) * (scale * LOG2E)
       vis = C.visible(rows_on, pos, kpos, seg_q, seg_k)
-      p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
-      ds = (p * (C.dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
-      accs = tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
+      accs = _dq_step(accs, qs, dos, lse2, delta, vis, C.load_pieces(k_ref, krow, dk_pieces),
+                      C.load_pieces(v_ref, krow, dv_pieces), scale)
     return accs
 
-  init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
-  accs = lax.fori_loop(0, cnt_ref[0], body, init)
-  for (off, size), a in zip(dk_pieces, accs):
+  accs = lax.fori_loop(0, cnt_ref[0], body, tuple(jnp.zeros((m, sz), jnp.float32) for _, sz in dk_pieces))
+  for (off, _), a in zip(dk_pieces, accs):
     C.store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
 
-def _dq(q, k, v, seg, ub, bits, cnt, do, lse, delta, *, block_size, scale, tiling, has_seg,
-        interpret):
+def _dq_shared_kernel(com_ref, ccnt_ref, priv_ref, pcnt_ref, seg_ref, q_ref, k_ref, v_ref, do_ref,
+                      lse_ref, delta_ref, dq_ref, *, tq, g, m, t, h, kh, block_size, bk, dk_pieces,
+                      dv_pieces, scale, has_seg):
+  tile, kk = pl.program_id(0), pl.program_id(1)
+  toks = []
+  for i in range(tq):
+    _, pos, row = C.tile_rows(tile * tq + i, kk, tq=1, g=g, m=m, t=t, h=h)
+    toks.append((pos, row, C.load_pieces(q_ref, row, dk_pieces), C.load_pieces(do_ref, row, dv_pieces),
+                 lse_ref[row] * LOG2E, delta_ref[row], seg_ref[pos] if has_seg else None))
+  on = jnp.ones((m,), jnp.bool_)
+
+  def blocks(blk):
+    for sub in range(block_size // bk):
+      kpos, krow = C.key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
+      seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
+      yield kpos, seg_k, C.load_pieces(k_ref, krow, dk_pieces), C.load_pieces(v_ref, krow, dv_pieces)
+
+  def step(accs, tok, kpos, seg_k, ks, vs):
+    pos, _, qs, dos, lse2, delta, seg_q = tok
+    return _dq_step(accs, qs, dos, lse2, delta, C.visible(on, pos, kpos, seg_q, seg_k), ks, vs, scale)
+
+  def common_body(u, all_accs):
+    for kpos, seg_k, ks, vs in blocks(com_ref[u]):
+      all_accs = tuple(step(a, tok, kpos, seg_k, ks, vs) for a, tok in zip(all_accs, toks))
+    return all_accs
+
+  zero = tuple(jnp.zeros((m, sz), jnp.float32) for _, sz in dk_pieces)
+  all_accs = lax.fori_loop(0, ccnt_ref[0], common_body, tuple(zero for _ in toks))
+  for i, tok in enumerate(toks):
+    def private_body(u, accs, i=i, tok=tok):
+      for kpos, seg_k, ks, vs in blocks(priv_ref[i, u]):
+        accs = step(accs, tok, kpos, seg_k, ks, vs)
+      return accs
+    accs = lax.fori_loop(0, pcnt_ref[i], private_body, all_accs[i])
+    for (off, _), a in zip(dk_pieces, accs):
+      C.store_rows(dq_ref, tok[1], off, (a * scale).astype(dq_ref.dtype))
+
+
+def _dq(q, k, v, seg, maps, do, lse, delta, *, block_size, scale, tiling, has_seg, interpret):
   b, t, h, dk = q.shape
   kh, dv = k.shape[2], v.shape[3]
   g, tq = h // kh, tiling.tokens_per_tile
-  nt, u = ub.shape[1], ub.shape[3]
+  shared = tiling.mode == "shared"
   kernel = functools.partial(
-      _dq_kernel, tq=tq, g=g, m=C.rows_of(g, tq), t=t, h=h, kh=kh, block_size=block_size,
+      _dq_shared_kernel if shared else _dq_union_kernel, tq=tq, g=g,
+      m=C.rows_of(g, 1 if shared else tq), t=t, h=h, kh=kh, block_size=block_size,
       bk=tiling.block_k, dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale,
       has_seg=has_seg)
-  idx_spec = pl.BlockSpec((None, None, None, u), lambda i, j, bb: (bb, i, j, 0))
   dq = pl.pallas_call(
       kernel,
-      grid=(nt, kh, b),
-      in_specs=[idx_spec, idx_spec, pl.BlockSpec((None, None, None, 1), lambda i, j, bb: (bb, i, j, 0)),
-                _whole(t), _whole(t * h, dk), _whole(t * kh, dk), _whole(t * kh, dv),
-                _whole(t * h, dv), _whole(t * h), _whole(t * h)],
+      grid=(maps[0].shape[1], kh, b),
+      in_specs=C.map_specs(maps, tiling.mode) + [
+          _whole(t), _whole(t * h, dk), _whole(t * kh, dk), _whole(t * kh, dv), _whole(t * h, dv),
+          _whole(t * h), _whole(t * h)],
       out_specs=_whole(t * h, dk),
       out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
       interpret=interpret,
-      name=f"nsa_select_dq_tq{tq}",
-  )(ub, bits, cnt[..., None], seg, q.reshape(b, t * h, dk), k.reshape(b, t * kh, dk),
-    v.reshape(b, t * kh, dv), do.reshape(b, t * h, dv), lse.reshape(b, t * h), delta.reshape(b, t * h))
+      name=f"nsa_select_dq_{tiling.mode}{tq}",
+  )(*maps, seg, q.reshape(b, t * h, dk), k.reshape(b, t * kh, dk), v.reshape(b, t * kh, dv),
+    do.reshape(b, t * h, dv), lse.reshape(b, t * h), delta.reshape(b, t * h))
   return dq.reshape(b, t, h, dk)
 
 
@@ -213,13 +251,13 @@ def _dkv(q, k, v, block_idx, seg, do, lse, delta, *, block_size, scale, tiling, 
   return dk_.reshape(k.shape), dv_.reshape(v.shape)
 
 
-def backward(q, k, v, block_idx, seg, ub, bits, cnt, o, lse, do, dlse, *, block_size, scale, tiling,
+def backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_size, scale, tiling,
              has_seg, interpret, deterministic):
   """(dq, dk, dv) of select_attention given the cotangents of o and lse."""
   # d lse / d logit = p, so the lse cotangent folds into delta: dS = P * (dP - (delta - dlse)).
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
   do = do.astype(q.dtype)
   common = dict(block_size=block_size, scale=scale, tiling=tiling, has_seg=has_seg, interpret=interpret)
-  dq = _dq(q, k, v, seg, ub, bits, cnt, do, lse, delta, **common)
+  dq = _dq(q, k, v, seg, maps, do, lse, delta, **common)
   dk, dv = _dkv(q, k, v, block_idx, seg, do, lse, delta, deterministic=deterministic, **common)
   return dq, dk, dv
