@@ -20,7 +20,7 @@ def get_config():
   c.data.seq_len = 256
   c.data.global_batch_size = 8     # 2k tokens, but only 40 answer digits carry loss per step
   c.model.max_seq_len = 1024       # RoPE is computed on the fly: room to test 4x the length
-  c.train.num_steps = 300
+  c.train.num_steps = 200
   c.train.eval_every = 100
   c.train.eval_batches = 4
   c.optim.warmup_steps = 30

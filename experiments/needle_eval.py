@@ -1,0 +1,205 @@
+"""Long-context evaluation of trained models: passkey retrieval over context length x needle depth
+(a heatmap like the paper's Fig. 5), and validation loss by position bucket.
+
+  python -m experiments.needle_eval --mode=needle \
+      --workdirs=runs/ablate/needle:nsa_passkey,runs/ablate/needle:dense_passkey \
+      --lengths=128,256,512 --depths=0,0.25,0.5,0.75,1 --samples=16 --out=docs/figures/needle.png
+  python -m experiments.needle_eval --mode=position \
+      --workdirs=runs/ablate/nsa_vs_dense:nsa,runs/ablate/nsa_vs_dense:dense \
+      --bucket=64 --batches=8 --out=docs/figures/position_loss.png
+
+A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl).
+Passkey examples are a pure function of (seed, length, depth index, sample): the same text every
+run, no download. Their format is the training "passkey" source's (nsa_jax/training/data.py).
+Scoring: the 5 answer digits are correct under teacher forcing; that is exactly greedy decoding,
+because each greedy step sees the digits before it, which are then the correct ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+_MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position"], "what to evaluate")
+_WORKDIRS = flags.DEFINE_list("workdirs", [], "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
+_LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
+_LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512"], "needle: context lengths")
+_DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "needle: depth fractions")
+_SAMPLES = flags.DEFINE_integer("samples", 16, "needle: examples per (length, depth) cell")
+_SEED = flags.DEFINE_integer("seed", 1234, "needle: example seed (not a training seed)")
+_BUCKET = flags.DEFINE_integer("bucket", 64, "position: bucket width in tokens")
+_BATCHES = flags.DEFINE_integer("batches", 8, "position: validation batches")
+_OUT = flags.DEFINE_string("out", None, "PNG path (a .json with the numbers is written beside it)")
+
+ANSWER_DIGITS = 5
+
+
+# ----------------------------------------------------------------------------- passkey data -----
+
+def _filler_sentences():
+  # The training source's filler, so evaluation text looks like training text.
+  from nsa_jax.training.data import _FILLER
+  return _FILLER
+
+
+def passkey_example(length: int, depth: float, rng: np.random.Generator):
+  """One passkey sequence of length + 1 tokens with the fact at `depth` of the filler.
+
+  depth 0: the fact opens the text; depth 1: it sits just before the question.
+  Returns (tokens int32 [length + 1], the 5-digit key as a string, the fact's start position).
+  """
+  if not 0.0 <= depth <= 1.0:
+    raise ValueError(f"depth={depth}: must be a fraction in [0, 1]")
+  key = f"{int(rng.integers(0, 10 ** ANSWER_DIGITS)):0{ANSWER_DIGITS}d}"
+  fact = f"The pass key is {key}. Remember it. ".encode()
+  question = f" What is the pass key? The pass key is {key}".encode()
+  room = length + 1 - len(fact) - len(question)
+  if room < 0:
+    raise ValueError(f"length={length} is too short for a passkey example: need at least "
+                     f"{length - room} tokens")
+  sentences = _filler_sentences()
+  filler = b"".join(sentences[i] for i in rng.integers(0, len(sentences), room // 10 + 1))[:room]
+  cut = int(round(depth * room))
+  text = filler[:cut] + fact + filler[cut:] + question
+  return np.frombuffer(text, np.uint8).astype(np.int32), key, cut
+
+
+def passkey_batch(length: int, depth_index: int, depth: float, samples: int, seed: int):
+  """[samples, length + 1] tokens for one heatmap cell; deterministic in its arguments."""
+  rows = [passkey_example(length, depth, np.random.Generator(
+      np.random.PCG64([seed, length, depth_index, s])))[0] for s in range(samples)]
+  return np.stack(rows)
+
+
+def score_answers(logits: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(all 5 digits right [N] bool, digit accuracy [N]) from logits [N, L, V] of tokens[:, :-1]."""
+  pred = np.argmax(logits[:, -ANSWER_DIGITS:], axis=-1)
+  want = tokens[:, -ANSWER_DIGITS:]
+  hits = pred == want
+  return hits.all(axis=1), hits.mean(axis=1)
+
+
+def needle_grid(logits_fn, lengths, depths, samples, seed) -> dict:
+  """{"exact": [len(depths), len(lengths)], "digits": same} accuracies; logits_fn(tokens)->logits."""
+  exact = np.zeros((len(depths), len(lengths)))
+  digits = np.zeros_like(exact)
+  for j, length in enumerate(lengths):
+    for i, depth in enumerate(depths):
+      tokens = passkey_batch(length, i, depth, samples, seed)
+      ok, dig = score_answers(np.asarray(logits_fn(tokens[:, :-1])), tokens)
+      exact[i, j], digits[i, j] = ok.mean(), dig.mean()
+  return {"lengths": list(lengths), "depths": list(depths), "exact": exact.tolist(),
+          "digits": digits.tolist(), "samples": samples, "seed": seed}
+
+
+def plot_needle(grids: list[dict], labels: list[str], out: str, trained_len: list[int | None]):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 3.8), squeeze=False)
+  for n, (ax, grid, label, tl) in enumerate(zip(axes[0], grids, labels, trained_len)):
+    acc = np.asarray(grid["exact"])
+    im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+    ax.set_xticks(range(len(grid["lengths"])), [str(x) for x in grid["lengths"]])
+    ax.set_yticks(range(len(grid["depths"])), [f"{100 * d:.0f}%" for d in grid["depths"]])
+    for (i, j), v in np.ndenumerate(acc):
+      ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+    title = f"{label}: passkey accuracy"
+    if tl:
+      title += f"\n(trained at {tl} tokens)"
+    ax.set(title=title, xlabel="context length (tokens)", ylabel="needle depth" if n == 0 else "")
+  fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact 5-digit accuracy")
+  _save(fig, out)
+
+
+# ----------------------------------------------------------------------------- position loss ----
+
+def position_nll(logits_fn, batches) -> np.ndarray:
+  """Mean token NLL per position [T] over the batches (weights respected)."""
+  total, count = None, None
+  for b in batches:
+    logits = np.asarray(logits_fn(b["inputs"]), np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    nll = logz - np.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
+    w = b["weights"]
+    total = (nll * w).sum(0) if total is None else total + (nll * w).sum(0)
+    count = w.sum(0) if count is None else count + w.sum(0)
+  return total / np.maximum(count, 1e-9)
+
+
+def bucketize(per_position: np.ndarray, width: int) -> list[tuple[int, int, float]]:
+  """[(start, end, mean)] over consecutive buckets of `width` positions (last may be shorter)."""
+  out = []
+  for s in range(0, len(per_position), width):
+    chunk = per_position[s:s + width]
+    out.append((s, s + len(chunk), float(chunk.mean())))
+  return out
+
+
+def plot_position(curves: list[list[tuple[int, int, float]]], labels: list[str], out: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 3.8))
+  for i, (buckets, label) in enumerate(zip(curves, labels)):
+    mids = [(s + e) / 2 for s, e, _ in buckets]
+    ax.plot(mids, [v for _, _, v in buckets], "o-", color=f"C{i}", label=label, ms=4)
+  ax.set(title="validation loss by position", xlabel="token position (bucket centre)",
+         ylabel="loss (nats/token)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  _save(fig, out)
+
+
+def _save(fig, out):
+  import matplotlib.pyplot as plt
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=120, bbox_inches="tight")
+  plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main -------------
+
+def main(argv):
+  del argv
+  from experiments.trained_model import jit_logits, load_model, resolve_workdir, val_batches
+  if not _WORKDIRS.value or not _OUT.value:
+    raise app.UsageError("--workdirs and --out are required")
+  specs = [resolve_workdir(w) for w in _WORKDIRS.value]
+  labels = _LABELS.value or [label for _, label in specs]
+  results = {}
+  if _MODE.value == "needle":
+    lengths = [int(x) for x in _LENGTHS.value]
+    depths = [float(x) for x in _DEPTHS.value]
+    grids, trained = [], []
+    for (workdir, _), label in zip(specs, labels):
+      model, config, _ = load_model(workdir, max_seq_len=max(lengths))
+      grid = needle_grid(jit_logits(model), lengths, depths, _SAMPLES.value, _SEED.value)
+      grid.update(workdir=workdir, trained_seq_len=config.data.seq_len)
+      grids.append(grid)
+      trained.append(config.data.seq_len)
+      results[label] = grid
+      print(f"{label} ({workdir}): exact accuracy, rows = depths {depths}, cols = lengths {lengths}")
+      for d, row in zip(depths, grid["exact"]):
+        print(f"  depth {d:4.2f}: " + "  ".join(f"{100 * v:5.1f}" for v in row))
+    plot_needle(grids, labels, _OUT.value, trained)
+  else:
+    curves = []
+    for (workdir, _), label in zip(specs, labels):
+      model, config, _ = load_model(workdir)
+      per_pos = position_nll(jit_logits(model), val_batches(config, _BATCHES.value))
+      buckets = bucketize(per_pos, _BUCKET.value)
+      curves.append(buckets)
+      results[label] = {"workdir": workdir, "buckets": buckets}
+      print(f"{label}: " + "  ".join(f"[{s},{e}) {v:.3f}" for s, e, v in buckets))
+    plot_position(curves, labels, _OUT.value)
+  with open(os.path.splitext(_OUT.value)[0] + ".json", "w") as f:
+    json.dump(results, f, indent=1)
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

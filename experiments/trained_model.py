@@ -1,0 +1,120 @@
+"""Adapters over the training library for the evaluation scripts: load a trained model from a work
+directory, and run it while keeping each NSA layer's auxiliary outputs (chosen blocks, gates).
+
+The training library has no such hooks yet (see the experiments helper's report); these functions
+use only its public pieces: config.json, build_setup, Checkpointer and TransformerLM's modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from ml_collections import ConfigDict
+
+
+def resolve_workdir(spec: str) -> tuple[str, str]:
+  """A workdir path, or 'SWEEP_OUT_DIR:RUN' looked up in that sweep's results.jsonl -> (dir, label)."""
+  if ":" in spec and not os.path.isdir(spec):
+    out_dir, run = spec.rsplit(":", 1)
+    path = os.path.join(out_dir, "results.jsonl")
+    found = None
+    with open(path) as f:
+      for line in f:
+        rec = json.loads(line)
+        if rec["run"] == run:
+          found = rec["workdir"]
+    if found is None:
+      raise ValueError(f"run {run!r} not in {path}. Fix: train it with experiments/ablate.py first")
+    return found, run
+  return spec, os.path.basename(os.path.normpath(spec))
+
+
+def load_config(workdir: str) -> ConfigDict:
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir!r} a training work directory?")
+  with open(path) as f:
+    return ConfigDict(json.load(f))
+
+
+def load_model(workdir: str, max_seq_len: int | None = None):
+  """(TransformerLM with the newest checkpoint's weights, run config, ModelConfig).
+
+  max_seq_len: build the model for longer inputs than it was trained on. RoPE is computed on the
+  fly, so no parameter depends on it; the weights are restored with the trained config (the
+  checkpoint's model check needs it) and merged into a graph built for the longer length.
+  """
+  from nsa_jax.model import TransformerLM
+  from nsa_jax.training import sharding as shd
+  from nsa_jax.training.checkpointing import Checkpointer
+  from nsa_jax.training.train import build_setup
+
+  config = load_config(workdir)
+  mesh = shd.make_mesh(config.mesh)
+  setup = build_setup(config, mesh)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train the run first")
+    with jax.set_mesh(mesh):
+      state, _ = ckpt.restore(step, setup.abstract_state,
+                              {"model": dataclasses.asdict(setup.model_cfg)})
+  finally:
+    ckpt.close()
+  model_cfg = setup.model_cfg
+  if max_seq_len and max_seq_len != model_cfg.max_seq_len:
+    model_cfg = dataclasses.replace(model_cfg, max_seq_len=max_seq_len)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0))))
+  params = jax.device_get(state["params"])
+  rest = jax.device_get(state["rest"])
+  return nnx.merge(graphdef, params, rest), config, model_cfg
+
+
+def forward_with_aux(model, tokens):
+  """TransformerLM forward that also returns, per layer, NSA's aux dict (None for dense layers).
+
+  Mirrors TransformerLM.__call__ / Block.__call__ (no segment ids, default positions); the hook we
+  would like instead is model(tokens, return_aux=True).
+  """
+  x = model.embed(tokens)
+  auxes = []
+  for block in model.blocks:
+    h = block.attn_norm(x)
+    if block.kind == "nsa":
+      y, aux = block.attn(h, return_aux=True)
+      aux = {k: v for k, v in aux.items() if k in ("block_idx", "gates")}
+    else:
+      y, aux = block.attn(h), None
+    x = x + y
+    x = x + block.mlp(block.mlp_norm(x))
+    auxes.append(aux)
+  logits = model.lm_head(model.final_norm(x)) if not model.cfg.tie_embeddings else \
+      model.embed.attend(model.final_norm(x))
+  return logits.astype(jnp.float32), auxes
+
+
+def jit_logits(model):
+  """tokens [B, T] -> float32 logits [B, T, V], jitted (one compile per shape)."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+  return lambda tokens: run(state, tokens)
+
+
+def val_batches(config, num_batches: int) -> list[dict]:
+  """The run's own validation batches (same source, seed and length as its training)."""
+  from nsa_jax.training import data as data_lib
+  src = data_lib.make_sources(config.data)["val"]
+  it = data_lib.BatchIterator(src, split="val", global_batch=config.data.global_batch_size,
+                              seq_len=config.data.seq_len, seed=config.data.seed,
+                              vocab_size=config.model.vocab_size)
+  return [it.batch(i) for i in range(num_batches)]
