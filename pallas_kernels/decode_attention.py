@@ -1,0 +1,153 @@
+"""NSA selection attention for ONE new query per sequence (decoding), a Pallas Triton-lowered
+kernel split across the context (flash-decoding style).
+
+A decode step has a single query, so one program per (sequence, KV group) would leave most of a
+GPU idle at batch 1. Here the n selected blocks of a KV group are cut into splits of
+`blocks_per_split` blocks; program (b, k, s) loads the group's G query heads (padded to >= 16 rows
+for the matrix unit), walks only its split's selected blocks (contiguous [block_k, D] slabs of a
+head-major cache) with online softmax, and writes an unnormalised partial (acc, max, sum). A small
+XLA epilogue merges the splits. Only the selected keys are ever read: n * l' tokens per group.
+
+Contract (the semantics of nsa_jax.decode_math.select_decode):
+  select_decode(qg [B, K, G, Dk], k [B, K, S, Dk], v [B, K, S, Dv], block_idx [B, K, n] int32
+  (-1 = empty slot), t (int32 scalar: the query's position; keys <= t are visible), block_size)
+  -> (o [B, K, G, Dv] in qg.dtype, lse [B, K, G] float32); o = 0, lse = -inf when nothing is seen.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common as C
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs: enough splits to fill it at batch 1
+
+
+def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, m_rows, bps,
+            block_size, bk, dk_pieces, dv_pieces, scale):
+  split = pl.program_id(2)
+  cnt, t = meta_ref[0], meta_ref[1]
+  first = split * bps
+  last = jnp.minimum(first + bps, cnt)  # valid slots come first (compacted in XLA)
+  qs = [q_ref[:, pl.ds(off, size)] for off, size in dk_pieces]
+
+  def body(j, carry):
+    m_i, l_i, accs = carry
+    blk = idx_ref[j]
+    for sub in range(block_size // bk):
+      start = blk * block_size + sub * bk
+      ks = [k_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dk_pieces]
+      vs = [v_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dv_pieces]
+      s = C.dot_pieces(qs, ks) * (scale * LOG2E)  # [m_rows, bk] base-2 logits
+      kpos = start + lax.iota(jnp.int32, bk)
+      s = jnp.where((kpos <= t)[None, :], s, -jnp.inf)
+      m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: avoid inf - inf
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(s - m_use[:, None])
+      l_i = l_i * alpha + jnp.sum(p, axis=1)
+      pv = p.astype(vs[0].dtype)
+      accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
+      m_i = m_new
+    return m_i, l_i, accs
+
+  init = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32),
+          tuple(jnp.zeros((m_rows, size), jnp.float32) for _, size in dv_pieces))
+  m_i, l_i, accs = lax.fori_loop(first, jnp.maximum(first, last), body, init)
+  for (off, size), a in zip(dv_pieces, accs):
+    acc_ref[:, pl.ds(off, size)] = a
+  m_ref[...] = m_i
+  l_ref[...] = l_i
+
+
+def default_blocks_per_split(batch, kv_heads, n):
+  """Enough splits that batch * kv_heads * splits reaches TARGET_PROGRAMS, at most one per block."""
+  splits = max(1, min(n, C.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
+  return C.cdiv(n, splits)
+
+
+def supports(qg_shape, k_shape, v_shape, block_size, block_k=None):
+  """(ok, reason) for these shapes."""
+  b, kh, g, dk = qg_shape
+  if tuple(k_shape[:2]) != (b, kh) or tuple(v_shape[:3]) != tuple(k_shape[:3]) or k_shape[3] != dk:
+    return False, f"k {k_shape} / v {v_shape} do not match qg {qg_shape}"
+  for name, d in (("d_k", dk), ("d_v", v_shape[3])):
+    if d < 16 or d % 16:
+      return False, f"{name}={d}: needs a multiple of 16 for the matrix unit"
+  bk = block_k or min(64, block_size)
+  if bk < 16 or bk & (bk - 1) or block_size % bk:
+    return False, f"block_k={bk} must be a power of two >= 16 dividing block_size={block_size}"
+  if k_shape[2] % block_size:
+    return False, f"cache length {k_shape[2]} is not a whole number of {block_size}-token blocks"
+  return True, "ok"
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "blocks_per_split", "block_k",
+                                             "num_warps", "num_stages", "interpret"))
+def select_decode(qg, k, v, block_idx, t, block_size, scale=None, *, blocks_per_split=None,
+                  block_k=None, num_warps=4, num_stages=2, interpret=False):
+  """Selected-block attention of one query per sequence; see the module docstring."""
+  ok, why = supports(qg.shape, k.shape, v.shape, block_size, block_k)
+  if not ok:
+    raise ValueError(f"pallas select_decode does not support this call: {why}")
+  b, kh, g, dk = qg.shape
+  s_len, dv, n = k.shape[2], v.shape[3], block_idx.shape[-1]
+  scale = float(dk ** -0.5 if scale is None else scale)
+  bk = block_k or min(64, block_size)
+  bps = blocks_per_split or default_blocks_per_split(b, kh, n)
+  splits = C.cdiv(n, bps)
+  m_rows = C.rows_of(g, 1)
+  n_pad = C.next_pow2(n)
+  # Compact the valid slots to the front (the kernel loops over [split * bps, cnt)).
+  idx = jnp.sort(jnp.where(block_idx >= 0, block_idx, C.BIG), axis=-1)
+  cnt = jnp.sum(idx < C.BIG, axis=-1).astype(jnp.int32)
+  idx = jnp.pad(jnp.where(idx < C.BIG, idx, 0), ((0, 0), (0, 0), (0, n_pad - n))).astype(jnp.int32)
+  meta = jnp.stack([cnt, jnp.broadcast_to(jnp.asarray(t, jnp.int32), cnt.shape)], axis=-1)
+  q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
+  kernel = functools.partial(
+      _kernel, m_rows=m_rows, bps=bps, block_size=block_size, bk=bk,
+      dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale)
+  per_group = lambda *shape: pl.BlockSpec((None, None, *shape),
+                                          lambda bb, kk, ss: (bb, kk) + (0,) * len(shape))
+  per_split = lambda *shape: pl.BlockSpec((None, None, None, *shape),
+                                          lambda bb, kk, ss: (bb, kk, ss) + (0,) * len(shape))
+  C.log_once(("decode", qg.shape, k.shape, v.shape, n, block_size, bps, bk, interpret),
+             "select_decode: qg=%s k=%s v=%s n=%d block=%d splits=%d block_k=%d interpret=%s",
+             qg.shape, k.shape, v.shape, n, block_size, splits, bk, interpret)
+  acc, m, l = pl.pallas_call(
+      kernel,
+      grid=(b, kh, splits),
+      in_specs=[per_group(n_pad), per_group(2), per_group(m_rows, dk), per_group(s_len, dk),
+                per_group(s_len, dv)],
+      out_specs=[per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, splits, m_rows, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="nsa_select_decode",
+  )(idx, meta, q_rows, k, v)
+  return merge_splits(acc[:, :, :, :g], m[..., :g], l[..., :g], qg.dtype)
+
+
+def merge_splits(acc, m, l, dtype):
+  """Flash-decoding epilogue: partials acc [B, K, S, G, Dv], base-2 max m and sum l [B, K, S, G]
+  -> o [B, K, G, Dv] (dtype), lse [B, K, G] float32 (natural log)."""
+  m_all = jnp.max(m, axis=2)
+  m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+  w = jnp.exp2(m - m_safe[:, :, None])  # 0 for empty splits (m = -inf)
+  l_all = jnp.sum(w * l, axis=2)
+  seen = l_all > 0
+  l_safe = jnp.where(seen, l_all, 1.0)
+  o = jnp.sum(w[..., None] * acc, axis=2) / l_safe[..., None]
+  lse = jnp.where(seen, (m_safe + jnp.log2(l_safe)) * LN2, -jnp.inf)
+  return o.astype(dtype), lse

@@ -1,0 +1,158 @@
+"""Cached decoding: token-by-token logits equal the parallel forward pass (NSA and dense, GQA groups
+of 1, 2 and 16, across compression/selection block and window-ring boundaries, every NSA option),
+prefill + decode equals decoding from the first token, the cache refuses to overflow, sampling
+filters, and the Pallas decode kernel (interpret mode) equals the plain-JAX selection decode."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nsa_jax import ModelConfig, NSAConfig, decode, decode_math, sampling
+from nsa_jax.model import TransformerLM
+
+SEED = int.from_bytes(os.urandom(4), "little")
+VOCAB = 64
+
+
+def fresh_key(i=0):
+  print(f"seed={SEED}")
+  return jax.random.fold_in(jax.random.key(SEED), i)
+
+
+def tiny_model(attention="nsa", heads=4, kv_heads=2, n_layers=2, layer_attention=None, **nsa):
+  # l=8, d=4, l'=16, n=4 (1 initial + 2 local + 1 chosen), w=12: a 90-token run crosses 21
+  # compression blocks, 6 selection blocks (so top-n really chooses) and wraps the window ring.
+  head_dim_v = nsa.pop("head_dim_v", None)
+  base = dict(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=4, window=12)
+  base.update(nsa)
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=heads,
+                    n_kv_heads=kv_heads, head_dim=8, head_dim_v=head_dim_v,
+                    ffn_dim=64, max_seq_len=128, attention=attention,
+                    layer_attention=layer_attention, nsa=NSAConfig(**base))
+  return TransformerLM(cfg, rngs=nnx.Rngs(params=SEED % 100_000))
+
+
+def parallel_logits(model, tokens):
+  graphdef, state = nnx.split(model)
+  return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, tokens)
+
+
+def decode_all(model, tokens, prompt_len, max_len):
+  """Prefill tokens[:, :prompt_len], then feed the rest one by one; logits [B, T, V]."""
+  params, prefill_fn, step_fn = decode.jit_decode(model)
+  logits, cache = prefill_fn(params, tokens[:, :prompt_len], max_len)
+  out = [logits]
+  for i in range(prompt_len, tokens.shape[1]):
+    step_logits, cache = step_fn(params, cache, tokens[:, i])
+    out.append(step_logits[:, None])
+  return jnp.concatenate(out, axis=1), cache
+
+
+def assert_close(got, want, what, tol=3e-5):
+  got, want = np.asarray(got), np.asarray(want)
+  err = np.abs(got - want).max()
+  scale = max(1.0, np.abs(want).max())
+  assert err <= tol * scale, f"{what}: max |decode - parallel| = {err:.3g} (seed={SEED})"
+
+
+@pytest.mark.parametrize("attention,heads,kv_heads", [
+    ("nsa", 4, 4), ("nsa", 16, 1), ("dense", 4, 4), ("dense", 16, 1)])
+def test_token_by_token_equals_parallel(attention, heads, kv_heads):
+  """GQA groups of 1 and 16 (the mixed-layer test below covers 2)."""
+  model = tiny_model(attention, heads, kv_heads, n_layers=1)
+  tokens = jax.random.randint(fresh_key(1), (2, 90), 0, VOCAB)
+  got, _ = decode_all(model, tokens, prompt_len=1, max_len=100)
+  assert_close(got, parallel_logits(model, tokens), f"{attention} H={heads} K={kv_heads}")
+
+
+@pytest.mark.parametrize("opts", [
+    {"shared_kv": True, "score_alignment": "literal"},
+    {"gating": "sum", "compression": "mean", "selector": "quest"},
+    {"branches": ("slc",), "num_init_blocks": 0, "num_local_blocks": 1},
+    {"branches": ("cmp", "win"), "head_dim_v": 12, "cmp_block": 16, "cmp_stride": 8,
+     "sel_block": 32, "window": 40}])
+def test_nsa_options_decode_like_parallel(opts):
+  model = tiny_model(n_layers=1, **opts)
+  tokens = jax.random.randint(fresh_key(2), (1, 75), 0, VOCAB)
+  got, _ = decode_all(model, tokens, prompt_len=3, max_len=75)
+  assert_close(got, parallel_logits(model, tokens), f"options {opts}")
+
+
+def test_mixed_layers_and_prefill_then_decode_equals_full_decode():
+  """A dense + NSA model: prefill of 37 tokens (mid-block) then decoding equals decoding all of it
+  from the first token, logits and every cache array."""
+  model = tiny_model(layer_attention=("dense", "nsa"))
+  tokens = jax.random.randint(fresh_key(3), (3, 60), 0, VOCAB)
+  from_prompt, cache_a = decode_all(model, tokens, prompt_len=37, max_len=64)
+  from_start, cache_b = decode_all(model, tokens, prompt_len=1, max_len=64)
+  assert_close(from_prompt, from_start, "prefill+decode vs full decode")
+  assert_close(from_prompt, parallel_logits(model, tokens), "prefill+decode vs parallel")
+  assert int(cache_a.pos) == int(cache_b.pos) == 60
+  for a, b in zip(jax.tree.leaves(cache_a.layers), jax.tree.leaves(cache_b.layers)):
+    assert_close(a, b, "cache arrays")
+
+
+def test_cache_refuses_to_overflow():
+  model = tiny_model(n_layers=1)
+  tokens = jax.random.randint(fresh_key(4), (1, 12), 0, VOCAB)
+  with pytest.raises(ValueError, match="does not fit a cache of max_len=10"):
+    decode.prefill(model, tokens, max_len=10)
+  with pytest.raises(ValueError, match="max_seq_len"):
+    decode.init_cache(model, 1, max_len=1000)
+  params, prefill_fn, step_fn = decode.jit_decode(model)
+  _, cache = prefill_fn(params, tokens[:, :9], 10)
+  decode.check_room(cache, 1)
+  logits, cache = step_fn(params, cache, tokens[:, 9])
+  assert np.all(np.isfinite(logits))
+  with pytest.raises(ValueError, match="KV cache overflow: 10 tokens cached"):
+    decode.decode_step(model, cache, tokens[:, 10])  # eager: checks before computing anything
+  with pytest.raises(ValueError, match="overflow"):
+    decode.check_room(cache, 1)
+  # Under jit the step cannot raise: it must not return plausible logits either.
+  logits, _ = step_fn(params, cache, tokens[:, 10])
+  assert np.all(np.isnan(logits))
+
+
+def test_sampling_filters():
+  logits = jax.random.normal(fresh_key(5), (4, 50)) * 3
+  greedy = sampling.sample(fresh_key(6), logits, temperature=0.0)
+  np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
+  keys = jax.random.split(fresh_key(7), 100)
+  draw = jax.vmap(lambda k: sampling.sample(k, logits, temperature=1.0, top_k=3))(keys)
+  top3 = np.asarray(jax.lax.top_k(logits, 3)[1])
+  assert all(np.isin(np.asarray(draw)[:, r], top3[r]).all() for r in range(4))
+  probs = np.asarray(jax.nn.softmax(logits, -1))
+  draw = np.asarray(jax.vmap(lambda k: sampling.sample(k, logits, top_p=0.5))(keys))
+  for r in range(4):
+    order = np.argsort(-probs[r])
+    keep = order[:np.searchsorted(np.cumsum(probs[r][order]), 0.5) + 1]  # smallest set >= p
+    assert np.isin(draw[:, r], keep).all()
+  # Plain temperature sampling reaches beyond the top 3 somewhere in 100 draws per row.
+  draw = np.asarray(jax.vmap(lambda k: sampling.sample(k, logits, temperature=2.0))(keys))
+  assert not all(np.isin(draw[:, r], top3[r]).all() for r in range(4))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dk,dv,splits", [(16, 1, 32, 16, 4), (4, 2, 48, 32, 2)])
+def test_pallas_decode_kernel_interpret_matches_plain_jax(heads, kv_heads, dk, dv, splits):
+  from pallas_kernels import decode_attention as kern
+  b, block, n, s = 2, 16, 4, 160
+  k1, k2, k3, k4 = jax.random.split(fresh_key(8), 4)
+  q = jax.random.normal(k1, (b, kv_heads, heads // kv_heads, dk))
+  k = jax.random.normal(k2, (b, kv_heads, s, dk))
+  v = jax.random.normal(k3, (b, kv_heads, s, dv))
+  for t in (5, 77, 150):  # inside block 0, mid-cache, last (partly written) block
+    cur = t // block
+    # distinct blocks <= cur, ascending, -1 padding when fewer than n are eligible
+    perm = jax.random.permutation(jax.random.fold_in(k4, t), cur + 1)[:n]
+    idx = jnp.sort(jnp.pad(perm, (0, n - perm.shape[0]), constant_values=10 ** 6))
+    idx = jnp.where(idx == 10 ** 6, -1, idx).astype(jnp.int32)
+    idx = jnp.broadcast_to(idx, (b, kv_heads, n))
+    want_o, want_lse = decode_math.select_decode(q, k, v, idx, t, block)
+    got_o, got_lse = kern.select_decode(q, k, v, idx, t, block, blocks_per_split=n // splits,
+                                        interpret=True)
+    assert_close(got_o, want_o, f"kernel o at t={t}", tol=1e-5)
+    assert_close(got_lse, want_lse, f"kernel lse at t={t}", tol=1e-5)
