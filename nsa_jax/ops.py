@@ -3,8 +3,9 @@
 Implementations:
   "reference": dense masks (nsa_jax.reference); exact, O(T^2) memory; for checking.
   "xla":       memory-sane plain JAX (nsa_jax.xla); any backend.
-  "pallas":    Pallas GPU kernels (pallas_kernels) for the selection branch, cuDNN or plain JAX for
-               the window, plain JAX for compression scoring until its kernel lands.
+  "pallas":    Pallas GPU kernels (pallas_kernels): compression attention (fwd + bwd), fused block
+               scoring + top-n, selection attention; the window branch on cuDNN's local window
+               (plain JAX with segment ids). The Quest selector's scores stay in plain JAX.
   "auto":      "pallas" on a GPU when the kernels support the shape, else "xla".
 Which one ran is logged once per shape (logger "nsa_jax"); on a GPU a fallback is a warning.
 """
@@ -33,28 +34,40 @@ def on_gpu() -> bool:
 
 
 def _pallas_support(q, k, v, cfg: NSAConfig):
+  """(ok, reason): whether every Pallas kernel the op needs handles these shapes."""
   try:
+    from pallas_kernels import compress_attention as ck
     from pallas_kernels import select_attention as sk
+    from pallas_kernels import select_topn as tk
   except ImportError as e:  # kernels not built into this checkout
-    return False, f"pallas_kernels.select_attention unavailable ({e})"
-  return sk.supports(q.shape, k.shape, v.shape, cfg.num_selected, cfg.sel_block, "triton")
+    return False, f"pallas_kernels unavailable ({e})"
+  b, t, h, dk = q.shape
+  kc_shape = (b, cfg.num_cmp_blocks(t), cfg.num_kv_heads, dk)
+  vc_shape = kc_shape[:3] + (cfg.dim_v,)
+  checks = [("select_attention",
+             sk.supports(q.shape, k.shape, v.shape, cfg.num_selected, cfg.sel_block, "triton")),
+            ("compress_attention", ck.supports(q.shape, kc_shape, vc_shape))]
+  if cfg.selector == "nsa":
+    checks.append(("select_topn", tk.supports(q.shape, kc_shape, cfg.cmp_block, cfg.cmp_stride,
+                                              cfg.sel_block)))
+  for name, (ok, why) in checks:
+    if not ok:
+      return False, f"{name}: {why}"
+  return True, "ok"
 
 
 def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
   """Turns "auto" into a concrete implementation and logs the choice."""
   shape = f"q{tuple(q.shape)} {q.dtype}"
+  impl = requested
   if requested == "auto":
-    if on_gpu():
-      ok, why = _pallas_support(q, k_slc, v_slc, cfg)
-      if ok:
-        impl = "pallas"
-      else:
-        impl = "xla"
-        _log_once(logging.WARNING, f"NSA on GPU falls back to the plain-JAX path for {shape}: {why}")
-    else:
+    impl = "pallas" if on_gpu() else "xla"
+  if impl == "pallas":
+    ok, why = _pallas_support(q, k_slc, v_slc, cfg)
+    if not ok:
       impl = "xla"
-  else:
-    impl = requested
+      level = logging.WARNING if on_gpu() or requested == "pallas" else logging.INFO
+      _log_once(level, f"NSA falls back to the plain-JAX path for {shape}: {why}")
   if impl not in ("pallas", "xla", "reference"):
     raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'xla' or 'reference'")
   _log_once(logging.INFO, f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
@@ -62,31 +75,64 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
 
 
 def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True):
-  """Sliding-window branch: cuDNN's left window on a GPU when it applies, else plain JAX."""
+  """Sliding-window branch: cuDNN's left window on a GPU when it applies, else plain JAX.
+
+  cuDNN needs d_k == d_v: the smaller of the two is zero-padded (zero query/key columns leave the
+  logits unchanged; zero value columns give zero outputs that are sliced off)."""
   from nsa_jax import xla
-  cudnn_ok = (allow_cudnn and on_gpu() and segment_ids is None and q.shape[-1] == v.shape[-1]
+  cudnn_ok = (allow_cudnn and on_gpu() and segment_ids is None
               and q.dtype in (jnp.bfloat16, jnp.float16))
   if cudnn_ok:
-    _log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}")
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                        local_window_size=(window - 1, 0), implementation="cudnn")
+    dk, dv = q.shape[-1], v.shape[-1]
+    dim = max(dk, dv)
+    scale = dk ** -0.5 if scale is None else scale
+    pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
+    _log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}"
+              + (f" (head dims padded to {dim})" if dk != dv else ""))
+    o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, is_causal=True,
+                                     local_window_size=(window - 1, 0), implementation="cudnn")
+    return o[..., :dv]
+  if on_gpu():
+    _log_once(logging.WARNING, f"NSA window branch on GPU uses plain JAX for q{tuple(q.shape)} "
+              "(segment ids or a dtype cuDNN does not take)")
   o, _ = xla.window_attention(q, k, v, window, segment_ids, scale)
   return o
 
 
+def _pallas_indices(q, k_cmp, v_cmp, lse_cmp, k_slc, cfg: NSAConfig, segment_ids, scale, interpret):
+  """Top-n block indices [B, T, K, n]: the fused kernel for the NSA selector, plain JAX for Quest."""
+  from nsa_jax import xla
+  from pallas_kernels.select_topn import select_topn
+  if cfg.selector == "quest":
+    _log_once(logging.INFO, "NSA selection indices: Quest scores in plain JAX")
+    return xla.compressed_attention_and_select(q, k_cmp, v_cmp, k_slc, cfg, segment_ids, scale)[2]
+  return select_topn(q, k_cmp, lse_cmp, block=cfg.cmp_block, stride=cfg.cmp_stride,
+                     sel_block=cfg.sel_block, num_selected=cfg.num_selected,
+                     num_init=cfg.num_init_blocks, num_local=cfg.num_local_blocks,
+                     alignment=cfg.score_alignment, segment_ids=segment_ids, scale=scale,
+                     interpret=interpret)
+
+
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
                 return_aux):
-  from nsa_jax import xla
+  from pallas_kernels.compress_attention import compress_attention
   from pallas_kernels.select_attention import select_attention as select_kernel
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
+  # Off the GPU the same kernels run in Pallas' interpreter (slow; for tests).
+  interpret = not on_gpu()
   outs, aux = {}, {}
-  need_scores = "slc" in cfg.branches
-  if "cmp" in cfg.branches or need_scores:
-    o_cmp, _, idx = xla.compressed_attention_and_select(q, k_cmp, v_cmp, k_slc, cfg, segment_ids,
-                                                        scale)
+  want_idx = "slc" in cfg.branches
+  # Like the reference, the compression branch also runs when it only feeds the NSA selector
+  # (its log-sum-exp turns the top-n kernel's logits into probabilities).
+  if "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa"):
+    o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
+                                        segment_ids, scale, interpret=interpret)
     outs["cmp"] = o_cmp
-  if need_scores:
-    outs["slc"], _ = select_kernel(q, k_slc, v_slc, idx, cfg.sel_block, segment_ids, scale)
+  if want_idx:
+    idx = _pallas_indices(q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg,
+                          segment_ids, scale, interpret)
+    outs["slc"], _ = select_kernel(q, k_slc, v_slc, idx, cfg.sel_block, segment_ids, scale,
+                                   interpret=interpret)
     aux["block_idx"] = idx
   if "win" in cfg.branches:
     outs["win"] = window_attention(q, k_win, v_win, cfg.window, segment_ids, scale)

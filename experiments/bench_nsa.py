@@ -1,0 +1,378 @@
+"""GPU benchmark of the whole NSA op (forward, backward) with a per-branch breakdown, against cuDNN
+dense causal attention timed in the same run; peak memory from the compiled executables; optional
+layer-level rows (NSAAttention vs DenseAttention, projections included).
+
+Run on the H200 (writes <out>/nsa_h200.json + .md as it goes, prints a table at the end):
+  python3 -m experiments.bench_nsa --check --T 8192,16384,32768,65536 --dims 128/128,192/128 \
+      --breakdown_T 8192,65536 --long_T 131072 --layer_T 16384,65536 --out $OUT
+  python3 -m experiments.bench_nsa --plot benchmarks/results/nsa_h200.json   # Markdown + PNG, on CPU
+Paper settings: bf16, B=1, 64 query / 4 KV heads, l=32, d=16, l'=64, n=16, w=512. cuDNN needs
+d_k == d_v, so the paper's d_k=192/d_v=128 is compared with dense attention at 192/192.
+"bwd" rows are (forward + backward) - forward, for NSA and dense alike (fwd_bwd_ms is kept too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_common as bc
+from nsa_jax import ops, xla
+from nsa_jax.config import NSAConfig
+from pallas_kernels.compress_attention import compress_attention
+from pallas_kernels.select_attention import select_attention
+from pallas_kernels.select_topn import select_topn
+
+START = time.time()
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
+
+
+def paper_cfg(h, kh, dk, dv):
+  return NSAConfig(num_heads=h, num_kv_heads=kh, head_dim=dk, head_dim_v=dv, implementation="pallas")
+
+
+def make_inputs(key, t, cfg):
+  """q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win (bf16, N(0,1)) and gates (f32 in (0, 1))."""
+  b, h, kh, dk, dv = 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
+  nc = cfg.num_cmp_blocks(t)
+  shapes = [(b, t, h, dk), (b, nc, kh, dk), (b, nc, kh, dv), (b, t, kh, dk), (b, t, kh, dv),
+            (b, t, kh, dk), (b, t, kh, dv)]
+  ks = jax.random.split(key, len(shapes) + 1)
+  args = [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(ks, shapes)]
+  return args + [jax.nn.sigmoid(jax.random.normal(ks[-1], (b, t, h, 3), jnp.float32))]
+
+
+def with_grad(fn):
+  """(args, ct) -> grads of <fn(*args)[0], ct> w.r.t. args (float inputs only)."""
+  def f(args, ct):
+    out, vjp = jax.vjp(lambda *a: fn(*a)[0], *args)
+    return vjp(ct.astype(out.dtype))
+  return f
+
+
+def compiled(fn, *args):
+  return jax.jit(fn).lower(*args).compile()
+
+
+def mem(exe):
+  """Bytes from the compiled executable: temporaries, arguments, outputs."""
+  try:
+    m = exe.memory_analysis()
+    return dict(temp_bytes=int(m.temp_size_in_bytes), arg_bytes=int(m.argument_size_in_bytes),
+                out_bytes=int(m.output_size_in_bytes))
+  except Exception as e:  # not every backend reports it
+    return dict(mem_error=str(e))
+
+
+class Bench:
+  """Times (fwd, fwd+bwd) pairs and writes records incrementally."""
+
+  def __init__(self, out, iters, budget_s):
+    self.out, self.iters, self.budget_s, self.records = out, iters, budget_s, []
+
+  def over_budget(self):
+    return time.time() - START > self.budget_s
+
+  def time_pair(self, fn, args, ct, with_bwd=True, iters=None):
+    iters = iters or self.iters
+    fexe = compiled(fn, *args)
+    res = dict(fwd=bc.time_ms(fexe, *args, iters=iters), fwd_mem=mem(fexe))
+    if with_bwd:
+      g = with_grad(fn)
+      bexe = compiled(g, args, ct)
+      res["fwd_bwd"] = bc.time_ms(bexe, args, ct, iters=iters)
+      res["bwd_mem"] = mem(bexe)
+    return res
+
+  def add(self, op, impl, t, cfg, res, dense, **extra):
+    base = dict(t=t, batch=1, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, d_k=cfg.head_dim,
+                d_v=cfg.dim_v)
+    for pass_ in ("fwd", "bwd"):
+      if pass_ == "fwd":
+        ms, dms = res["fwd"], dense and dense["fwd"]
+      elif "fwd_bwd" in res:
+        ms = res["fwd_bwd"] - res["fwd"]
+        dms = dense and dense["fwd_bwd"] - dense["fwd"]
+      else:
+        continue
+      ex = dict(extra)
+      if pass_ == "bwd":
+        ex.update(fwd_bwd_ms=round(res["fwd_bwd"], 4), **res.get("bwd_mem", {}))
+        if dense:
+          ex.update(cudnn_fwd_bwd_ms=round(dense["fwd_bwd"], 4),
+                    cudnn_temp_bytes=dense.get("bwd_mem", {}).get("temp_bytes"))
+      else:
+        ex.update(res.get("fwd_mem", {}))
+      self.records.append(bc.record(op=op, impl=impl, pass_=pass_, ms=ms, cudnn_ms=dms, **base,
+                                    **ex))
+    self.flush()
+
+  def flush(self):
+    os.makedirs(self.out, exist_ok=True)
+    with open(os.path.join(self.out, "nsa_h200.json"), "w") as f:
+      json.dump(self.records, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def dense_fn(dd):
+  impl = "cudnn" if ON_GPU else None
+
+  def f(q, k, v):
+    return (jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl),)
+  return f
+
+
+def bench_dense(bench, key, t, cfg):
+  dd = max(cfg.head_dim, cfg.dim_v)
+  ks = jax.random.split(key, 4)
+  h, kh = cfg.num_heads, cfg.num_kv_heads
+  args = [jax.random.normal(ks[0], (1, t, h, dd), jnp.bfloat16),
+          jax.random.normal(ks[1], (1, t, kh, dd), jnp.bfloat16),
+          jax.random.normal(ks[2], (1, t, kh, dd), jnp.bfloat16)]
+  ct = jax.random.normal(ks[3], (1, t, h, dd), jnp.bfloat16)
+  res = bench.time_pair(dense_fn(dd), args, ct)
+  res["dd"] = dd
+  return res
+
+
+def bench_whole(bench, key, t, cfg, dense):
+  args = make_inputs(key, t, cfg)
+  ct = jax.random.normal(jax.random.fold_in(key, 7), (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
+  res = bench.time_pair(fn, args, ct, iters=bench.iters if t <= 65536 else 5)
+  bench.add("nsa", "pallas", t, cfg, res, dense, dense_dim=dense["dd"])
+  return args
+
+
+def bench_branches(bench, key, t, cfg, dense, args):
+  """compress (fwd, bwd), topn (fwd), select (fwd, bwd), window (fwd, bwd) on the op's inputs."""
+  q, kc, vc, ks_, vs_, kw, vw, _ = args
+  l, d, lp, w = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.window
+  ct = jax.random.normal(jax.random.fold_in(key, 9), (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  cmp = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, interpret=INTERPRET)
+  bench.add("compress", "pallas", t, cfg, bench.time_pair(cmp, [q, kc, vc], ct), dense)
+  _, lse = jax.jit(cmp)(q, kc, vc)
+  topn = lambda q, kc, lse: (select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
+                                         num_selected=cfg.num_selected, interpret=INTERPRET),)
+  bench.add("topn", "pallas", t, cfg, bench.time_pair(topn, [q, kc, lse], None, with_bwd=False),
+            dense)
+  idx = jax.jit(topn)(q, kc, lse)[0]
+  sel = lambda q, k, v: select_attention(q, k, v, idx, lp, interpret=INTERPRET)
+  bench.add("select", "pallas", t, cfg, bench.time_pair(sel, [q, ks_, vs_], ct), dense,
+            pattern="nsa-topn")
+  win = lambda q, k, v: (ops.window_attention(q, k, v, w),)
+  impl = "cudnn-window" if ON_GPU else "xla"
+  bench.add("window", impl, t, cfg, bench.time_pair(win, [q, kw, vw], ct), dense)
+
+
+def bench_layer(bench, key, t, d_model=2560):
+  """NSAAttention vs DenseAttention (d_k = d_v = 128, projections and phi included)."""
+  from flax import nnx
+  from nsa_jax.attention import DenseAttention, NSAAttention
+  cfg = paper_cfg(64, 4, 128, 128)
+  x = jax.random.normal(key, (1, t, d_model), jnp.bfloat16)
+  ct = jax.random.normal(jax.random.fold_in(key, 1), (1, t, d_model), jnp.bfloat16)
+  res = {}
+  for name, make in (("nsa", lambda r: NSAAttention(d_model, cfg, dtype="bfloat16", rngs=r)),
+                     ("dense", lambda r: DenseAttention(d_model, 64, 4, 128, dtype="bfloat16",
+                                                        rngs=r))):
+    gdef, state = nnx.split(make(nnx.Rngs(0)))
+    fn = lambda st, x, gdef=gdef: (nnx.merge(gdef, st)(x),)
+    res[name] = bench.time_pair(fn, [state, x], ct)
+  bench.add("layer", "NSAAttention/pallas", t, cfg, res["nsa"], res["dense"], d_model=d_model,
+            dense_impl="DenseAttention/cudnn")
+
+
+def sweep(key, t, cfg):
+  """Tiling variants of the compression and top-n kernels at one shape: [(name, fwd, fwd_bwd)]."""
+  from pallas_kernels.compress_attention import CmpTiling
+  args = make_inputs(key, t, cfg)
+  q, kc, vc = args[:3]
+  l, d = cfg.cmp_block, cfg.cmp_stride
+  ct = jax.random.normal(key, (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  bench = Bench("/tmp", 5, 1e9)
+  out = []
+  for name, til in (("cmp rows64 bk64 bwd64/64 w8", CmpTiling()),
+                    ("cmp rows128 bk64 w8 | bwd bk64 rows128 w8", CmpTiling(rows=128, num_warps=8,
+                                                                            bwd_rows=128)),
+                    ("cmp rows64 bk128 w4 | bwd bk32 rows64 w4", CmpTiling(block_k=128,
+                                                                           bwd_block_k=32,
+                                                                           bwd_num_warps=4))):
+    fn = lambda q, kc, vc, til=til: compress_attention(q, kc, vc, l, d, tiling=til)
+    r = bench.time_pair(fn, [q, kc, vc], ct)
+    out.append((name, r["fwd"], r["fwd_bwd"]))
+    print("SWEEP", out[-1], flush=True)
+  _, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, l, d))(q, kc, vc)
+  for rows, chunk, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 8), (128, 32, 8)):
+    fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps: (select_topn(
+        q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
+        rows=rows, sel_chunk=chunk, num_warps=warps),)
+    r = bench.time_pair(fn, [q, kc, lse], None, with_bwd=False)
+    out.append((f"topn rows{rows} chunk{chunk} w{warps}", r["fwd"], None))
+    print("SWEEP", out[-1], flush=True)
+  return out
+
+
+def check(key, t, cfg):
+  """Compiled kernels vs the plain-JAX path (bf16 inputs): errors and top-n agreement."""
+  args = make_inputs(key, t, cfg)
+  q, kc, vc, ks_ = args[:4]
+  o, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, cfg.cmp_block, cfg.cmp_stride,
+                                                        interpret=INTERPRET))(q, kc, vc)
+  xo, xlse, xidx = jax.jit(lambda *a: xla.compressed_attention_and_select(*a, cfg))(q, kc, vc, ks_)
+  idx = jax.jit(lambda q, kc, lse: select_topn(
+      q, kc, lse, block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
+      num_selected=cfg.num_selected, interpret=INTERPRET))(q, kc, xlse)
+  fin = jnp.isfinite(xlse)
+  out = dict(T=t, cmp_o_maxerr=float(jnp.max(jnp.abs(o.astype(jnp.float32) - xo.astype(jnp.float32)))),
+             cmp_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(lse - xlse), 0.0))),
+             lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(lse) == fin)),
+             topn_slots_equal_frac=float(jnp.mean(idx == xidx)),
+             topn_rows_equal_frac=float(jnp.mean(jnp.all(idx == xidx, axis=-1))))
+  ct = jax.random.normal(key, (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  op = lambda impl: (lambda *a: (ops.nsa_attention(*a, cfg, implementation=impl),))
+  for name, impl in (("pallas", "pallas"), ("xla", "xla")):
+    out[name] = jax.jit(op(impl))(*args)[0].astype(jnp.float32), jax.jit(with_grad(op(impl)))(args, ct)
+  (po, pg), (xo2, xg) = out.pop("pallas"), out.pop("xla")
+  rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
+                           (jnp.linalg.norm(b.astype(jnp.float32)) + 1e-30))
+  out["nsa_o_relerr"] = rel(po, xo2)
+  names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+  out["nsa_grad_relerr"] = {n: rel(a, b) for n, a, b in zip(names, pg, xg)}
+  return out
+
+
+# ----------------------------------------------------------------------------- report
+
+TARGETS = (("fwd", 6.0), ("bwd", 5.0))
+
+
+def summary(records):
+  """Markdown lines: where each target of the issue stands (T=65536, 192/128 and 128/128)."""
+  lines = []
+  for dims in ((192, 128), (128, 128)):
+    rows = [r for r in records if r["op"] == "nsa" and (r["d_k"], r["d_v"]) == dims]
+    for pass_, goal in TARGETS:
+      r64 = [r for r in rows if r["pass"] == pass_ and r["T"] == 65536]
+      if r64:
+        s = r64[0]["speedup"]
+        lines.append(f"- d_k/d_v={dims[0]}/{dims[1]}, {pass_} at T=65536: {s:.2f}x vs cuDNN "
+                     f"(target >= {goal}x: {'MET' if s >= goal else 'NOT met'})")
+      pts = sorted((r["T"], r["speedup"]) for r in rows if r["pass"] == pass_)
+      if pts:
+        above = [t for t, s in pts if s > 1]
+        cross = next((t for t, _ in pts if all(s > 1 for t2, s in pts if t2 >= t)), None)
+        lines.append(f"- d_k/d_v={dims[0]}/{dims[1]}, {pass_}: speed-up > 1 at T = {above}; "
+                     f"crossover (above 1 from here on): {cross}; 16k target "
+                     f"{'MET' if cross is not None and cross <= 16384 else 'NOT met'}")
+  return lines
+
+
+def plot(path):
+  """Markdown table + speed-up PNG next to the JSON."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  records = json.load(open(path))
+  stem = os.path.splitext(path)[0]
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for (dk, dv) in sorted({(r["d_k"], r["d_v"]) for r in records if r["op"] == "nsa"}):
+    for pass_, style in (("fwd", "-o"), ("bwd", "--s")):
+      pts = sorted((r["T"], r["speedup"]) for r in records
+                   if r["op"] == "nsa" and r["pass"] == pass_ and (r["d_k"], r["d_v"]) == (dk, dv))
+      if pts:
+        ax.plot(*zip(*pts), style, label=f"NSA {pass_}, d_k/d_v={dk}/{dv}")
+  ax.axhline(1.0, color="grey", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("sequence length T")
+  ax.set_ylabel("speed-up over cuDNN dense causal")
+  ax.set_title("NSA (Pallas) vs cuDNN, H200, bf16, 64 q / 4 KV heads")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(stem + ".png", dpi=120)
+  r0 = records[0] if records else {}
+  pre = "\n".join([
+      "# NSA whole op and branches vs cuDNN dense causal attention",
+      "", f"Hardware: {r0.get('hardware')}. Date: {r0.get('date')}.", f"Command: `{r0.get('command')}`",
+      "", "Paper settings: bf16, B=1, 64 query heads, 4 KV heads, l=32, d=16, l'=64, n=16, w=512.",
+      "cuDNN needs d_k == d_v: the 192/128 rows are compared with dense attention at 192/192.",
+      "`bwd` = (forward + backward) - forward for both sides; `fwd_bwd_ms` holds the sum.",
+      "Branch rows (compress, topn, select, window) carry the dense time of the same pass for scale.",
+      "", "## Targets (T=65536)", "", *summary(records)])
+  extra = ("fwd_bwd_ms", "cudnn_fwd_bwd_ms", "temp_bytes")
+  with open(stem + ".md", "w") as f:
+    f.write(pre + "\n\n" + bc.markdown_table(records, extra_cols=extra) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--T", default="8192,16384,32768,65536")
+  p.add_argument("--dims", default="128/128,192/128")
+  p.add_argument("--heads", default="64/4")
+  p.add_argument("--breakdown_T", default="65536")
+  p.add_argument("--long_T", default="")
+  p.add_argument("--layer_T", default="")
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--budget_s", type=float, default=1e9)
+  p.add_argument("--check", action="store_true")
+  p.add_argument("--sweep_T", type=int, default=0)
+  p.add_argument("--plot", default="")
+  p.add_argument("--out", default="benchmarks/results")
+  a = p.parse_args(argv)
+  if a.plot:
+    return plot(a.plot)
+  ints = lambda s: [int(x) for x in s.split(",") if x]
+  h, kh = ints(a.heads.replace("/", ","))
+  bench = Bench(a.out, a.iters, a.budget_s)
+  key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
+  if a.check:
+    dk, dv = ints(a.dims.split(",")[-1].replace("/", ","))
+    res = check(key, 2048 if ON_GPU else 256, paper_cfg(h, kh, dk, dv))
+    print("CHECK", json.dumps(res), flush=True)
+    with open(os.path.join(a.out, "nsa_check.json"), "w") as f:
+      json.dump(res, f, indent=1)
+  if a.sweep_T:
+    res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128))
+    with open(os.path.join(a.out, "nsa_sweep.json"), "w") as f:
+      json.dump(res, f, indent=1)
+  plan = [(dims, t) for dims in a.dims.split(",") for t in ints(a.T)]
+  plan += [(dims, t) for dims in a.dims.split(",") for t in ints(a.long_T)]
+  for dims, t in plan:
+    if bench.over_budget():
+      print(f"budget reached: skipping {dims} T={t}", flush=True)
+      continue
+    dk, dv = ints(dims.replace("/", ","))
+    cfg = paper_cfg(h, kh, dk, dv)
+    try:
+      dense = bench_dense(bench, key, t, cfg)
+      args = bench_whole(bench, key, t, cfg, dense)
+      if t in ints(a.breakdown_T) and not bench.over_budget():
+        bench_branches(bench, key, t, cfg, dense, args)
+      del args
+    except Exception as e:  # e.g. out of memory at the longest T: record and go on
+      print(f"FAILED {dims} T={t}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print(f"[{time.time() - START:.0f}s] done {dims} T={t}", flush=True)
+  for t in ints(a.layer_T):
+    if bench.over_budget():
+      break
+    try:
+      bench_layer(bench, key, t)
+    except Exception as e:
+      print(f"FAILED layer T={t}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+  print(bc.markdown_table(bench.records, extra_cols=("fwd_bwd_ms", "temp_bytes")))
+  print("\n".join(summary(bench.records)))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

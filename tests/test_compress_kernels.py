@@ -1,0 +1,161 @@
+"""Pallas compression-attention and top-n kernels (interpret mode on CPU) against nsa_jax.reference,
+the whole op through ops.nsa_attention(implementation="pallas"), and CUDA lowering of each kernel.
+
+Fresh random inputs every run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa_jax import ops, reference
+from nsa_jax.config import NSAConfig
+from pallas_kernels.compress_attention import compress_attention
+from pallas_kernels.select_topn import select_topn
+
+jax.config.update("jax_default_matmul_precision", "highest")  # f32 reference on CPU, no bf16 passes
+
+
+def _seed():
+  return int.from_bytes(os.urandom(4), "little")
+
+
+def _segments(key, b, t):
+  """Two or three contiguous documents per row at random cut points."""
+  cuts = jnp.sort(jax.random.randint(key, (b, 2), 1, t), axis=-1)
+  pos = jnp.arange(t)[None, :]
+  return ((pos >= cuts[:, :1]).astype(jnp.int32) + (pos >= cuts[:, 1:]).astype(jnp.int32))
+
+
+def _close(a, b, tol, what, seed):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  fin = np.isfinite(b)
+  assert np.array_equal(fin, np.isfinite(a)), f"{what}: -inf pattern differs (seed {seed})"
+  err = np.max(np.abs(np.where(fin, a, 0.0) - np.where(fin, b, 0.0)), initial=0.0)
+  scale = max(1.0, np.max(np.abs(np.where(fin, b, 0.0)), initial=0.0))
+  assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol * scale:.3g} (seed {seed})"
+
+
+# ----------------------------------------------------------------------------- compression attention
+
+@pytest.mark.parametrize("g,kv,t,use_seg", [(1, 2, 70, True), (4, 2, 90, False), (16, 1, 61, True)])
+def test_compress_attention_fwd_and_grads(g, kv, t, use_seg):
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 7)
+  b, dk, dv, l, d = 1, 32, 16, 16, 8
+  nc = (t - l) // d + 1
+  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
+  kc = jax.random.normal(ks[1], (b, nc, kv, dk))
+  vc = jax.random.normal(ks[2], (b, nc, kv, dv))
+  seg = _segments(ks[3], b, t) if use_seg else None
+  w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
+  w_l = jax.random.normal(ks[5], (b, t, g * kv))
+
+  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=True)
+  ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
+  (o, lse), vjp = jax.vjp(ours, q, kc, vc)  # one interpreted forward for outputs and grads
+  (ro, rlse), ref_vjp = jax.vjp(ref, q, kc, vc)
+  _close(o, ro, 1e-5, "o", seed)
+  _close(lse, rlse, 1e-5, "lse", seed)
+  cts = (w_o, jnp.where(jnp.isfinite(rlse), w_l, 0.0))  # lse's cotangent is exercised too
+  grads, ref_grads = vjp(cts), ref_vjp(cts)
+  for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
+    _close(a, r, 1e-4, name, seed)
+
+
+# ----------------------------------------------------------------------------- top-n
+
+@pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg", [
+    (4, 2, 300, 16, 8, 32, 5, "overlap", False),
+    (1, 3, 200, 16, 8, 32, 4, "literal", True),
+    (16, 1, 260, 32, 16, 64, 3, "overlap", True),
+])
+def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg):
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 4)
+  b, dk = 2, 32
+  cfg = NSAConfig(num_heads=g * kv, num_kv_heads=kv, head_dim=dk, head_dim_v=None, cmp_block=l,
+                  cmp_stride=d, sel_block=lp, num_selected=n, window=64, score_alignment=align)
+  nc = cfg.num_cmp_blocks(t)
+  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
+  kc = jax.random.normal(ks[1], (b, nc, kv, dk))
+  seg = _segments(ks[2], b, t) if use_seg else None
+  _, lse, p = reference.compressed_attention(q, kc, kc, l, d, seg)
+  want = reference.select_blocks(reference.selection_scores(p, kv, t, cfg), cfg, seg)
+  got = select_topn(q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, alignment=align,
+                    segment_ids=seg, interpret=True)
+  bad = np.argwhere(np.asarray(want != got))
+  assert got.shape == want.shape and got.dtype == jnp.int32
+  assert bad.size == 0, (f"{len(bad)} slots differ, first at {bad[0]}: want "
+                         f"{want[tuple(bad[0][:3])]} got {got[tuple(bad[0][:3])]} (seed {seed})")
+
+
+# ----------------------------------------------------------------------------- whole op
+
+def test_whole_op_pallas_matches_reference():
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 10)
+  b, t, h, kv, dk, dv = 1, 100, 4, 2, 32, 16
+  cfg = NSAConfig(num_heads=h, num_kv_heads=kv, head_dim=dk, head_dim_v=dv, cmp_block=16,
+                  cmp_stride=8, sel_block=16, num_selected=4, window=24)
+  nc = cfg.num_cmp_blocks(t)
+  shapes = [(b, t, h, dk), (b, nc, kv, dk), (b, nc, kv, dv), (b, t, kv, dk), (b, t, kv, dv),
+            (b, t, kv, dk), (b, t, kv, dv)]
+  args = [jax.random.normal(k, s) for k, s in zip(ks, shapes)]
+  args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))))
+  seg = _segments(ks[8], b, t)
+  w = jax.random.normal(ks[9], (b, t, h, dv))
+
+  def run(impl):
+    def f(*a):
+      o, aux = ops.nsa_attention(*a, cfg, segment_ids=seg, implementation=impl, return_aux=True)
+      return jnp.sum(o * w), aux["block_idx"]
+    return jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True)(*args)
+
+  (val, idx), grads = run("pallas")
+  (rval, ridx), rgrads = run("reference")
+  assert np.array_equal(idx, ridx), f"block indices differ (seed {seed})"
+  _close(val, rval, 1e-5, "loss", seed)
+  names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+  for name, a, r in zip(names, grads, rgrads):
+    _close(a, r, 1e-4, "d" + name, seed)
+
+
+# ----------------------------------------------------------------------------- CUDA lowering
+
+def _abstract_gpu():
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=(
+      jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
+                                  num_cores=132))))
+
+
+@pytest.mark.parametrize("h,kv,dk,dv,use_seg", [(64, 4, 192, 128, False), (8, 8, 64, 32, True)])
+def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg):
+  t, l, d, lp = 1024, 32, 16, 64
+  nc = (t - l) // d + 1
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  q, kc, vc = spec(1, t, h, dk), spec(1, nc, kv, dk), spec(1, nc, kv, dv)
+  seg = spec(1, t, dt=jnp.int32)
+
+  def fwd(q, kc, vc, seg):
+    s = seg if use_seg else None
+    o, lse = compress_attention(q, kc, vc, l, d, s)
+    return o, select_topn(q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=16,
+                          segment_ids=s)
+
+  def bwd(q, kc, vc, seg):
+    s = seg if use_seg else None
+    f = lambda q, kc, vc: jnp.sum(compress_attention(q, kc, vc, l, d, s)[0].astype(jnp.float32))
+    return jax.grad(f, argnums=(0, 1, 2))(q, kc, vc)
+
+  with _abstract_gpu():
+    for fn, kernels in ((fwd, ("nsa_cmp_fwd", "nsa_select_topn")), (bwd, ("nsa_cmp_dq",
+                                                                          "nsa_cmp_dkv"))):
+      text = jax.jit(fn).trace(q, kc, vc, seg).lower(lowering_platforms=("cuda",)).as_text()
+      for name in kernels:
+        assert name in text, f"{name} missing from the CUDA lowering"
