@@ -184,7 +184,7 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
     # param_norm lets the NaN guard catch an update that broke the weights while the loss and
     # gradients it was computed from were still finite.
     metrics = {"loss": loss_sum / denom, "accuracy": correct / denom,
-               "grad_norm": optax.global_norm(grads), "param_norm": optax.global_norm(params),
+               "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                "lr": setup.schedule(state["step"])}
     return new, metrics
 
