@@ -34,13 +34,25 @@ from ml_collections import ConfigDict, config_flags
 MATCH_PARAMS = "MATCH_PARAMS"
 _UI_FIELDS = ("train.progress_bar", "train.tensorboard", "train.plot")  # do not change the run
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "sweep file (configs/sweep_*.py)",
-                                          lock_config=True)
-_RUN = flags.DEFINE_string("run", "all", "run name, comma-separated names, or 'all'")
-_OUT = flags.DEFINE_string("out_dir", None, "sweep output dir (default runs/ablate/<sweep name>)")
-_RUNS_ROOT = flags.DEFINE_string("runs_root", "runs/ablate/_runs", "shared run work directories")
-_LIST = flags.DEFINE_bool("list", False, "print the runs and their commands, train nothing")
-_REPORT = flags.DEFINE_bool("report_only", False, "only rewrite results.md / loss_curves.png")
+_CONFIG = None
+_RUN = None
+_OUT = None
+_RUNS_ROOT = None
+_LIST = None
+_REPORT = None
+
+
+def define_flags():
+  """Command-line flags; defined only when run as a script, so that importing this module
+  (tests, other scripts) never defines absl flags twice."""
+  global _CONFIG, _RUN, _OUT, _RUNS_ROOT, _LIST, _REPORT
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "sweep file (configs/sweep_*.py)",
+                                            lock_config=True)
+  _RUN = flags.DEFINE_string("run", "all", "run name, comma-separated names, or 'all'")
+  _OUT = flags.DEFINE_string("out_dir", None, "sweep output dir (default runs/ablate/<sweep name>)")
+  _RUNS_ROOT = flags.DEFINE_string("runs_root", "runs/ablate/_runs", "shared run work directories")
+  _LIST = flags.DEFINE_bool("list", False, "print the runs and their commands, train nothing")
+  _REPORT = flags.DEFINE_bool("report_only", False, "only rewrite results.md / loss_curves.png")
 
 
 # ----------------------------------------------------------------------------- sweep files ------
@@ -293,5 +305,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   flags.mark_flags_as_required(["config"])
   app.run(main)

@@ -23,16 +23,32 @@ import os
 import numpy as np
 from absl import app, flags
 
-_MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position"], "what to evaluate")
-_WORKDIRS = flags.DEFINE_list("workdirs", [], "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
-_LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
-_LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512"], "needle: context lengths")
-_DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "needle: depth fractions")
-_SAMPLES = flags.DEFINE_integer("samples", 16, "needle: examples per (length, depth) cell")
-_SEED = flags.DEFINE_integer("seed", 1234, "needle: example seed (not a training seed)")
-_BUCKET = flags.DEFINE_integer("bucket", 64, "position: bucket width in tokens")
-_BATCHES = flags.DEFINE_integer("batches", 8, "position: validation batches")
-_OUT = flags.DEFINE_string("out", None, "PNG path (a .json with the numbers is written beside it)")
+_MODE = None
+_WORKDIRS = None
+_LABELS = None
+_LENGTHS = None
+_DEPTHS = None
+_SAMPLES = None
+_SEED = None
+_BUCKET = None
+_BATCHES = None
+_OUT = None
+
+
+def define_flags():
+  """Command-line flags; defined only when run as a script, so that importing this module
+  (tests, other scripts) never defines absl flags twice."""
+  global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES, _OUT
+  _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position"], "what to evaluate")
+  _WORKDIRS = flags.DEFINE_list("workdirs", [], "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
+  _LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
+  _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512"], "needle: context lengths")
+  _DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "needle: depth fractions")
+  _SAMPLES = flags.DEFINE_integer("samples", 16, "needle: examples per (length, depth) cell")
+  _SEED = flags.DEFINE_integer("seed", 1234, "needle: example seed (not a training seed)")
+  _BUCKET = flags.DEFINE_integer("bucket", 64, "position: bucket width in tokens")
+  _BATCHES = flags.DEFINE_integer("batches", 8, "position: validation batches")
+  _OUT = flags.DEFINE_string("out", None, "PNG path (a .json with the numbers is written beside it)")
 
 ANSWER_DIGITS = 5
 
@@ -202,4 +218,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -17,10 +17,20 @@ import os
 import numpy as np
 from absl import app, flags
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "NSA run: workdir or SWEEP_OUT_DIR:RUN")
-_ROW = flags.DEFINE_integer("row", 0, "which validation sequence (row of batch 0, 1, ...)")
-_OUT = flags.DEFINE_string("out", "docs/figures/selection.png", "PNG path (.txt written beside)")
-_QUERIES = flags.DEFINE_integer("queries", 6, "queries listed in the .txt")
+_WORKDIR = None
+_ROW = None
+_OUT = None
+_QUERIES = None
+
+
+def define_flags():
+  """Command-line flags; defined only when run as a script, so that importing this module
+  (tests, other scripts) never defines absl flags twice."""
+  global _WORKDIR, _ROW, _OUT, _QUERIES
+  _WORKDIR = flags.DEFINE_string("workdir", None, "NSA run: workdir or SWEEP_OUT_DIR:RUN")
+  _ROW = flags.DEFINE_integer("row", 0, "which validation sequence (row of batch 0, 1, ...)")
+  _OUT = flags.DEFINE_string("out", "docs/figures/selection.png", "PNG path (.txt written beside)")
+  _QUERIES = flags.DEFINE_integer("queries", 6, "queries listed in the .txt")
 
 NOT_VISIBLE, VISIBLE, FORCED, CHOSEN = 0, 1, 2, 3
 
@@ -144,4 +154,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -1,0 +1,262 @@
+"""Experiments on CPU: the sweep machinery (overrides, parameter matching, run identity, results
+table, curves, the CLI), the passkey generator and scorer, the trained-model adapters, the
+position-loss evaluation and the selection picture, on a two-layer model trained for 2 steps.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from configs.sweep_base import MATCH_PARAMS, sweep_base_config
+from experiments import ablate, needle_eval, trained_model, visualize_selection as vis
+from nsa_jax.training import data as data_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = int.from_bytes(os.urandom(3), "little")  # fresh every run; printed in failure messages
+
+
+def tiny_config(seed=SEED):
+  """Two layers (dense then NSA, two KV groups), 128 tokens, 2 steps: seconds on a CPU."""
+  c = sweep_base_config()
+  c.model.d_model, c.model.n_layers, c.model.head_dim, c.model.ffn_dim = 32, 2, 8, 64
+  c.model.n_heads, c.model.n_kv_heads = 4, 2
+  c.model.layer_attention = ("dense", "nsa")
+  c.model.max_seq_len = c.data.seq_len = 128
+  c.model.nsa.window = 32
+  c.model.nsa.num_selected = 3
+  c.data.global_batch_size = 2
+  c.data.seed = c.train.seed = seed % 1000
+  c.train.num_steps = 2
+  c.train.log_every = 1
+  c.train.eval_every = 2
+  c.train.eval_batches = 1
+  c.checkpoint.every_steps = 2
+  return c
+
+
+SWEEP_FILE = textwrap.dedent("""
+    from configs.sweep_base import sweep_base_config
+    REFERENCE = "nsa"
+    def get_config():
+      c = sweep_base_config()
+      c.model.d_model, c.model.n_layers, c.model.head_dim, c.model.ffn_dim = 32, 2, 8, 64
+      c.model.layer_attention = ("dense", "nsa")
+      return c
+    def get_runs():
+      return {"nsa": {}, "dense": {"model.layer_attention": ("dense", "dense")},
+              "dense_pm": {"model.layer_attention": ("dense", "dense"), "MATCH_PARAMS": "nsa"}}
+""")
+
+
+@pytest.fixture(scope="module")
+def sweep_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("sweep") / "sweep_tiny.py"
+  path.write_text(SWEEP_FILE)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A finished tiny run (train_run: the path every sweep row takes)."""
+  workdir = str(tmp_path_factory.mktemp("run"))
+  config = tiny_config()
+  rec = ablate.train_run(config, workdir)
+  return workdir, config, rec
+
+
+# ----------------------------------------------------------------------------- sweep machinery --
+
+def test_overrides_param_matching_and_unknown_fields(sweep_file):
+  module = ablate.load_sweep(sweep_file)
+  runs = ablate.resolve_runs(module, module.get_config())
+  assert list(runs) == ["nsa", "dense", "dense_pm"]
+  assert runs["dense"][1].model.layer_attention == ("dense", "dense")
+  assert runs["nsa"][1].model.layer_attention == ("dense", "nsa")
+  p_nsa, p_dense, p_pm = (ablate.count_params(runs[n][1]) for n in ("nsa", "dense", "dense_pm"))
+  assert p_dense < p_nsa, "NSA adds K/V projections, phi and gates: it must have more parameters"
+  # One ffn step of 8 units costs 3 * d_model * 8 per layer: the match is within half of it.
+  c = runs["dense_pm"][1]
+  step = 3 * c.model.d_model * 8 * c.model.n_layers
+  assert abs(p_pm - p_nsa) <= step / 2, (p_pm, p_nsa, c.model.ffn_dim)
+  assert c.model.ffn_dim > runs["dense"][1].model.ffn_dim
+  with pytest.raises(ValueError, match="no field 'n_layer'"):
+    ablate.set_field(module.get_config(), "model.n_layer", 3)
+  with pytest.raises(ValueError, match="must come earlier"):
+    bad = type("M", (), {"get_runs": staticmethod(lambda: {"a": {MATCH_PARAMS: "b"}, "b": {}})})
+    ablate.resolve_runs(bad, module.get_config())
+
+
+def test_config_hash_ignores_ui_fields_only():
+  a, b = tiny_config(seed=1), tiny_config(seed=1)
+  b.train.progress_bar = not a.train.progress_bar
+  b.train.tensorboard = True
+  assert ablate.config_hash(a) == ablate.config_hash(b)
+  b.model.nsa.num_selected = 4
+  assert ablate.config_hash(a) != ablate.config_hash(b)
+
+
+def test_command_keeps_overrides_and_names_the_run():
+  cmd = ablate.command_for("configs/sweep_x.py", "dense",
+                           ["ablate.py", "--config=configs/sweep_x.py", "--run=all",
+                            "--config.model.d_model=512", "--out_dir=/o"])
+  assert cmd == ("python -m experiments.ablate --config=configs/sweep_x.py --run=dense "
+                 "--config.model.d_model=512 --out_dir=/o")
+
+
+def test_train_run_records_metrics_and_reuses_a_finished_run(trained, tmp_path):
+  workdir, config, rec = trained
+  assert not rec["reused"] and rec["steps"] == 2
+  assert rec["tokens"] == 2 * 2 * 128
+  assert math.isfinite(rec["val_loss"]) and abs(rec["val_ppl"] - math.exp(rec["val_loss"])) < 1e-3
+  assert rec["params"] == ablate.count_params(config) and rec["wall_s"] > 0
+  again = ablate.train_run(config, workdir)
+  assert again["reused"] and again["val_loss"] == rec["val_loss"]
+  # Table and curves from results.jsonl; deltas against the reference.
+  out = str(tmp_path)
+  for name, loss in (("nsa", rec["val_loss"]), ("dense", rec["val_loss"] + 0.5)):
+    ablate.append_result(out, dict(rec, run=name, overrides={} if name == "nsa" else
+                                   {"model.attention": "dense"}, workdir=workdir,
+                                   command=f"cmd {name}", val_loss=loss))
+  table = ablate.write_report(out, ["nsa", "dense", "missing"], "nsa", "t")
+  rows = [r for r in table.splitlines() if r.startswith("| nsa") or r.startswith("| dense")]
+  assert len(rows) == 2 and "+0.5000" in rows[1] and "`cmd dense`" in rows[1]
+  assert os.path.getsize(os.path.join(out, "loss_curves.png")) > 10_000
+
+
+def test_cli_lists_runs_with_overrides(sweep_file):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--config={sweep_file}",
+                        "--list", "--config.model.d_model=48"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "--run=dense_pm --config.model.d_model=48" in out.stdout
+  bad = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--config={sweep_file}",
+                        "--run=nope", "--list"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
+  assert bad.returncode == 1 and "unknown run" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- passkey ----------
+
+PASSKEY_RE = re.compile(rb"^(.*)The pass key is (\d{5})\. Remember it\. (.*) What is the pass key\? "
+                        rb"The pass key is (\d{5})$", re.S)
+
+
+@pytest.mark.parametrize("length", [96, 200, 333])
+def test_passkey_examples_match_the_training_format_and_depth(length):
+  rng = np.random.default_rng(SEED)
+  train_row, _ = data_lib.NeedleSource(1, {}).row(rng, length + 1)
+  m = PASSKEY_RE.match(bytes(train_row.astype(np.uint8)))
+  assert m and m.group(2) == m.group(4), f"training passkey format changed (seed {SEED})"
+  for depth in (0.0, float(rng.uniform()), 1.0):
+    tokens, key, cut = needle_eval.passkey_example(length, depth, np.random.default_rng(SEED))
+    assert tokens.shape == (length + 1,) and tokens.dtype == np.int32
+    m = PASSKEY_RE.match(bytes(tokens.astype(np.uint8)))
+    assert m and m.group(2) == m.group(4) == key.encode(), f"seed {SEED} depth {depth}"
+    filler = len(m.group(1)) + len(m.group(3))
+    assert len(m.group(1)) == cut and abs(cut - depth * filler) <= 0.5, f"seed {SEED}"
+  a = needle_eval.passkey_batch(length, 2, 0.5, 3, SEED)
+  np.testing.assert_array_equal(a, needle_eval.passkey_batch(length, 2, 0.5, 3, SEED))
+  assert not np.array_equal(a, needle_eval.passkey_batch(length, 2, 0.5, 3, SEED + 1))
+  with pytest.raises(ValueError, match="too short"):
+    needle_eval.passkey_example(40, 0.5, rng)
+
+
+def _oracle_logits(tokens_in):
+  """Logits that copy the key from the input text: what a perfect retriever predicts."""
+  out = np.zeros(tokens_in.shape + (256,), np.float32)
+  for r, row in enumerate(tokens_in):
+    key = re.search(rb"The pass key is (\d{5})\.", bytes(row.astype(np.uint8))).group(1)
+    for i, ch in enumerate(key):
+      out[r, tokens_in.shape[1] - 5 + i, ch] = 1.0
+  return out
+
+
+def test_scorer_and_grid_on_an_oracle_and_a_broken_model():
+  lengths, depths = [80, 160], [0.0, 0.5, 1.0]
+  grid = needle_eval.needle_grid(_oracle_logits, lengths, depths, 4, SEED)
+  assert np.all(np.asarray(grid["exact"]) == 1.0), f"oracle missed (seed {SEED})"
+
+  def off_by_one(tokens_in):  # last digit always wrong: no exact hit, 80% of digits right
+    logits = _oracle_logits(tokens_in)
+    logits[:, -1] = np.roll(logits[:, -1], 1, axis=-1)
+    return logits
+
+  grid = needle_eval.needle_grid(off_by_one, lengths, depths, 4, SEED)
+  assert np.all(np.asarray(grid["exact"]) == 0.0)
+  np.testing.assert_allclose(grid["digits"], 0.8)
+
+
+# ----------------------------------------------------------------------------- trained model ----
+
+def test_load_model_forward_with_aux_and_longer_inputs(trained):
+  workdir, config, _ = trained
+  model, cfg, model_cfg = trained_model.load_model(workdir, max_seq_len=256)
+  assert model_cfg.max_seq_len == 256 and cfg.data.seq_len == 128
+  tokens = jax.random.randint(jax.random.key(SEED), (2, 256), 0, 256)
+  logits, auxes = trained_model.forward_with_aux(model, tokens)
+  np.testing.assert_allclose(logits, trained_model.jit_logits(model)(tokens), atol=2e-4, rtol=2e-4)
+  assert auxes[0] is None  # the dense layer
+  idx, gates = auxes[1]["block_idx"], auxes[1]["gates"]
+  assert idx.shape == (2, 256, 2, 3) and gates.shape == (2, 256, 4, 3)
+  assert float(gates.min()) >= 0 and float(gates.max()) <= 1
+  # The trained weights, not a fresh init: the eval loss matches the run's own validation loss.
+  batches = trained_model.val_batches(cfg, cfg.train.eval_batches)
+  nll = needle_eval.position_nll(trained_model.jit_logits(model), batches)
+  w = np.stack([b["weights"] for b in batches]).sum((0, 1))
+  rec = json.load(open(os.path.join(workdir, "ablate_result.json")))
+  assert abs(float((nll * w).sum() / w.sum()) - rec["val_loss"]) < 1e-3
+
+
+def test_position_nll_matches_optax_and_buckets_cover_all_positions():
+  rng = np.random.default_rng(SEED)
+  logits = rng.normal(size=(3, 20, 11)).astype(np.float32)
+  batch = {"inputs": np.zeros((3, 20), np.int32), "targets": rng.integers(0, 11, (3, 20)),
+           "weights": rng.integers(0, 2, (3, 20)).astype(np.float32)}
+  got = needle_eval.position_nll(lambda _: logits, [batch])
+  ref = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+  want = (ref * batch["weights"]).sum(0) / np.maximum(batch["weights"].sum(0), 1e-9)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  buckets = needle_eval.bucketize(got, 8)
+  assert [(s, e) for s, e, _ in buckets] == [(0, 8), (8, 16), (16, 20)]
+  assert abs(buckets[2][2] - got[16:].mean()) < 1e-9
+
+
+def test_selection_map_is_causal_and_counts_every_selected_block(trained):
+  workdir, _, _ = trained
+  model, cfg, model_cfg = trained_model.load_model(workdir)
+  tokens = trained_model.val_batches(cfg, 1)[0]["inputs"][:1]
+  _, auxes = trained_model.forward_with_aux(model, tokens)
+  idx = np.asarray(auxes[1]["block_idx"])[0]
+  nsa = model_cfg.nsa
+  for k in range(idx.shape[1]):
+    codes = vis.selection_map(idx[:, k], nsa.sel_block, nsa.num_init_blocks, nsa.num_local_blocks)
+    picked = np.isin(codes, (vis.FORCED, vis.CHOSEN)).sum(1)
+    np.testing.assert_array_equal(picked, (idx[:, k] >= 0).sum(1))
+    t = np.arange(len(codes))
+    assert np.all(codes[t, 0] == vis.FORCED) and np.all(codes[t, t // nsa.sel_block] == vis.FORCED)
+    assert not np.any((codes == vis.NOT_VISIBLE) & (np.arange(codes.shape[1]) * nsa.sel_block
+                                                     <= t[:, None]))
+    dist = vis.chosen_distances(codes, nsa.sel_block)
+    assert np.all(dist >= nsa.num_local_blocks)  # chosen-by-score blocks lie beyond the local ones
+  text = vis.describe_queries(np.asarray(tokens[0]), codes, nsa.sel_block, 2)
+  assert text.count("query t=") == 2
+
+
+def test_plots_are_written(tmp_path):
+  grid = needle_eval.needle_grid(_oracle_logits, [80], [0.0, 1.0], 2, SEED)
+  needle_eval.plot_needle([grid, grid], ["a", "b"], str(tmp_path / "n.png"), [80, None])
+  needle_eval.plot_position([[(0, 8, 2.0), (8, 16, 1.5)]], ["a"], str(tmp_path / "p.png"))
+  codes = vis.selection_map(np.array([[0, -1, -1], [0, 1, -1], [0, 1, 2]] * 16), 16, 1, 2)
+  vis.plot([codes[None]], [np.full((48, 4, 3), 0.5)], str(tmp_path / "s.png"), "t")
+  for name in ("n.png", "p.png", "s.png"):
+    assert os.path.getsize(tmp_path / name) > 5_000
