@@ -82,6 +82,13 @@ def test_end_to_end_run_leaves_checkpoints_logs_and_plot(full_run):
   assert val["loss"] < losses[1] and math.isclose(val["perplexity"], math.exp(val["loss"]))
 
 
+def test_plot_runs_overlays_several_workdirs(full_run, tmp_path):
+  from experiments import plot_runs
+  out = str(tmp_path / "overlay.png")
+  plot_runs.main([full_run[0], full_run[0], f"--out={out}", "--labels=nsa,again"])
+  assert os.path.getsize(out) > 10_000
+
+
 def test_sigterm_then_resume_reproduces_the_uninterrupted_losses(full_run, tmp_path):
   reference = train_losses(full_run[0])
   workdir = str(tmp_path)

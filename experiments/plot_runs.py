@@ -1,0 +1,26 @@
+"""Overlay the loss curves of several training work directories in one PNG.
+
+  python -m experiments.plot_runs runs/small_nsa runs/small_dense --out=runs/nsa_vs_dense.png
+Labels default to "<dir name> (<attention>, <layers>L d<width>)"; --labels=a,b overrides them.
+"""
+
+import argparse
+
+from nsa_jax.training.plotting import plot_runs
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("workdirs", nargs="+", help="training work directories (with metrics.jsonl)")
+  parser.add_argument("--out", default="loss_curves.png", help="PNG to write")
+  parser.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
+  parser.add_argument("--smoothing", type=float, default=0.9, help="EMA factor for train loss")
+  args = parser.parse_args(argv)
+  labels = args.labels.split(",") if args.labels else None
+  if labels and len(labels) != len(args.workdirs):
+    parser.error(f"{len(labels)} labels for {len(args.workdirs)} work directories")
+  print(plot_runs(args.workdirs, args.out, labels=labels, smoothing=args.smoothing))
+
+
+if __name__ == "__main__":
+  main()
