@@ -76,12 +76,15 @@ class SelectTiling:
 
 
 def default_tiling(g, block_size):
-  """Heuristic default. G >= 16: "shared" tiles of 4 tokens (the paper's 16-row per-token tiles, with
-  the blocks all 4 pick loaded once). G < 16: "union" tiles stacking 16 // G tokens to fill 16 rows."""
+  """Measured default (H200, T=64k, n=16, l'=64, see benchmarks/results/select_h200_*.md).
+
+  G >= 16: the paper's per-token tile (16 rows): fastest measured on the worst-case "random"
+  pattern (fwd 16.6 ms vs 18.0 "shared" x2, 20.8 "shared" x4, 20.5 "union" x4); "shared" x4 is the
+  better choice when neighbouring tokens share most blocks. G < 16: "union" tiles stacking 16 // G
+  tokens into the 16-row matrix-unit minimum.
+  """
   bwd = max(1, 64 // g)
   bk = min(64, block_size)
-  if g >= 16:
-    return SelectTiling(tokens_per_tile=4, mode="shared", block_k=bk, bwd_tokens=bwd)
   return SelectTiling(tokens_per_tile=max(1, 16 // g), block_k=bk, bwd_tokens=bwd)
 
 
@@ -251,8 +254,7 @@ def store_rows(ref, rows, off, val):
   plgpu.store(ref.at[rows[:, None], cols[None, :]], val)
 
 
-def atomic_add_rows(ref, rows, off, val, mask):
-  """Atomic ref[rows, off:off+size] += val where mask."""
+def atomic_add_rows(ref, rows, off, val):
+  """Atomic ref[rows, off:off+size] += val (duplicate rows add up)."""
   cols = off + jax.lax.iota(jnp.int32, val.shape[1])
-  plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val,
-                   mask=jnp.broadcast_to(mask[:, None], val.shape))
+  plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val)

@@ -169,11 +169,13 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, seg_ref, q_ref, k_re
   dks, dvs = lax.fori_loop(0, C.cdiv(e1 - e0, tq), body, init)
   dk_ref, dv_ref = out_refs[-2:]  # aliased inputs come first when atomic
   if atomic:
-    in_range = kpos < t
+    # The float32 buffers are padded to whole blocks, so every key row is distinct and in range:
+    # no mask (the CPU interpreter has no masked atomics) and no duplicate rows.
+    prow = kpos * kh + kk
     for (off, size), a in zip(dk_pieces, dks):
-      C.atomic_add_rows(dk_ref, krow, off, a * scale, in_range)
+      C.atomic_add_rows(dk_ref, prow, off, a * scale)
     for (off, size), a in zip(dv_pieces, dvs):
-      C.atomic_add_rows(dv_ref, krow, off, a, in_range)
+      C.atomic_add_rows(dv_ref, prow, off, a)
   else:
     for (off, size), a in zip(dk_pieces, dks):
       dk_ref[:, pl.ds(off, size)] = a * scale
@@ -223,9 +225,10 @@ def _dkv(q, k, v, block_idx, seg, do, lse, delta, *, block_size, scale, tiling, 
                  jax.ShapeDtypeStruct((b, kh, nw, block_size, dv), jnp.float32)]
     aliases = {}
   else:
-    out_specs = [_whole(t * kh, dk), _whole(t * kh, dv)]
-    out_shape = [jax.ShapeDtypeStruct((b, t * kh, dk), jnp.float32),
-                 jax.ShapeDtypeStruct((b, t * kh, dv), jnp.float32)]
+    tp = nb * block_size  # padded to whole blocks
+    out_specs = [_whole(tp * kh, dk), _whole(tp * kh, dv)]
+    out_shape = [jax.ShapeDtypeStruct((b, tp * kh, dk), jnp.float32),
+                 jax.ShapeDtypeStruct((b, tp * kh, dv), jnp.float32)]
     in_specs += out_specs
     args += [jnp.zeros(s.shape, s.dtype) for s in out_shape]
     aliases = {len(args) - 2: 0, len(args) - 1: 1}
@@ -235,7 +238,8 @@ def _dkv(q, k, v, block_idx, seg, do, lse, delta, *, block_size, scale, tiling, 
       name="nsa_select_dkv" + ("" if deterministic else "_atomic"),
   )(*args)
   if not deterministic:
-    return (dkx.reshape(k.shape).astype(k.dtype), dvx.reshape(v.shape).astype(v.dtype))
+    unpad = lambda x, like: x.reshape(b, -1, kh, x.shape[-1])[:, :t].astype(like.dtype)
+    return unpad(dkx, k), unpad(dvx, v)
   reduce = functools.partial(_reduce_kernel, t=t, kh=kh, block_size=block_size,
                              dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv))
   blk_spec = pl.BlockSpec((None, None, nb), lambda i, j, bb: (bb, j, 0))
