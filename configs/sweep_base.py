@@ -4,9 +4,12 @@ The CPU scale here is the paper's NSA shrunk ~16x in every length: the paper tra
 with l=32, d=16, l'=64, n=16, w=512; we train at 512 tokens with l=16, d=8, l'=32, n=4, w=64, so
 a query at the end sees ~60 compressed blocks, 4 x 32 selected tokens and a 64-token window
 (~1/2 of its 512-token past; the paper's 8k setting sees ~1/4). A sweep's runs are override sets
-over this base; any field can be changed from the command line for a bigger run, e.g. on a GPU:
-  python -m experiments.ablate --config=configs/sweep_nsa_vs_dense.py --config.model.d_model=768 ...
-(the exact GPU commands are in docs/RESULTS.md, "not yet run").
+over this base; any field can be changed from the command line (--config.train.num_steps=...).
+
+Scales (the ':scale' suffix of the sweep file, e.g. --config=configs/sweep_branches.py:gpu):
+  cpu (default): the tiny model above.
+  gpu: configs/small_gpu_nsa.py (~100M parameters, 8k context, the paper's l, d, l', n, w) with a
+       run short enough for one 10-minute device call (GPU commands: docs/RESULTS.md, "not yet run").
 """
 
 from configs.base import get_base_config
@@ -15,7 +18,11 @@ from configs.base import get_base_config
 MATCH_PARAMS = "MATCH_PARAMS"
 
 
-def sweep_base_config():
+def sweep_base_config(scale: str | None = None):
+  if scale == "gpu":
+    return gpu_sweep_base_config()
+  if scale not in (None, "", "cpu"):
+    raise ValueError(f"sweep scale {scale!r}: expected 'cpu' or 'gpu' (--config=configs/sweep_X.py:gpu)")
   c = get_base_config()
   c.model.d_model = 64             # tiny: the shared 2-core CPU trains ~1-3k tokens/s at this size
   c.model.n_layers = 2             # two blocks: enough for an induction (copy) circuit
@@ -45,4 +52,20 @@ def sweep_base_config():
   c.checkpoint.every_steps = 60
   c.checkpoint.max_to_keep = 1
   c.checkpoint.async_save = False
+  return c
+
+
+def gpu_sweep_base_config():
+  """small_gpu_nsa (~100M, 8k) cut to a run that fits one 10-minute device call, logs kept small."""
+  from configs.small_gpu_nsa import get_config as small_gpu_nsa
+  c = small_gpu_nsa()
+  c.train.num_steps = 300          # 20M tokens (64k per step); raise with --config.train.num_steps
+  c.optim.warmup_steps = 30
+  c.train.log_every = 10
+  c.train.eval_every = 100
+  c.train.eval_batches = 4         # 32 held-out 8k sequences
+  c.train.progress_bar = False
+  c.train.tensorboard = False
+  c.checkpoint.every_steps = 300   # only the final one (1.2 GB): keep runs_root outside $OUT
+  c.checkpoint.max_to_keep = 1
   return c

@@ -1,15 +1,16 @@
-"""Sweep: block sizes and n (l, d, l', n) around the scaled-down paper setting.
+"""Sweep: block sizes and n (l, d, l', n) around the base setting.
 
-The base is (l, d, l', n) = (16, 8, 32, 4) at 512 tokens, the paper's (32, 16, 64, 16) at 8k
-shrunk in length. Variants halve or double one knob; the selected-token budget n * l' is noted.
+Variants are relative to the base, so the same sweep works at both scales: at cpu scale the base
+is (l, d, l', n) = (16, 8, 32, 4) at 512 tokens; at gpu scale the paper's (32, 16, 64, 16) at 8k.
 
-  l8_d4_s16_n8     finer blocks, same 128 selected tokens
-  l32_d16_s64_n4   the paper's block lengths (coarser at our context), 256 selected tokens
-  n8               twice the selected blocks (256 tokens)
-  n3               only the 3 forced blocks (1 initial + 2 local): selection chooses nothing
-  no_overlap       l = d = l' = 16 (no overlap, p_slc = p_cmp), n = 8: 128 selected tokens
+  finer           l, d, l' halved and n doubled: the same selected-token budget n * l'
+  coarser         l, d, l' doubled, same n: twice the selected tokens, coarser scores
+  n_x2            twice the selected blocks
+  n_forced_only   n = 3: only the forced 1 initial + 2 local blocks, selection chooses nothing
+  no_overlap      l = d = l' (the base l'), n doubled: no overlap, p_slc = p_cmp (what most
+                  public implementations do)
 
-Run: python -m experiments.ablate --config=configs/sweep_blocks.py [--run=NAME]
+Run: python -m experiments.ablate --config=configs/sweep_blocks.py[:gpu] [--run=NAME]
 """
 
 from configs.sweep_base import sweep_base_config
@@ -22,16 +23,19 @@ def _blocks(l, d, lp, n):
           "model.nsa.num_selected": n}
 
 
-def get_config():
-  return sweep_base_config()
+def get_config(scale=None):
+  return sweep_base_config(scale)
 
 
-def get_runs():
+def get_runs(base):
+  nsa = base.model.nsa
+  l, d, lp, n = nsa.cmp_block, nsa.cmp_stride, nsa.sel_block, nsa.num_selected
+  forced = nsa.num_init_blocks + nsa.num_local_blocks
   return {
       "nsa": {},
-      "l8_d4_s16_n8": _blocks(8, 4, 16, 8),
-      "l32_d16_s64_n4": _blocks(32, 16, 64, 4),
-      "n8": {"model.nsa.num_selected": 8},
-      "n3": {"model.nsa.num_selected": 3},
-      "no_overlap": _blocks(16, 16, 16, 8),
+      "finer": _blocks(l // 2, d // 2, lp // 2, 2 * n),
+      "coarser": _blocks(2 * l, 2 * d, 2 * lp, n),
+      "n_x2": {"model.nsa.num_selected": 2 * n},
+      "n_forced_only": {"model.nsa.num_selected": forced},
+      "no_overlap": _blocks(lp, lp, lp, 2 * n),
   }

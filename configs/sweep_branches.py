@@ -11,8 +11,8 @@ from configs.sweep_base import sweep_base_config
 REFERENCE = "nsa"
 
 
-def get_config():
-  return sweep_base_config()
+def get_config(scale=None):
+  return sweep_base_config(scale)
 
 
 def get_runs():

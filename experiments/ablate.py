@@ -1,7 +1,9 @@
 """Runs a named ablation sweep: `python -m experiments.ablate --config=configs/sweep_X.py`.
 
-A sweep file (configs/sweep_*.py) has get_config() (the base run, an ml_collections ConfigDict)
-and get_runs() -> {run name: {dotted.field: value}} override sets applied on top of the base.
+A sweep file (configs/sweep_*.py) has get_config([scale]) (the base run, an ml_collections
+ConfigDict; `--config=configs/sweep_X.py:gpu` passes scale="gpu") and get_runs([base]) ->
+{run name: {dotted.field: value}} override sets applied on top of the base (get_runs may take the
+resolved base config, to define variants relative to it).
 Command-line --config.* overrides change the base of every run (e.g. a bigger GPU model), and the
 run's own overrides are applied after them. Special override keys:
   MATCH_PARAMS: "other_run" - set model.ffn_dim so this run's parameter count is as close as
@@ -71,7 +73,9 @@ def load_sweep(path: str):
 
 def sweep_name(path: str) -> str:
   name = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
-  return name[len("sweep_"):] if name.startswith("sweep_") else name
+  scale = path.split(":")[1] if ":" in path else ""
+  name = name[len("sweep_"):] if name.startswith("sweep_") else name
+  return f"{name}_{scale}" if scale and scale != "cpu" else name
 
 
 def set_field(config: ConfigDict, dotted: str, value):
@@ -124,7 +128,8 @@ def match_ffn_dim(config: ConfigDict, target: int, multiple: int = 8) -> int:
 
 def resolve_runs(module, base: ConfigDict) -> dict[str, tuple[dict, ConfigDict]]:
   """{name: (overrides as written, resolved config)} in the sweep's order."""
-  raw = module.get_runs()
+  import inspect
+  raw = module.get_runs(base) if inspect.signature(module.get_runs).parameters else module.get_runs()
   resolved = {}
   for name, overrides in raw.items():
     config = copy.deepcopy(base)
@@ -151,10 +156,12 @@ def config_hash(config: ConfigDict) -> str:
 
 
 def command_for(config_path: str, run: str, argv: list[str]) -> str:
-  """The command that reruns this row: the user's --config.* overrides kept, --run set."""
+  """The command that reruns this row: --config as given (with any ':scale'), the user's
+  --config.* overrides kept, --run set."""
+  given = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")]
   keep = [a for a in argv[1:] if a.startswith("--config.") or a.startswith("--runs_root")
           or a.startswith("--out_dir")]
-  return shlex.join(["python", "-m", "experiments.ablate", f"--config={config_path}",
+  return shlex.join(["python", "-m", "experiments.ablate", f"--config={given[0] if given else config_path}",
                      f"--run={run}", *keep])
 
 
@@ -271,8 +278,9 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)
   path = config_flags.get_config_filename(flags.FLAGS["config"])
+  given = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), path)
   module = load_sweep(path)
-  name = sweep_name(path)
+  name = sweep_name(given)  # keeps the ':scale' suffix: gpu results never mix with cpu ones
   out_dir = _OUT.value or os.path.join("runs", "ablate", name)
   reference = getattr(module, "REFERENCE", None)
   runs = resolve_runs(module, _CONFIG.value)

@@ -106,10 +106,35 @@ def test_config_hash_ignores_ui_fields_only():
 
 def test_command_keeps_overrides_and_names_the_run():
   cmd = ablate.command_for("configs/sweep_x.py", "dense",
-                           ["ablate.py", "--config=configs/sweep_x.py", "--run=all",
+                           ["ablate.py", "--config=configs/sweep_x.py:gpu", "--run=all",
                             "--config.model.d_model=512", "--out_dir=/o"])
-  assert cmd == ("python -m experiments.ablate --config=configs/sweep_x.py --run=dense "
+  assert cmd == ("python -m experiments.ablate --config=configs/sweep_x.py:gpu --run=dense "
                  "--config.model.d_model=512 --out_dir=/o")
+  assert ablate.sweep_name("configs/sweep_x.py:gpu") == "x_gpu"
+  assert ablate.sweep_name("configs/sweep_x.py") == "x"
+
+
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_every_sweep_run_is_a_valid_model_at_both_scales(scale):
+  from nsa_jax.training.train import model_config_from
+  files = sorted(f for f in os.listdir(os.path.join(ROOT, "configs"))
+                 if f.startswith("sweep_") and f != "sweep_base.py")
+  assert len(files) >= 5
+  for f in files:
+    module = ablate.load_sweep(os.path.join(ROOT, "configs", f))
+    base = module.get_config(scale)
+    for name, (overrides, config) in ablate.resolve_runs(module, base).items():
+      if MATCH_PARAMS in overrides:
+        continue  # parameter matching builds models: covered by the tiny sweep test
+      model = model_config_from(config.model)  # raises on any invalid combination
+      assert config.data.seq_len <= model.max_seq_len, (f, name)
+  blocks = ablate.load_sweep(os.path.join(ROOT, "configs", "sweep_blocks.py"))
+  runs = ablate.resolve_runs(blocks, blocks.get_config(scale))
+  base_nsa, finer = runs["nsa"][1].model.nsa, runs["finer"][1].model.nsa
+  assert finer.sel_block * finer.num_selected == base_nsa.sel_block * base_nsa.num_selected
+  if scale == "gpu":  # the paper's settings at 8k
+    assert (base_nsa.cmp_block, base_nsa.cmp_stride, base_nsa.sel_block, base_nsa.num_selected,
+            base_nsa.window) == (32, 16, 64, 16, 512)
 
 
 def test_train_run_records_metrics_and_reuses_a_finished_run(trained, tmp_path):
