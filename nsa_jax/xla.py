@@ -48,6 +48,13 @@ def _from_chunks(y, t):
   return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :t]
 
 
+def _f32(x):
+  """Upcast an operand that every chunk reads (closed over by the loop): the backward pass then
+  sums the per-chunk gradients in float32. A bf16 running sum over hundreds of chunks would drop
+  the small contributions. Bodies cast back to the input dtype, so the forward is unchanged."""
+  return None if x is None else x.astype(jnp.float32)
+
+
 def _map_chunks(body, xs):
   # Remat each chunk: the backward pass recomputes the gathered keys and logits of one chunk at a
   # time instead of storing them for all chunks. prevent_cse is only needed outside loops.
@@ -153,6 +160,8 @@ def _cmp_and_select(q, k_cmp, v_cmp, k_slc, cfg: NSAConfig, seg, scale, want_cmp
   run_cmp = (want_cmp or need_p) and nc > 0
   if run_cmp:
     ends, seg_first, pure = _cmp_block_meta(seg, cfg)
+    k_dtype, v_dtype = k_cmp.dtype, v_cmp.dtype
+    k_cmp32, v_cmp32 = _f32(k_cmp), _f32(v_cmp)
   if want_idx and cfg.selector == "quest":
     kmax, kmin = quest_block_bounds(k_slc, cfg.sel_block)
   doc_first = reference.document_starts(seg) // cfg.sel_block
@@ -166,9 +175,10 @@ def _cmp_and_select(q, k_cmp, v_cmp, k_slc, cfg: NSAConfig, seg, scale, want_cmp
     if run_cmp:
       visible = ((positions[:, None] >= ends[None, :])[None]
                  & (seg_c[:, :, None] == seg_first[:, None, :]) & pure[:, None, :])[:, None]
-      out["o"], out["lse"] = reference.masked_attention(q_c, k_cmp, v_cmp, visible, scale)
+      k_c, v_c = k_cmp32.astype(k_dtype), v_cmp32.astype(v_dtype)
+      out["o"], out["lse"] = reference.masked_attention(q_c, k_c, v_c, visible, scale)
       if need_p:
-        p_cmp = reference.compression_probs(q_c, k_cmp, out["lse"], visible, scale)
+        p_cmp = reference.compression_probs(q_c, k_c, out["lse"], visible, scale)
         p_slc = cmp_to_sel_banded(p_cmp, ns, cfg)  # [B, C, H, Ns]
         scores = p_slc.reshape(b, c, kh, h // kh, ns).sum(axis=3)  # Eq. 10
     if want_idx:
@@ -256,7 +266,7 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     x = jnp.pad(x, ((0, 0), (0, tb - t), (0, 0), (0, 0)))
     return x.reshape(b, ns, block_size, kh, x.shape[-1]).transpose(0, 3, 1, 2, 4)
 
-  k_blk, v_blk = blocks(k), blocks(v)
+  k_blk, v_blk = blocks(_f32(k)), blocks(_f32(v))
   seg_blk = jnp.pad(seg, ((0, 0), (0, tb - t)), mode="edge").reshape(b, ns, block_size)
   take = jax.vmap(lambda a, i: a[i])  # per batch row: a [Ns, ...], i [M] -> [M, ...]
   take_bk = jax.vmap(take)  # per batch row and KV head
@@ -269,8 +279,8 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     use = _unique_slots(idx_c, ns)  # [B, C, K, n]
     safe = jnp.clip(idx_c, 0, ns - 1)
     gather_idx = safe.transpose(0, 2, 1, 3).reshape(b, kh, c * n_sel)
-    k_g = take_bk(k_blk, gather_idx).reshape(b, kh, c, n_sel * block_size, dk)
-    v_g = take_bk(v_blk, gather_idx).reshape(b, kh, c, n_sel * block_size, dv)
+    k_g = take_bk(k_blk, gather_idx).astype(k.dtype).reshape(b, kh, c, n_sel * block_size, dk)
+    v_g = take_bk(v_blk, gather_idx).astype(v.dtype).reshape(b, kh, c, n_sel * block_size, dv)
     key_pos = safe[..., None] * block_size + jnp.arange(block_size)  # [B, C, K, n, l']
     key_seg = take(seg_blk, safe.reshape(b, -1)).reshape(key_pos.shape)
     mask = (use[..., None] & (key_pos <= positions[None, :, None, None, None])
@@ -298,15 +308,15 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *,
   band = min(c + window - 1, tp)  # a window longer than T needs no more than all keys
   front = band - c
   pad_t = ((0, 0), (front, tp - t), (0, 0), (0, 0))
-  k_pad, v_pad = jnp.pad(k, pad_t), jnp.pad(v, pad_t)
+  k_pad, v_pad = jnp.pad(_f32(k), pad_t), jnp.pad(_f32(v), pad_t)
   seg_pad = jnp.pad(seg, ((0, 0), (front, tp - t)), mode="edge")
   xs = (jnp.arange(n) * c, _to_chunks(q, c, n), _to_chunks(seg, c, n, "edge"))
 
   def body(x):
     c0, q_c, seg_c = x
     positions = c0 + jnp.arange(c)
-    k_b = jax.lax.dynamic_slice_in_dim(k_pad, c0, band, axis=1)  # raw keys c0 - front ...
-    v_b = jax.lax.dynamic_slice_in_dim(v_pad, c0, band, axis=1)
+    k_b = jax.lax.dynamic_slice_in_dim(k_pad, c0, band, axis=1).astype(k.dtype)  # from c0 - front
+    v_b = jax.lax.dynamic_slice_in_dim(v_pad, c0, band, axis=1).astype(v.dtype)
     seg_b = jax.lax.dynamic_slice_in_dim(seg_pad, c0, band, axis=1)
     key_pos = c0 - front + jnp.arange(band)
     near = ((key_pos[None, :] >= 0) & (key_pos[None, :] <= positions[:, None])
