@@ -21,16 +21,18 @@ _WORKDIR = None
 _ROW = None
 _OUT = None
 _QUERIES = None
+_STAT_ROWS = None
 
 
 def define_flags():
   """Command-line flags; defined only when run as a script, so that importing this module
   (tests, other scripts) never defines absl flags twice."""
-  global _WORKDIR, _ROW, _OUT, _QUERIES
+  global _WORKDIR, _ROW, _OUT, _QUERIES, _STAT_ROWS
   _WORKDIR = flags.DEFINE_string("workdir", None, "NSA run: workdir or SWEEP_OUT_DIR:RUN")
   _ROW = flags.DEFINE_integer("row", 0, "which validation sequence (row of batch 0, 1, ...)")
   _OUT = flags.DEFINE_string("out", "docs/figures/selection.png", "PNG path (.txt written beside)")
   _QUERIES = flags.DEFINE_integer("queries", 6, "queries listed in the .txt")
+  _STAT_ROWS = flags.DEFINE_integer("stat_rows", 8, "validation rows for the n-gram statistic")
 
 NOT_VISIBLE, VISIBLE, FORCED, CHOSEN = 0, 1, 2, 3
 
@@ -59,6 +61,31 @@ def chosen_distances(codes: np.ndarray, sel_block: int) -> np.ndarray:
     for b in np.flatnonzero(row == CHOSEN):
       out.append(q // sel_block - b)
   return np.asarray(out, dtype=int)
+
+
+def ngram_overlap(tokens: np.ndarray, codes: np.ndarray, sel_block: int, ngram: int = 4,
+                  context: int = 32) -> tuple[float, float, int]:
+  """Does selection find related text? For each query t and each block chosen by score: the share
+  of the n-grams of the query's last `context` tokens that also occur in the block; compared with
+  the same share averaged over every block the query could have chosen instead (visible, not
+  forced), i.e. the expectation of a uniformly random choice. Returns (chosen, random, count)."""
+  def grams(seq):
+    return {bytes(seq[i:i + ngram]) for i in range(len(seq) - ngram + 1)}
+  tok = tokens.astype(np.uint8)
+  block_grams = [grams(tok[b * sel_block:(b + 1) * sel_block]) for b in range(codes.shape[1])]
+  chosen, rand = [], []
+  for t, row in enumerate(codes):
+    picks = np.flatnonzero(row == CHOSEN)
+    pool = np.flatnonzero((row == CHOSEN) | (row == VISIBLE))
+    if not len(picks) or not len(pool):
+      continue
+    q = grams(tok[max(0, t + 1 - context):t + 1])
+    if not q:
+      continue
+    share = {b: len(q & block_grams[b]) / len(q) for b in pool}
+    chosen += [share[b] for b in picks]
+    rand.append(np.mean([share[b] for b in pool]))
+  return float(np.mean(chosen)), float(np.mean(rand)), len(chosen)
 
 
 def describe_queries(tokens: np.ndarray, codes: np.ndarray, sel_block: int, count: int) -> str:
@@ -113,6 +140,33 @@ def plot(codes_by_layer, gates_by_layer, out: str, title: str):
   plt.close(fig)
 
 
+def overlap_report(model, config, nsa, rows: int) -> str:
+  """ngram_overlap over the first `rows` validation rows, per NSA layer (KV group 0)."""
+  import jax.numpy as jnp
+  from experiments.trained_model import forward_with_aux, val_batches
+  per = config.data.global_batch_size
+  batches = val_batches(config, -(-rows // per))
+  tokens = np.concatenate([b["inputs"] for b in batches])[:rows]
+  stats = {}
+  for r in range(rows):
+    _, auxes = forward_with_aux(model, jnp.asarray(tokens[r:r + 1]))
+    for li, aux in enumerate(auxes):
+      if aux is None or "block_idx" not in aux:
+        continue
+      codes = selection_map(np.asarray(aux["block_idx"])[0, :, 0], nsa.sel_block,
+                            nsa.num_init_blocks, nsa.num_local_blocks)
+      c, rnd, n = ngram_overlap(tokens[r], codes, nsa.sel_block)
+      stats.setdefault(li, []).append((c, rnd, n))
+  lines = [f"== 4-gram overlap of the query's last 32 tokens with the block chosen by score vs a "
+           f"random eligible block, {rows} validation rows:"]
+  for li, vals in stats.items():
+    c, rnd, n = (np.array(v) for v in zip(*vals))
+    lines.append(f"  layer {li}: chosen {np.average(c, weights=n):.3f}, random {rnd.mean():.3f} "
+                 f"(ratio {np.average(c, weights=n) / max(rnd.mean(), 1e-9):.2f}, "
+                 f"{int(n.sum())} choices)")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
   import jax
@@ -142,6 +196,7 @@ def main(argv):
                   f"{len(dist)}, distance back in blocks: median {np.median(dist) if len(dist) else 'n/a'}"
                   f", histogram {np.bincount(dist).tolist() if len(dist) else []}")
     report.append(describe_queries(np.asarray(tokens[0]), codes[0], nsa.sel_block, _QUERIES.value))
+  report.append(overlap_report(model, config, nsa, _STAT_ROWS.value))
   if not codes_by_layer:
     raise ValueError(f"{workdir} has no NSA layer with a selection branch: nothing to draw")
   title = (f"{label}: validation row {_ROW.value}, T={tokens.shape[1]}, l'={nsa.sel_block}, "
@@ -149,7 +204,7 @@ def main(argv):
   plot(codes_by_layer, gates_by_layer, _OUT.value, title)
   with open(os.path.splitext(_OUT.value)[0] + ".txt", "w") as f:
     f.write(title + "\n" + "\n".join(report))
-  print("\n".join(report[:1] + report[2:3]))
+  print("\n".join(report[:1] + report[2:3] + report[-1:]))
   print(f"wrote {_OUT.value}")
 
 
