@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 
@@ -67,6 +68,16 @@ def command_line():
                                                 os.path.basename(sys.argv[0]))[0], *sys.argv[1:]])
 
 
+def code_commit():
+  """Short git commit of the working tree, or None where there is no git (e.g. a copied tree)."""
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         timeout=10, check=True)
+    return out.stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
 def record(*, op, impl, pass_, t, batch, q_heads, kv_heads, d_k, d_v, ms, cudnn_ms, **extra):
   """One result row with the base fields filled in (hardware, date, command, speedup)."""
   rec = dict(op=op, impl=impl, T=t, batch=batch, q_heads=q_heads, kv_heads=kv_heads, d_k=d_k,
@@ -76,6 +87,7 @@ def record(*, op, impl, pass_, t, batch, q_heads, kv_heads, d_k, d_v, ms, cudnn_
              command=command_line())
   rec["pass"] = pass_
   rec = {f: rec[f] for f in BASE_FIELDS}
+  rec["code_commit"] = code_commit()
   rec.update(extra)
   return rec
 
@@ -86,7 +98,8 @@ def markdown_table(records, extra_cols=("pattern", "tflops", "floor_ms", "floor_
   cols = [c for c in cols if c in BASE_FIELDS or c in extra_cols]
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for r in records:
-    lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    cell = lambda c: "" if r.get(c) is None else str(r.get(c)).replace("|", "\\|")
+    lines.append("| " + " | ".join(cell(c) for c in cols) + " |")
   return "\n".join(lines)
 
 

@@ -128,8 +128,8 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   f = lambda q, k, v: select_attention(q, k, v, idx, bs, tiling=tiling, deterministic=deterministic)[0]
   fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
-  impl = (f"pallas-triton tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
-          f"s{tiling.num_stages} | bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
+  impl = (f"pallas-triton {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
+          f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
           f"w{tiling.bwd_num_warps}s{tiling.bwd_num_stages} {'det' if deterministic else 'atomic'}"
           + impl_note)
   recs = []
