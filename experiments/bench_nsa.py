@@ -31,6 +31,7 @@ from pallas_kernels.select_attention import select_attention
 from pallas_kernels.select_topn import select_topn
 
 START = time.time()
+CMP_TILING = "v2: bwd 128-row tiles, 8 warps"  # v1 (first H200 run): 64-row dq / dK-dV tiles
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
 
@@ -53,7 +54,15 @@ def make_inputs(key, t, cfg):
 def with_grad(fn):
   """(args, ct) -> grads of <fn(*args)[0], ct> w.r.t. args (float inputs only)."""
   def f(args, ct):
-    out, vjp = jax.vjp(lambda *a: fn(*a)[0], *args)
+    diff = [i for i, a in enumerate(args)
+            if not (hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.integer))]
+
+    def part(*d):
+      full = list(args)
+      for i, x in zip(diff, d):
+        full[i] = x
+      return fn(*full)[0]
+    out, vjp = jax.vjp(part, *[args[i] for i in diff])
     return vjp(ct.astype(out.dtype))
   return f
 
@@ -111,6 +120,7 @@ class Bench:
                     cudnn_temp_bytes=dense.get("bwd_mem", {}).get("temp_bytes"))
       else:
         ex.update(res.get("fwd_mem", {}))
+      ex["cmp_tiling"] = CMP_TILING
       self.records.append(bc.record(op=op, impl=impl, pass_=pass_, ms=ms, cudnn_ms=dms, **base,
                                     **ex))
     self.flush()
@@ -148,7 +158,7 @@ def bench_whole(bench, key, t, cfg, dense):
   args = make_inputs(key, t, cfg)
   ct = jax.random.normal(jax.random.fold_in(key, 7), (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
-  res = bench.time_pair(fn, args, ct, iters=bench.iters if t <= 65536 else 5)
+  res = bench.time_pair(fn, args, ct)
   bench.add("nsa", "pallas", t, cfg, res, dense, dense_dim=dense["dd"])
   return args
 
@@ -165,9 +175,10 @@ def bench_branches(bench, key, t, cfg, dense, args):
                                          num_selected=cfg.num_selected, interpret=INTERPRET),)
   bench.add("topn", "pallas", t, cfg, bench.time_pair(topn, [q, kc, lse], None, with_bwd=False),
             dense)
-  idx = jax.jit(topn)(q, kc, lse)[0]
-  sel = lambda q, k, v: select_attention(q, k, v, idx, lp, interpret=INTERPRET)
-  bench.add("select", "pallas", t, cfg, bench.time_pair(sel, [q, ks_, vs_], ct), dense,
+  idx = jax.jit(topn)(q, kc, lse)[0]  # an argument, not a closure constant (XLA would fold it)
+  sel = lambda q, k, v, idx: select_attention(q, k, v, jax.lax.stop_gradient(idx), lp,
+                                              interpret=INTERPRET)
+  bench.add("select", "pallas", t, cfg, bench.time_pair(sel, [q, ks_, vs_, idx], ct), dense,
             pattern="nsa-topn")
   win = lambda q, k, v: (ops.window_attention(q, k, v, w),)
   impl = "cudnn-window" if ON_GPU else "xla"
@@ -308,9 +319,23 @@ def plot(path):
       "`bwd` = (forward + backward) - forward for both sides; `fwd_bwd_ms` holds the sum.",
       "Branch rows (compress, topn, select, window) carry the dense time of the same pass for scale.",
       "", "## Targets (T=65536)", "", *summary(records)])
-  extra = ("fwd_bwd_ms", "cudnn_fwd_bwd_ms", "temp_bytes")
+  cmds = sorted({r["command"] for r in records})
+  pre += "\n\nCommands of the runs merged here:\n" + "\n".join(f"- `{c}`" for c in cmds)
   with open(stem + ".md", "w") as f:
-    f.write(pre + "\n\n" + bc.markdown_table(records, extra_cols=extra) + "\n")
+    f.write(pre + "\n\n" + table(records) + "\n")
+
+
+def table(records):
+  """Markdown table with the base fields plus backward sums and compiled temporary memory."""
+  cols = ["op", "impl", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "fwd_bwd_ms",
+          "cudnn_fwd_bwd_ms", "temp_GB", "cudnn_temp_GB", "cmp_tiling"]
+  gb = lambda x: None if x is None else round(x / 2 ** 30, 2)
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for r in records:
+    row = dict(r, temp_GB=gb(r.get("temp_bytes")), cudnn_temp_GB=gb(r.get("cudnn_temp_bytes")),
+               cmp_tiling=(r.get("cmp_tiling") or "")[:2])
+    lines.append("| " + " | ".join("" if row.get(c) is None else str(row[c]) for c in cols) + " |")
+  return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- main
@@ -370,7 +395,7 @@ def main(argv=None):
       bench_layer(bench, key, t)
     except Exception as e:
       print(f"FAILED layer T={t}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-  print(bc.markdown_table(bench.records, extra_cols=("fwd_bwd_ms", "temp_bytes")))
+  print(table(bench.records))
   print("\n".join(summary(bench.records)))
 
 

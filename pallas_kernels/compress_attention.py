@@ -38,17 +38,19 @@ LN2 = math.log(2.0)
 class CmpTiling:
   """Static tiling (hashable: a static custom_vjp argument).
 
-  rows: query rows (tokens x padded heads) per forward / dq program; tokens per tile = rows // Gp.
+  rows: query rows (tokens x padded heads) per forward program; tokens per tile = rows // Gp.
   block_k: compressed keys per inner step of the forward and dq kernels.
   bwd_block_k: compressed keys owned by one dK/dV program.
-  bwd_rows: query rows per inner step of the dK/dV kernel.
+  bwd_rows: query rows per dq program and per inner step of the dK/dV kernel.
+  Defaults from a sweep on the H200 at T=65536, 64/4 heads, 192/128 (benchmarks/results/
+  nsa_sweep.json): 128-row backward tiles with 8 warps took the fwd+bwd from 122 to 83 ms.
   """
   rows: int = 64
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
   bwd_block_k: int = 64
-  bwd_rows: int = 64
+  bwd_rows: int = 128
   bwd_num_warps: int = 8
   bwd_num_stages: int = 2
 
@@ -312,14 +314,15 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
          _whole(t * h, dv), _whole(t * h), _whole(t * h)]
   args = (seg, bseg, bpure, qf, kc, vc, dof, lse_f, delta)
 
-  tq, gp, m = tile_shape(g, tiling.rows)
+  tq, gp, m = tile_shape(g, tiling.bwd_rows)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.block_k, **common),
       grid=(cdiv(t, tq), kh, b),
       in_specs=ins,
       out_specs=_whole(t * h, dk),
       out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
+                                           num_stages=tiling.bwd_num_stages),
       interpret=interpret,
       name="nsa_cmp_dq",
   )(*args)
