@@ -6,6 +6,7 @@ Run on the H200 (writes <out>/nsa_h200.json + .md as it goes, prints a table at 
   python3 -m experiments.bench_nsa --check --T 8192,16384,32768,65536 --dims 128/128,192/128 \
       --breakdown_T 8192,65536 --long_T 131072 --layer_T 16384,65536 --out $OUT
   python3 -m experiments.bench_nsa --plot benchmarks/results/nsa_h200.json   # Markdown + PNG, on CPU
+    (includes benchmarks/results/nsa_h200_notes.md, the hand-written reading, when present)
 Paper settings: bf16, B=1, 64 query / 4 KV heads, l=32, d=16, l'=64, n=16, w=512. cuDNN needs
 d_k == d_v, so the paper's d_k=192/d_v=128 is compared with dense attention at 192/192.
 "bwd" rows are (forward + backward) - forward, for NSA and dense alike (fwd_bwd_ms is kept too).
@@ -301,7 +302,8 @@ def plot(path):
       pts = sorted((r["T"], r["speedup"]) for r in records
                    if r["op"] == "nsa" and r["pass"] == pass_ and (r["d_k"], r["d_v"]) == (dk, dv))
       if pts:
-        ax.plot(*zip(*pts), style, label=f"NSA {pass_}, d_k/d_v={dk}/{dv}")
+        vs = f" (vs dense {max(dk, dv)}/{max(dk, dv)})" if dk != dv else ""
+        ax.plot(*zip(*pts), style, label=f"NSA {pass_}, d_k/d_v={dk}/{dv}{vs}")
   ax.axhline(1.0, color="grey", lw=0.8)
   ax.set_xscale("log", base=2)
   ax.set_xlabel("sequence length T")
@@ -319,6 +321,8 @@ def plot(path):
       "`bwd` = (forward + backward) - forward for both sides; `fwd_bwd_ms` holds the sum.",
       "Branch rows (compress, topn, select, window) carry the dense time of the same pass for scale.",
       "", "## Targets (T=65536)", "", *summary(records)])
+  if os.path.exists(stem + "_notes.md"):  # hand-written reading of the results
+    pre += "\n\n" + open(stem + "_notes.md").read().strip()
   cmds = sorted({r["command"] for r in records})
   pre += "\n\nCommands of the runs merged here:\n" + "\n".join(f"- `{c}`" for c in cmds)
   with open(stem + ".md", "w") as f:
