@@ -15,6 +15,10 @@ finished run, the exact command included), results.md (table) and loss_curves.pn
   --run=NAME       one run (default: all runs of the sweep, in order; finished ones are reused)
   --list           print the runs and their commands, train nothing
   --report_only    rewrite results.md and loss_curves.png from results.jsonl
+  --reuse_from=F   results.jsonl file(s) of earlier sweeps: a run whose config hash has a record
+                   there is not retrained (e.g. the GPU `nsa` baseline in a later device call,
+                   from docs/results/nsa_vs_dense_gpu.jsonl; its curve is drawn only if its
+                   workdir is still present)
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ _OUT = None
 _RUNS_ROOT = None
 _LIST = None
 _REPORT = None
+_REUSE = None
 
 
 def define_flags():
   """Command-line flags; defined only when run as a script, so that importing this module
   (tests, other scripts) never defines absl flags twice."""
-  global _CONFIG, _RUN, _OUT, _RUNS_ROOT, _LIST, _REPORT
+  global _CONFIG, _RUN, _OUT, _RUNS_ROOT, _LIST, _REPORT, _REUSE
   _CONFIG = config_flags.DEFINE_config_file("config", None, "sweep file (configs/sweep_*.py)",
                                             lock_config=True)
   _RUN = flags.DEFINE_string("run", "all", "run name, comma-separated names, or 'all'")
@@ -55,6 +60,7 @@ def define_flags():
   _RUNS_ROOT = flags.DEFINE_string("runs_root", "runs/ablate/_runs", "shared run work directories")
   _LIST = flags.DEFINE_bool("list", False, "print the runs and their commands, train nothing")
   _REPORT = flags.DEFINE_bool("report_only", False, "only rewrite results.md / loss_curves.png")
+  _REUSE = flags.DEFINE_list("reuse_from", [], "earlier results.jsonl files to take runs from")
 
 
 # ----------------------------------------------------------------------------- sweep files ------
@@ -217,6 +223,17 @@ def append_result(out_dir: str, record: dict):
     f.write(json.dumps(record) + "\n")
 
 
+def records_by_hash(paths: list[str]) -> dict[str, dict]:
+  """config_hash -> the latest record with that hash in the given results.jsonl files."""
+  out = {}
+  for path in paths:
+    with open(path) as f:
+      for line in f:
+        rec = json.loads(line)
+        out[rec["config_hash"]] = rec
+  return out
+
+
 def read_results(out_dir: str) -> dict[str, dict]:
   """Latest record per run name."""
   path = os.path.join(out_dir, "results.jsonl")
@@ -262,7 +279,9 @@ def write_report(out_dir: str, order: list[str], reference: str | None, title: s
   from nsa_jax.training.plotting import plot_runs
   results = read_results(out_dir)
   table = markdown_table(results, order, reference)
-  names = [n for n in order if n in results]
+  # Curves only for runs whose logs are here (a record reused from another machine has none).
+  names = [n for n in order if n in results
+           and os.path.exists(os.path.join(results[n]["workdir"], "metrics.jsonl"))]
   with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write(f"# {title}\n\nReference run for deltas: {reference}\n\n{table}")
   if names:
@@ -288,6 +307,7 @@ def main(argv):
   if _REPORT.value:
     print(write_report(out_dir, order, reference, f"sweep {name}"))
     return 0
+  reuse = records_by_hash(_REUSE.value)
   wanted = order if _RUN.value == "all" else _RUN.value.split(",")
   unknown = [w for w in wanted if w not in runs]
   if unknown:
@@ -301,9 +321,15 @@ def main(argv):
       print(f"{run}: {_fmt_overrides(overrides)} -> {workdir}\n  {cmd}")
       continue
     print(f"=== {name}/{run}: {_fmt_overrides(overrides)} (workdir {workdir})", flush=True)
-    rec = train_run(config, workdir)
+    earlier = reuse.get(config_hash(config))
+    if earlier is not None:
+      rec = {k: v for k, v in earlier.items() if k not in ("sweep", "run", "overrides")}
+      rec.update(reused=True, reused_from=earlier["command"])
+    else:
+      rec = train_run(config, workdir)
     record = dict(sweep=name, run=run, overrides=overrides, workdir=workdir, command=cmd,
-                  config_hash=config_hash(config), **rec)
+                  config_hash=config_hash(config))
+    record.update({k: v for k, v in rec.items() if k not in record or k == "workdir"})
     append_result(out_dir, record)
     print(f"=== {name}/{run}: val loss {rec['val_loss']:.4f}, {rec['tokens_per_s']:,.0f} tok/s, "
           f"{rec['wall_s']:.0f} s{' (reused)' if rec['reused'] else ''}", flush=True)

@@ -156,17 +156,31 @@ def bucketize(per_position: np.ndarray, width: int) -> list[tuple[int, int, floa
 
 
 def plot_position(curves: list[list[tuple[int, int, float]]], labels: list[str], out: str):
+  """Loss per bucket for each run; with several runs a second panel shows each minus the first
+  (content difficulty varies along the sampled windows and cancels in the difference)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 3.8))
+  fig, axes = plt.subplots(1, 2 if len(curves) > 1 else 1, figsize=(11 if len(curves) > 1 else 6, 3.8),
+                           squeeze=False)
+  ax = axes[0, 0]
+  mids = [(s + e) / 2 for s, e, _ in curves[0]]
   for i, (buckets, label) in enumerate(zip(curves, labels)):
-    mids = [(s + e) / 2 for s, e, _ in buckets]
     ax.plot(mids, [v for _, _, v in buckets], "o-", color=f"C{i}", label=label, ms=4)
   ax.set(title="validation loss by position", xlabel="token position (bucket centre)",
          ylabel="loss (nats/token)")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  if len(curves) > 1:
+    diff = axes[0, 1]
+    base = np.array([v for _, _, v in curves[0]])
+    for i, (buckets, label) in enumerate(zip(curves[1:], labels[1:]), start=1):
+      diff.plot(mids, np.array([v for _, _, v in buckets]) - base, "o-", color=f"C{i}",
+                label=f"{label} - {labels[0]}", ms=4)
+    diff.axhline(0, color="k", lw=0.8)
+    diff.set(title=f"difference to {labels[0]} (> 0: {labels[0]} better)",
+             xlabel="token position (bucket centre)", ylabel="loss difference (nats/token)")
+  for a in axes[0]:
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
   _save(fig, out)
 
 

@@ -170,6 +170,28 @@ def test_cli_lists_runs_with_overrides(sweep_file):
   assert bad.returncode == 1 and "unknown run" in bad.stderr
 
 
+def test_cli_reuses_a_record_from_another_sweep_instead_of_training(sweep_file, tmp_path):
+  module = ablate.load_sweep(sweep_file)
+  config = ablate.resolve_runs(module, module.get_config())["nsa"][1]
+  loss = 1.0 + (SEED % 1000) / 1000
+  earlier = dict(sweep="x", run="base", overrides={}, workdir=str(tmp_path / "gone"),
+                 command="python -m experiments.ablate --config=x --run=base",
+                 config_hash=ablate.config_hash(config), val_loss=loss, val_ppl=math.exp(loss),
+                 val_acc=0.5, train_loss=loss, steps=2, tokens=1, tokens_per_s=1.0, wall_s=1.0,
+                 params=ablate.count_params(config), hardware="h", date_utc="d")
+  (tmp_path / "old.jsonl").write_text(json.dumps(earlier) + "\n")
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--config={sweep_file}",
+                        "--run=nsa", f"--reuse_from={tmp_path / 'old.jsonl'}",
+                        f"--out_dir={tmp_path / 'out'}", f"--runs_root={tmp_path / 'runs'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "runs"), "reused run was trained anyway"
+  rec = ablate.read_results(str(tmp_path / "out"))["nsa"]
+  assert rec["reused"] and rec["val_loss"] == loss and rec["reused_from"] == earlier["command"]
+  assert f"{loss:.4f}" in (tmp_path / "out" / "results.md").read_text()
+
+
 # ----------------------------------------------------------------------------- passkey ----------
 
 PASSKEY_RE = re.compile(rb"^(.*)The pass key is (\d{5})\. Remember it\. (.*) What is the pass key\? "
