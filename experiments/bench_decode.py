@@ -1,0 +1,245 @@
+"""Benchmark one NSA decode attention step (one new query per sequence over a full KV cache)
+against dense decode (cuDNN and XLA) in the same run, with the bytes each step reads.
+
+Run (GPU): python -m experiments.bench_decode --out benchmarks/results [--max_seconds 150]
+Shapes: 64 query heads, 4 KV heads, (d_k, d_v) in {(192, 128), (128, 128)}, paper NSA settings
+(l=32, d=16, l'=64, n=16, w=512), bf16, T cached tokens in 8k..128k, batch 1 and 8.
+
+Timing: each jitted function runs R independent copies of the step on R different caches inside
+one executable (R chosen so the bytes touched exceed the 60 MB L2 several times over), so neither
+L2 reuse nor Python dispatch hides in the per-step figure; ms = median(call) / R.
+Tokens read per step and KV group: NSA (Nc + n*l' + w) vs the paper's Table 4 estimate
+s/16 + 1536, dense s. cuDNN needs d_k == d_v, so the (192, 128) shape is compared with cuDNN at
+192/192 (more bytes than a 192/128 dense cache: noted in each record as cudnn_dims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from experiments import bench_common as bc
+from nsa_jax import decode_math as dm
+from nsa_jax.config import NSAConfig, num_cmp_blocks
+
+H, KH = 64, 4
+L2_BYTES = 60e6
+
+
+def paper_cfg(dk, dv):
+  return NSAConfig(num_heads=H, num_kv_heads=KH, head_dim=dk, head_dim_v=dv)
+
+
+def nsa_inputs(key, b, t, cfg, dtype=jnp.bfloat16):
+  """Random q [B, H, Dk], gates, and a full NSA cache (head-major) for a query at t - 1."""
+  dk, dv = cfg.head_dim, cfg.dim_v
+  nc = num_cmp_blocks(t, cfg.cmp_block, cfg.cmp_stride)
+  ks = jax.random.split(key, 8)
+  n = lambda k, s: jax.random.normal(k, s, dtype)
+  caches = {"k_cmp": n(ks[0], (b, KH, nc, dk)), "v_cmp": n(ks[1], (b, KH, nc, dv)),
+            "k_slc": n(ks[2], (b, KH, t, dk)), "v_slc": n(ks[3], (b, KH, t, dv)),
+            "k_win": n(ks[4], (b, KH, cfg.window, dk)), "v_win": n(ks[5], (b, KH, cfg.window, dv))}
+  gates = jax.random.uniform(ks[6], (b, H, 3), jnp.float32)
+  return n(ks[7], (b, H, dk)), caches, gates
+
+
+def nsa_bytes(b, t, cfg, itemsize=2):
+  """Bytes an NSA decode step must read: compressed, selected and window keys+values."""
+  nc = num_cmp_blocks(t, cfg.cmp_block, cfg.cmp_stride)
+  tokens = nc + min(cfg.num_selected * cfg.sel_block, t) + min(cfg.window, t)
+  return tokens, b * KH * tokens * (cfg.head_dim + cfg.dim_v) * itemsize
+
+
+INTERPRET = False  # --interpret: a CPU dry run of this script
+
+
+def _kernel():
+  from pallas_kernels import decode_attention as kern
+  return functools.partial(kern.select_decode, interpret=INTERPRET)
+
+
+def nsa_step_fn(cfg, t, impl):
+  select_fn = _kernel() if impl == "pallas" else None
+  def step(q, caches, gates):
+    return dm.nsa_decode(q, caches, jnp.int32(t - 1), gates, cfg, select_fn=select_fn)[0]
+  return step
+
+
+def select_only_fn(cfg, t, impl):
+  fn = _kernel() if impl == "pallas" else dm.select_decode
+  def step(q, caches, idx):
+    qg = dm.group_heads(q, KH)
+    return fn(qg, caches["k_slc"], caches["v_slc"], idx, jnp.int32(t - 1), cfg.sel_block)[0]
+  return step
+
+
+def replicated(fn, r):
+  """One executable running fn on r independent argument tuples."""
+  return jax.jit(lambda copies: [fn(*c) for c in copies])
+
+
+def timed(fn, copies):
+  """(ms per step, the outputs of one call)."""
+  run = replicated(fn, len(copies))
+  ms = bc.time_ms(run, copies, warmup=2, iters=7) / len(copies)
+  return ms, run(copies)
+
+
+def copies_for(touched_bytes, full_bytes, budget=24e9):
+  """Copies R: enough to touch 4x L2, at most 16, within a memory budget."""
+  r = max(1, min(16, int(4 * L2_BYTES // max(touched_bytes, 1)) + 1))
+  return max(1, min(r, int(budget // max(full_bytes, 1))))
+
+
+def bench_shape(dk, dv, t, b, peaks, key, selection_only=False):
+  cfg = paper_cfg(dk, dv)
+  tokens, nbytes = nsa_bytes(b, t, cfg)
+  full = b * KH * t * (dk + dv) * 2
+  r = copies_for(nbytes, full)
+  copies = [nsa_inputs(jax.random.fold_in(key, i), b, t, cfg) for i in range(r)]
+  out = {"r_nsa": r}
+  outs = {}
+  for impl in ("xla", "pallas"):
+    try:
+      out[f"nsa_{impl}_ms"], outs[impl] = timed(nsa_step_fn(cfg, t, impl), copies)
+    except Exception as e:  # keep going: the other rows are still worth having
+      out[f"nsa_{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      print(f"ERROR {impl} d={dk} T={t} B={b}: {out[f'nsa_{impl}_error']}", flush=True)
+  # Correctness on the GPU: kernel path vs plain-JAX path on the same inputs (bf16 outputs).
+  out["max_abs_diff_pallas_vs_xla"] = None if len(outs) < 2 else max(
+      float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32))))
+      for a, b_ in zip(outs["pallas"], outs["xla"]))
+  if selection_only:
+    idx = jax.jit(lambda q, c, g: dm.nsa_decode(q, c, jnp.int32(t - 1), g, cfg)[1]["block_idx"])
+    sel_copies = [(q, c, idx(q, c, g)) for q, c, g in copies]
+    for impl in ("pallas", "xla"):
+      try:
+        out[f"select_{impl}_ms"] = timed(select_only_fn(cfg, t, impl), sel_copies)[0]
+      except Exception as e:
+        print(f"ERROR selection-only {impl}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    del sel_copies
+  del copies, outs
+  # Dense baselines: cuDNN (d_v raised to d_k when they differ) and XLA on the head-major cache.
+  dd = max(dk, dv)
+  rd = copies_for(b * KH * t * 2 * dd * 2, b * KH * t * 2 * dd * 2)
+  ks = jax.random.split(jax.random.fold_in(key, 999), 3 * rd)
+  dense = [(jax.random.normal(ks[3 * i], (b, 1, H, dd), jnp.bfloat16),
+            jax.random.normal(ks[3 * i + 1], (b, t, KH, dd), jnp.bfloat16),
+            jax.random.normal(ks[3 * i + 2], (b, t, KH, dd), jnp.bfloat16)) for i in range(rd)]
+  try:
+    out["cudnn_ms"] = timed(functools.partial(jax.nn.dot_product_attention,
+                                              implementation="cudnn"), dense)[0]
+  except Exception as e:  # report, never hide: the record says why cuDNN is missing
+    out["cudnn_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  del dense
+  xd = [(jax.random.normal(ks[3 * i], (b, H, dk), jnp.bfloat16),
+         jax.random.normal(ks[3 * i + 1], (b, KH, t, dk), jnp.bfloat16),
+         jax.random.normal(ks[3 * i + 2], (b, KH, t, dv), jnp.bfloat16))
+        for i in range(copies_for(full, full))]
+  out["xla_dense_ms"] = timed(lambda q, k, v: dm.dense_decode(dm.group_heads(q, KH), k, v,
+                                                              jnp.int32(t - 1))[0], xd)[0]
+  out.update(tokens_per_group=tokens, paper_tokens=t // 16 + 1536, bytes=nbytes, dense_bytes=full,
+             cudnn_dims=f"{dd}/{dd}")
+  return out
+
+
+def records_for(dk, dv, t, b, m, peaks):
+  common = dict(op="nsa_decode", pass_="decode", t=t, batch=b, q_heads=H, kv_heads=KH, d_k=dk,
+                d_v=dv, cudnn_ms=m.get("cudnn_ms"))
+  floor = m["bytes"] / peaks[1] * 1e3
+  extra = dict(tokens_read_per_group=m["tokens_per_group"], paper_tokens=m["paper_tokens"],
+               dense_tokens=t, bytes_read=m["bytes"], dense_bytes=m["dense_bytes"],
+               floor_ms=round(floor, 5), hbm_copy_GBps=round(peaks[1] / 1e9, 1),
+               cudnn_dims=m["cudnn_dims"], xla_dense_ms=round(m["xla_dense_ms"], 4),
+               max_abs_diff_pallas_vs_xla=m["max_abs_diff_pallas_vs_xla"], copies=m["r_nsa"])
+  if "cudnn_error" in m:
+    extra["cudnn_error"] = m["cudnn_error"]
+  recs = []
+  for impl, key in (("pallas", "nsa_pallas_ms"), ("xla", "nsa_xla_ms")):
+    if key not in m:
+      continue
+    ms = m[key]
+    recs.append(bc.record(impl=impl, ms=ms, **common, **extra,
+                          achieved_GBps=round(m["bytes"] / ms / 1e6, 1),
+                          bw_fraction=round(floor / ms, 3), floor_ratio=round(ms / floor, 2),
+                          xla_dense_speedup=round(m["xla_dense_ms"] / ms, 2)))
+  sel_bytes = b * KH * 16 * 64 * (dk + dv) * 2
+  for impl in ("pallas", "xla"):
+    if f"select_{impl}_ms" not in m:
+      continue
+    ms = m[f"select_{impl}_ms"]
+    recs.append(bc.record(impl=f"{impl}_selection_only", ms=ms, **common,
+                          bytes_read=sel_bytes, achieved_GBps=round(sel_bytes / ms / 1e6, 1),
+                          floor_ms=round(sel_bytes / peaks[1] * 1e3, 5)))
+  return recs
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default="benchmarks/results")
+  ap.add_argument("--name", default="decode_h200")
+  ap.add_argument("--max_seconds", type=float, default=150.0, help="stop starting new shapes after")
+  ap.add_argument("--lengths", default="65536,8192,16384,32768,131072")
+  ap.add_argument("--batches", default="8,1")
+  ap.add_argument("--interpret", action="store_true", help="CPU dry run (Pallas interpreter)")
+  args = ap.parse_args()
+  global INTERPRET
+  INTERPRET = args.interpret
+  start = time.time()
+  peaks = bc.measure_peaks(n=512, copy_mib=16) if args.interpret else bc.measure_peaks()
+  print(f"measured: bf16 matmul {peaks[0] / 1e12:.0f} TFLOP/s, HBM copy {peaks[1] / 1e12:.2f} TB/s",
+        flush=True)
+  key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
+  recs = []
+  for t in [int(x) for x in args.lengths.split(",")]:  # most important length first
+    for dk, dv in ((192, 128), (128, 128)):
+      for b in [int(x) for x in args.batches.split(",")]:
+        if time.time() - start > args.max_seconds:
+          print(f"time budget reached: skipping d={dk}/{dv} T={t} B={b}", flush=True)
+          continue
+        try:
+          m = bench_shape(dk, dv, t, b, peaks, key, selection_only=(t == 65536 or args.interpret))
+        except Exception as e:  # e.g. out of memory at 128k: report and go on
+          print(f"ERROR d={dk}/{dv} T={t} B={b}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+          continue
+        new = records_for(dk, dv, t, b, m, peaks)
+        recs += new
+        for r in new[:2]:
+          print(json.dumps({k: r.get(k) for k in ("impl", "d_k", "T", "batch", "ms", "cudnn_ms",
+                                                  "speedup", "xla_dense_ms", "bw_fraction")}),
+                flush=True)
+        bc.write_results(recs, args.out, args.name, preamble=preamble(peaks))
+        with open(os.path.join(args.out, args.name + ".md"), "w") as f:
+          f.write(preamble(peaks) + "\n\n" + summary(recs) + "\n")
+  print(summary(recs))
+
+
+def preamble(peaks):
+  return (f"# NSA decode attention step vs dense decode ({bc.hardware()})\n\n"
+          f"Measured HBM copy rate {peaks[1] / 1e12:.2f} TB/s, bf16 matmul "
+          f"{peaks[0] / 1e12:.0f} TFLOP/s. One new query per sequence, 64 q / 4 KV heads, paper "
+          "NSA settings (l=32, d=16, l'=64, n=16, w=512), bf16. cudnn_ms: jax.nn.dot_product_attention"
+          " (cuDNN) over the whole cache, at d_k = d_v = max(d_k, d_v). tokens_read_per_group vs "
+          "the paper's Table 4 estimate paper_tokens = s/16 + 1536. Command: "
+          "`python -m experiments.bench_decode`.")
+
+
+def summary(recs):
+  lines = ["| d_k/d_v | T | batch | impl | ms | cudnn_ms | speedup | xla_dense_ms | tokens/group "
+           "(paper) | GB/s | of HBM copy |", "|" + "---|" * 11]
+  for r in recs:
+    lines.append(f"| {r['d_k']}/{r['d_v']} | {r['T']} | {r['batch']} | {r['impl']} | {r['ms']} | "
+                 f"{r['cudnn_ms']} | {r['speedup']} | {r.get('xla_dense_ms', '')} | "
+                 f"{r.get('tokens_read_per_group', '')} ({r.get('paper_tokens', '')}) | "
+                 f"{r.get('achieved_GBps', '')} | {r.get('bw_fraction', '')} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()
