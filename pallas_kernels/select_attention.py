@@ -203,7 +203,19 @@ def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
   return True, "ok"
 
 
-BACKENDS = {"triton": _select}
+BACKENDS = {"triton": _select}  # name -> differentiable implementation (a Mosaic GPU one: not yet)
+
+
+def _check_tiling(tiling, block_size, interpret):
+  if tiling.mode not in ("union", "shared"):
+    raise ValueError(f"tiling.mode={tiling.mode!r}: expected 'union' or 'shared'")
+  if block_size % tiling.block_k or (tiling.block_k < 16 and not interpret):
+    raise ValueError(f"tiling.block_k={tiling.block_k}: must divide block_size={block_size} and be "
+                     ">= 16 (the matrix unit's minimum) when compiled")
+  if not 1 <= tiling.tokens_per_tile <= 31:
+    raise ValueError(f"tiling.tokens_per_tile={tiling.tokens_per_tile}: 1..31 (int32 token bits)")
+  if tiling.bwd_tokens < 1 or tiling.chunk_entries < 1:
+    raise ValueError(f"tiling.bwd_tokens / chunk_entries must be >= 1, got {tiling}")
 
 
 def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=None, *,
@@ -214,9 +226,12 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     raise ValueError(f"select_attention[{backend}] does not support this call: {why}")
   b, t, h, dk = q.shape
   g = h // k.shape[2]
+  if block_idx.shape[:3] != k.shape[:3]:
+    raise ValueError(f"block_idx {block_idx.shape} must be [B, T, K, n] = {k.shape[:3]} + (n,)")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ValueError(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}): cast them to one")
   tiling = tiling or C.default_tiling(g, block_size)
-  if block_size % tiling.block_k:
-    raise ValueError(f"tiling.block_k={tiling.block_k} must divide block_size={block_size}")
+  _check_tiling(tiling, block_size, interpret)
   scale = float(dk ** -0.5 if scale is None else scale)
   has_seg = segment_ids is not None
   seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
