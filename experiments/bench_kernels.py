@@ -3,7 +3,8 @@
 Run on the H200 (writes <out>/select_<tag>.json + .md and prints the Markdown table):
   python3 -m experiments.bench_kernels --T 8192,16384,32768,65536 --groups 16,4 --out benchmarks/results
   python3 -m experiments.bench_kernels --check            # compiled kernels vs the reference first
-  python3 -m experiments.bench_kernels --sweep --T 65536  # tiling variants (tuning)
+  python3 -m experiments.bench_kernels --plan sweep --T 65536  # tiling variants (tuning)
+  python3 -m experiments.bench_kernels --check --plan final --iters 5  # 64k targets, defaults first
 Index patterns (issue 4): "random" = forced initial block + 2 local blocks + (n-3) random earlier
 blocks per token; "clustered" = the tokens of one l'-block share n-4 random blocks, 1 drawn per token.
 Each op is one bench_* function returning records; the timer and record writer are in bench_common.
@@ -225,13 +226,13 @@ def plan_jobs(name, ts, groups, patterns, block):
   if name == "sweep":
     return [(t, g, p, tl, det) for t in ts for g in groups for p in patterns
             for tl, det in sweep_variants(g, p)]
-  if name == "final":  # the issue's target shapes first, then the other lengths
+  if name == "final":  # the issue's target shapes with the defaults, the tiling candidates, other T
     r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
-    jobs = [(65536, 16, "random", d16, True), (65536, 16, "clustered", d16, True),
-            (65536, 4, "random", d4, True), (65536, 4, "clustered", d4, True),
-            (65536, 4, "clustered", r(d4, tokens_per_tile=16), True),
-            (65536, 16, "random", r(d16, tokens_per_tile=2), True)]
-    return jobs + [(t, 16, p, d16, True) for t in (8192, 16384, 32768) for p in patterns]
+    jobs = [(65536, g, p, kc.default_tiling(g, block), True) for g in (16, 4) for p in patterns]
+    jobs += [(65536, 16, "clustered", r(d16, tokens_per_tile=4, mode="shared"), True),
+             (65536, 16, "clustered", r(d16, tokens_per_tile=4), True),
+             (65536, 4, "clustered", r(d4, tokens_per_tile=16), True)]
+    return jobs + [(t, 16, p, d16, True) for t in (8192, 16384, 32768, 131072) for p in patterns]
   raise ValueError(f"--plan {name!r}")
 
 
