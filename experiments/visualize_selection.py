@@ -126,7 +126,7 @@ def plot(codes_by_layer, gates_by_layer, out: str, title: str):
       g = gates[:, :, c]
       ax.plot(pos, g.mean(1), color=f"C{c}", lw=1, label=f"{name} (mean {g.mean():.2f})")
       ax.fill_between(pos, g.min(1), g.max(1), color=f"C{c}", alpha=0.15)
-    ax.set(title=f"layer {li}: gates (line: head mean, band: range)", xlabel="query position t",
+    ax.set(title=f"layer {li}: gates (mean, range over heads)", xlabel="query position t",
            ylim=(0, 1))
     ax.legend(fontsize=7)
   from matplotlib.patches import Patch
