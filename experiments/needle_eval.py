@@ -223,8 +223,12 @@ def main(argv):
       per_pos = position_nll(jit_logits(model), val_batches(config, _BATCHES.value))
       buckets = bucketize(per_pos, _BUCKET.value)
       curves.append(buckets)
-      results[label] = {"workdir": workdir, "buckets": buckets}
-      print(f"{label}: " + "  ".join(f"[{s},{e}) {v:.3f}" for s, e, v in buckets))
+      tokens = sum(float(b["weights"].sum()) for b in val_batches(config, _BATCHES.value))
+      mean = float(np.nanmean(per_pos))  # every position holds the same number of windows
+      results[label] = {"workdir": workdir, "buckets": buckets, "mean_loss": mean,
+                        "tokens": tokens}
+      print(f"{label}: mean {mean:.4f} over {tokens:.0f} tokens; "
+            + "  ".join(f"[{s},{e}) {v:.3f}" for s, e, v in buckets))
     plot_position(curves, labels, _OUT.value)
   with open(os.path.splitext(_OUT.value)[0] + ".json", "w") as f:
     json.dump(results, f, indent=1)
