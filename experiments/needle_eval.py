@@ -220,10 +220,11 @@ def main(argv):
     curves = []
     for (workdir, _), label in zip(specs, labels):
       model, config, _ = load_model(workdir)
-      per_pos = position_nll(jit_logits(model), val_batches(config, _BATCHES.value))
+      batches = val_batches(config, _BATCHES.value)
+      per_pos = position_nll(jit_logits(model), batches)
       buckets = bucketize(per_pos, _BUCKET.value)
       curves.append(buckets)
-      tokens = sum(float(b["weights"].sum()) for b in val_batches(config, _BATCHES.value))
+      tokens = sum(float(b["weights"].sum()) for b in batches)
       mean = float(np.nanmean(per_pos))  # every position holds the same number of windows
       results[label] = {"workdir": workdir, "buckets": buckets, "mean_loss": mean,
                         "tokens": tokens}
