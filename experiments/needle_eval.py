@@ -111,12 +111,13 @@ def needle_grid(logits_fn, lengths, depths, samples, seed) -> dict:
           "digits": digits.tolist(), "samples": samples, "seed": seed}
 
 
-def plot_needle(grids: list[dict], labels: list[str], out: str, trained_len: list[int | None]):
+def plot_needle(grids: list[dict], labels: list[str], out: str, trained_on: list[str | None]):
+  """One heatmap per model; trained_on: e.g. "stdlib, 512 tokens" (None: not shown)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 3.8), squeeze=False)
-  for n, (ax, grid, label, tl) in enumerate(zip(axes[0], grids, labels, trained_len)):
+  for n, (ax, grid, label, tl) in enumerate(zip(axes[0], grids, labels, trained_on)):
     acc = np.asarray(grid["exact"])
     im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
     ax.set_xticks(range(len(grid["lengths"])), [str(x) for x in grid["lengths"]])
@@ -125,7 +126,7 @@ def plot_needle(grids: list[dict], labels: list[str], out: str, trained_len: lis
       ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
     title = f"{label}: passkey accuracy"
     if tl:
-      title += f"\n(trained at {tl} tokens)"
+      title += f"\n(trained on {tl})"
     ax.set(title=title, xlabel="context length (tokens)", ylabel="needle depth" if n == 0 else "")
   fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact 5-digit accuracy")
   _save(fig, out)
@@ -210,7 +211,7 @@ def main(argv):
       grid = needle_grid(jit_logits(model), lengths, depths, _SAMPLES.value, _SEED.value)
       grid.update(workdir=workdir, trained_seq_len=config.data.seq_len)
       grids.append(grid)
-      trained.append(config.data.seq_len)
+      trained.append(f"{config.data.source}, {config.data.seq_len} tokens")
       results[label] = grid
       print(f"{label} ({workdir}): exact accuracy, rows = depths {depths}, cols = lengths {lengths}")
       for d, row in zip(depths, grid["exact"]):

@@ -301,7 +301,7 @@ def test_selection_map_is_causal_and_counts_every_selected_block(trained):
 
 def test_plots_are_written(tmp_path):
   grid = needle_eval.needle_grid(_oracle_logits, [80], [0.0, 1.0], 2, SEED)
-  needle_eval.plot_needle([grid, grid], ["a", "b"], str(tmp_path / "n.png"), [80, None])
+  needle_eval.plot_needle([grid, grid], ["a", "b"], str(tmp_path / "n.png"), ["x, 80 tokens", None])
   needle_eval.plot_position([[(0, 8, 2.0), (8, 16, 1.5)]], ["a"], str(tmp_path / "p.png"))
   codes = vis.selection_map(np.array([[0, -1, -1], [0, 1, -1], [0, 1, 2]] * 16), 16, 1, 2)
   vis.plot([codes[None]], [np.full((48, 4, 3), 0.5)], str(tmp_path / "s.png"), "t")
