@@ -104,7 +104,7 @@ def tile_maps(block_idx, tiling):
   raise ValueError(f"tiling.mode={tiling.mode!r}: expected 'union' or 'shared'")
 
 
-def map_specs(maps, mode):
+def map_specs(maps):
   """BlockSpecs (grid (tile, group, batch)) of the index maps: one tile's slice of each."""
   def spec(a):
     tail = a.shape[3:]

@@ -59,7 +59,8 @@ def _store_state(state, row, o_ref, lse_ref, dv_pieces):
   lse_ref[row] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
-def _kv_steps(blk, kk, k_ref, v_ref, seg_ref, *, bk, block_size, t, kh, dk_pieces, dv_pieces, has_seg):
+def _kv_steps(blk, kk, k_ref, v_ref, seg_ref, *, bk, block_size, t, kh, dk_pieces, dv_pieces,
+              has_seg):
   """Per l'-block, its key steps: (key positions, K pieces, V pieces, key segment ids)."""
   for sub in range(block_size // bk):
     kpos, krow = C.key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
@@ -138,7 +139,7 @@ def forward(q, k, v, seg, maps, *, block_size, scale, tiling, has_seg, interpret
   o, lse = pl.pallas_call(
       kernel,
       grid=(maps[0].shape[1], kh, b),  # tiles fastest: neighbouring tokens (sharing blocks) run together
-      in_specs=C.map_specs(maps, tiling.mode) + [
+      in_specs=C.map_specs(maps) + [
           whole(t), whole(t * h, dk), whole(t * kh, dk), whole(t * kh, dv)],
       out_specs=[whole(t * h, dv), whole(t * h)],
       out_shape=[jax.ShapeDtypeStruct((b, t * h, dv), q.dtype),

@@ -119,7 +119,7 @@ def _dq(q, k, v, seg, maps, do, lse, delta, *, block_size, scale, tiling, has_se
   dq = pl.pallas_call(
       kernel,
       grid=(maps[0].shape[1], kh, b),
-      in_specs=C.map_specs(maps, tiling.mode) + [
+      in_specs=C.map_specs(maps) + [
           _whole(t), _whole(t * h, dk), _whole(t * kh, dk), _whole(t * kh, dv), _whole(t * h, dv),
           _whole(t * h), _whole(t * h)],
       out_specs=_whole(t * h, dk),
