@@ -27,16 +27,19 @@ def main(argv):
   from nsa_jax.training import train  # after flag parsing: --help stays fast
   train.initialize_distributed(_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save at INFO
+  # Our own INFO lines (run header, which NSA implementation ran); others' only from WARNING up:
+  # jax and orbax narrate every backend probe and every save at INFO.
+  logging.getLogger().setLevel(logging.WARNING)
+  logging.getLogger("nsa_jax").setLevel(logging.INFO if train.jax.process_index() == 0
+                                        else logging.WARNING)
   try:
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ValueError, train.CheckpointError, train.NonFiniteError) as e:
+  except (ValueError, FileNotFoundError, train.CheckpointError, train.NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  print(f"done: step {summary['step']}, train loss {summary['train'].get('loss', float('nan')):.4f}, "
-        f"val loss {summary['val'].get('loss', float('nan')):.4f}"
-        + (f" (stopped by {summary['stopped']})" if summary["stopped"] else ""))
+  fmt = lambda d: f"{d['loss']:.4f}" if "loss" in d else "n/a"
+  print(f"done: step {summary['step']}, train loss {fmt(summary['train'])}, val loss "
+        f"{fmt(summary['val'])}" + (f" (stopped by {summary['stopped']})" if summary["stopped"] else ""))
   return 0
 
 
