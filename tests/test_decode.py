@@ -105,6 +105,10 @@ def test_cache_refuses_to_overflow():
     decode.init_cache(model, 1, max_len=1000)
   params, prefill_fn, step_fn = decode.jit_decode(model)
   _, cache = prefill_fn(params, tokens[:, :9], 10)
+  # The cache shards on its batch axis (a 1-device mesh here: checks the specs, not the speed-up).
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+  cache = jax.device_put(cache, decode.cache_shardings(cache, mesh))
+  assert cache.layers[0].k_slc.sharding.spec == jax.sharding.PartitionSpec("data")
   decode.check_room(cache, 1)
   logits, cache = step_fn(params, cache, tokens[:, 9])
   assert np.all(np.isfinite(logits))
