@@ -58,12 +58,17 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg):
 
   ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=True)
   ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
-  (o, lse), vjp = jax.vjp(ours, q, kc, vc)  # one interpreted forward for outputs and grads
-  (ro, rlse), ref_vjp = jax.vjp(ref, q, kc, vc)
+
+  @jax.jit  # one compiled program: interpreted kernels run eagerly are much slower
+  def outputs_and_grads(q, kc, vc):
+    (o, lse), vjp = jax.vjp(ours, q, kc, vc)
+    (ro, rlse), ref_vjp = jax.vjp(ref, q, kc, vc)
+    cts = (w_o, jnp.where(jnp.isfinite(rlse), w_l, 0.0))  # lse's cotangent is exercised too
+    return (o, lse, vjp(cts)), (ro, rlse, ref_vjp(cts))
+
+  (o, lse, grads), (ro, rlse, ref_grads) = outputs_and_grads(q, kc, vc)
   _close(o, ro, 1e-5, "o", seed)
   _close(lse, rlse, 1e-5, "lse", seed)
-  cts = (w_o, jnp.where(jnp.isfinite(rlse), w_l, 0.0))  # lse's cotangent is exercised too
-  grads, ref_grads = vjp(cts), ref_vjp(cts)
   for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
     _close(a, r, 1e-4, name, seed)
 
@@ -87,8 +92,9 @@ def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg):
   seg = _segments(ks[2], b, t) if use_seg else None
   _, lse, p = reference.compressed_attention(q, kc, kc, l, d, seg)
   want = reference.select_blocks(reference.selection_scores(p, kv, t, cfg), cfg, seg)
-  got = select_topn(q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, alignment=align,
-                    segment_ids=seg, interpret=True)
+  got = jax.jit(lambda q, kc, lse, seg: select_topn(
+      q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, alignment=align,
+      segment_ids=seg, interpret=True))(q, kc, lse, seg)
   bad = np.argwhere(np.asarray(want != got))
   assert got.shape == want.shape and got.dtype == jnp.int32
   assert bad.size == 0, (f"{len(bad)} slots differ, first at {bad[0]}: want "
@@ -115,7 +121,7 @@ def test_whole_op_pallas_matches_reference():
     def f(*a):
       o, aux = ops.nsa_attention(*a, cfg, segment_ids=seg, implementation=impl, return_aux=True)
       return jnp.sum(o * w), aux["block_idx"]
-    return jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True)(*args)
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True))(*args)
 
   (val, idx), grads = run("pallas")
   (rval, ridx), rgrads = run("reference")
