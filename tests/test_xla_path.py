@@ -1,7 +1,8 @@
 """The memory-sane plain-JAX path (nsa_jax.xla) against the dense reference, forward and gradients.
 
-Every test draws a fresh seed (printed in the failure message). Block indices must equal the
-reference's exactly; outputs and gradients agree to ~1e-5 relative in float32.
+Every test draws a fresh seed, printed in the failure message; NSA_TEST_SEED=<seed> replays it.
+Block indices must equal the reference's exactly; outputs and gradients agree to 1e-5 of the
+largest reference value in float32 (2e-2 in bfloat16).
 """
 
 import os
@@ -18,7 +19,8 @@ INPUTS = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
 
 
 def fresh_seed():
-  return int.from_bytes(os.urandom(4), "little")
+  replay = os.environ.get("NSA_TEST_SEED")
+  return int(replay) if replay else int.from_bytes(os.urandom(4), "little")
 
 
 def make_inputs(seed, cfg, batch, t, dtype=jnp.float32):
@@ -110,9 +112,10 @@ def compare(fast, ref, args, seed, names, rtol=1e-5):
   return rest, rest_r, grads
 
 
+# T is chosen so that Ns > n: top-n really chooses among the blocks that are not forced.
 CMP_CASES = [  # (G, T, docs, overrides)
-    (1, 150, 3, dict()),
-    (4, 170, 2, dict(selector="quest", query_chunk=40)),
+    (1, 250, 3, dict()),
+    (4, 260, 2, dict(selector="quest", query_chunk=40)),
 ]
 
 
@@ -172,11 +175,11 @@ def test_window_attention(g, t, window, chunk, docs):
 # ----------------------------------------------------------------------------- the whole op
 
 NSA_CASES = [  # (G, T, docs, overrides): T never a multiple of l' or of the chunk
-    (4, 200, 2, dict(score_alignment="literal", query_chunk=48)),
-    (16, 135, 1, dict(num_kv_heads=1, num_heads=16, head_dim=24, head_dim_v=16, cmp_block=32,
-                      cmp_stride=16, sel_block=64, num_selected=3, window=50, query_chunk=40)),
-    (4, 170, 3, dict(selector="quest", branches=("slc", "win"))),
-    (1, 120, 3, dict(branches=("slc",), query_chunk=256)),  # cmp feeds only the selector; C > T
+    (4, 260, 2, dict(score_alignment="literal", query_chunk=48)),
+    (16, 330, 1, dict(num_kv_heads=1, num_heads=16, head_dim=24, head_dim_v=16, cmp_block=32,
+                      cmp_stride=16, sel_block=64, num_selected=4, window=50, query_chunk=40)),
+    (4, 250, 3, dict(selector="quest", branches=("slc", "win"))),
+    (1, 230, 3, dict(branches=("slc",), query_chunk=256)),  # cmp feeds only the selector; C > T
     (4, 12, 2, dict()),  # T < l: no compressed block at all
 ]
 
@@ -204,7 +207,7 @@ def test_nsa_attention_matches_reference(g, t, docs, over):
 
 def test_nsa_attention_bfloat16():
   """bf16 inputs (softmax in float32): outputs and gradients within bf16 rounding of the reference."""
-  run_nsa(cfg_of(4, query_chunk=48), fresh_seed(), 160, 2, jnp.bfloat16, 2e-2)
+  run_nsa(cfg_of(4, query_chunk=48), fresh_seed(), 250, 2, jnp.bfloat16, 2e-2)
 
 
 def test_nsa_attention_rejects_bad_shapes():
@@ -218,16 +221,17 @@ def test_nsa_attention_rejects_bad_shapes():
 # ----------------------------------------------------------------------------- memory at long T
 
 def test_long_sequence_memory_stays_linear():
-  """At T=8192 the compiled forward+backward needs far less scratch memory than ONE [T, T] float32
-  tensor, while the dense reference needs more than one per head (so the measure can tell)."""
+  """At T=8192 the compiled forward+backward needs less scratch memory than a quarter of ONE [T, T]
+  float32 tensor (measured: ~42 MB vs 268 MB), while the dense reference's forward alone needs more
+  than one per head (~3.4 GB), so the measure does see [T, T] tensors."""
   t = 8192
   cfg = NSAConfig(num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=16, cmp_block=32,
-                  cmp_stride=16, sel_block=64, num_selected=8, window=256, query_chunk=256)
+                  cmp_stride=16, sel_block=64, num_selected=8, window=256, query_chunk=128)
   nc = cfg.num_cmp_blocks(t)
   f32 = lambda *s: jax.ShapeDtypeStruct((1,) + s, jnp.float32)
   kh, dk = cfg.num_kv_heads, cfg.head_dim
-  args = (f32(t, 4, dk), f32(nc, kh, dk), f32(nc, kh, dk), f32(t, kh, dk), f32(t, kh, dk),
-          f32(t, kh, dk), f32(t, kh, dk), f32(t, 4, 3))
+  args = (f32(t, cfg.num_heads, dk), f32(nc, kh, dk), f32(nc, kh, dk), f32(t, kh, dk), f32(t, kh, dk),
+          f32(t, kh, dk), f32(t, kh, dk), f32(t, cfg.num_heads, 3))
   tt_bytes = t * t * 4
 
   def scratch(impl, with_grad):
@@ -241,5 +245,5 @@ def test_long_sequence_memory_stays_linear():
   dense = scratch(reference.nsa_attention, with_grad=False)
   assert dense > cfg.num_heads * tt_bytes, f"reference scratch {dense / 1e6:.0f} MB"
   sparse = scratch(xla.nsa_attention, with_grad=True)
-  assert sparse < tt_bytes / 2, (
+  assert sparse < tt_bytes / 4, (
       f"xla forward+backward scratch {sparse / 1e6:.0f} MB vs one [T, T] f32 {tt_bytes / 1e6:.0f} MB")
