@@ -6,6 +6,9 @@ Implementations:
   "pallas":    Pallas GPU kernels (pallas_kernels): compression attention (fwd + bwd), fused block
                scoring + top-n, selection attention; the window branch on cuDNN's local window
                (plain JAX with segment ids). The Quest selector's scores stay in plain JAX.
+               Requested off a GPU, the same kernels run in Pallas' interpreter (slow; tests).
+               Backward: the compression kernel saves its inputs, o and lse and recomputes p; the
+               top-n indices carry no gradient; the selection kernel keeps its own residuals.
   "auto":      "pallas" on a GPU when the kernels support the shape, else "xla".
 Which one ran is logged once per shape (logger "nsa_jax"); on a GPU a fallback is a warning.
 """

@@ -1,7 +1,7 @@
 """Compression-branch attention of NSA (Eq. 7-8) as Pallas Triton-lowered kernels with a hand-written VJP.
 
 Query t (0-indexed) sees compressed block i iff i*d + l - 1 <= t (the block lies wholly in its past),
-the block lies inside one document and t is in that document (nsja_jax.reference.cmp_visible_mask).
+the block lies inside one document and t is in that document (nsa_jax.reference.cmp_visible_mask).
 A program owns a tile of `tq` query positions x the G query heads of one KV group (GQA heads become
 tile rows, padded to a power of two) and walks the compressed keys with online softmax, stopping at
 the last block any of its positions can see (block-causal skipping).
