@@ -5,7 +5,7 @@ layer-level rows (NSAAttention vs DenseAttention, projections included).
 Run on the H200 (writes <out>/nsa_h200.json + .md as it goes, prints a table at the end):
   python3 -m experiments.bench_nsa --check --T 8192,16384,32768,65536 --dims 128/128,192/128 \
       --breakdown_T 8192,65536 --long_T 131072 --layer_T 16384,65536 --out $OUT
-  python3 -m experiments.bench_nsa --plot benchmarks/results/nsa_h200.json   # Markdown + PNG, on CPU
+  python3 -m experiments.bench_nsa --plot benchmarks/results/nsa_h200.json  # Markdown + PNG (CPU)
     (includes benchmarks/results/nsa_h200_notes.md, the hand-written reading, when present)
 Paper settings: bf16, B=1, 64 query / 4 KV heads, l=32, d=16, l'=64, n=16, w=512. cuDNN needs
 d_k == d_v, so the paper's d_k=192/d_v=128 is compared with dense attention at 192/192.
@@ -38,7 +38,8 @@ INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
 
 
 def paper_cfg(h, kh, dk, dv):
-  return NSAConfig(num_heads=h, num_kv_heads=kh, head_dim=dk, head_dim_v=dv, implementation="pallas")
+  return NSAConfig(num_heads=h, num_kv_heads=kh, head_dim=dk, head_dim_v=dv,
+                   implementation="pallas")
 
 
 def make_inputs(key, t, cfg):
@@ -245,7 +246,8 @@ def check(key, t, cfg):
       q, kc, lse, block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
       num_selected=cfg.num_selected, interpret=INTERPRET))(q, kc, xlse)
   fin = jnp.isfinite(xlse)
-  out = dict(T=t, cmp_o_maxerr=float(jnp.max(jnp.abs(o.astype(jnp.float32) - xo.astype(jnp.float32)))),
+  f32 = lambda x: x.astype(jnp.float32)
+  out = dict(T=t, cmp_o_maxerr=float(jnp.max(jnp.abs(f32(o) - f32(xo)))),
              cmp_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(lse - xlse), 0.0))),
              lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(lse) == fin)),
              topn_slots_equal_frac=float(jnp.mean(idx == xidx)),
@@ -253,7 +255,8 @@ def check(key, t, cfg):
   ct = jax.random.normal(key, (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   op = lambda impl: (lambda *a: (ops.nsa_attention(*a, cfg, implementation=impl),))
   for name, impl in (("pallas", "pallas"), ("xla", "xla")):
-    out[name] = jax.jit(op(impl))(*args)[0].astype(jnp.float32), jax.jit(with_grad(op(impl)))(args, ct)
+    out[name] = (jax.jit(op(impl))(*args)[0].astype(jnp.float32),
+                 jax.jit(with_grad(op(impl)))(args, ct))
   (po, pg), (xo2, xg) = out.pop("pallas"), out.pop("xla")
   rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
                            (jnp.linalg.norm(b.astype(jnp.float32)) + 1e-30))
@@ -315,11 +318,13 @@ def plot(path):
   r0 = records[0] if records else {}
   pre = "\n".join([
       "# NSA whole op and branches vs cuDNN dense causal attention",
-      "", f"Hardware: {r0.get('hardware')}. Date: {r0.get('date')}.", f"Command: `{r0.get('command')}`",
+      "", f"Hardware: {r0.get('hardware')}. Date: {r0.get('date')}.",
+      f"Command: `{r0.get('command')}`",
       "", "Paper settings: bf16, B=1, 64 query heads, 4 KV heads, l=32, d=16, l'=64, n=16, w=512.",
       "cuDNN needs d_k == d_v: the 192/128 rows are compared with dense attention at 192/192.",
       "`bwd` = (forward + backward) - forward for both sides; `fwd_bwd_ms` holds the sum.",
-      "Branch rows (compress, topn, select, window) carry the dense time of the same pass for scale.",
+      "Branch rows (compress, topn, select, window) carry the dense time of the same pass,",
+      "for scale.",
       "", "## Targets (T=65536)", "", *summary(records)])
   if os.path.exists(stem + "_notes.md"):  # hand-written reading of the results
     pre += "\n\n" + open(stem + "_notes.md").read().strip()

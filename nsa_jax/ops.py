@@ -73,7 +73,8 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
       _log_once(level, f"NSA falls back to the plain-JAX path for {shape}: {why}")
   if impl not in ("pallas", "xla", "reference"):
     raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'xla' or 'reference'")
-  _log_once(logging.INFO, f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
+  _log_once(logging.INFO,
+            f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
   return impl
 
 
@@ -103,7 +104,7 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
 
 
 def _pallas_indices(q, k_cmp, v_cmp, lse_cmp, k_slc, cfg: NSAConfig, segment_ids, scale, interpret):
-  """Top-n block indices [B, T, K, n]: the fused kernel for the NSA selector, plain JAX for Quest."""
+  """Top-n block indices [B, T, K, n]: the fused kernel (NSA selector) or plain JAX (Quest)."""
   from nsa_jax import xla
   from pallas_kernels.select_topn import select_topn
   if cfg.selector == "quest":

@@ -1,19 +1,21 @@
-"""Compression-branch attention of NSA (Eq. 7-8) as Pallas Triton-lowered kernels with a hand-written VJP.
+"""Compression-branch attention of NSA (Eq. 7-8): Pallas Triton-lowered kernels, hand-written VJP.
 
-Query t (0-indexed) sees compressed block i iff i*d + l - 1 <= t (the block lies wholly in its past),
-the block lies inside one document and t is in that document (nsa_jax.reference.cmp_visible_mask).
+Query t (0-indexed) sees compressed block i iff i*d + l - 1 <= t (the block lies wholly in its
+past), the block lies inside one document and t is in that document
+(nsa_jax.reference.cmp_visible_mask).
 A program owns a tile of `tq` query positions x the G query heads of one KV group (GQA heads become
 tile rows, padded to a power of two) and walks the compressed keys with online softmax, stopping at
 the last block any of its positions can see (block-causal skipping).
 
-Backward: dq on the forward's tiles (p recomputed from the saved log-sum-exp); dK/dV with one program
-per tile of compressed keys walking the query tiles that can see it (no atomics, deterministic).
+Backward: dq on query tiles (p recomputed from the saved log-sum-exp); dK/dV with one program per
+tile of compressed keys walking the query tiles that can see it (no atomics, deterministic).
 The forward also returns the log-sum-exp: the top-n kernel (select_topn.py) needs it to turn logits
 into the probabilities of Eq. 8, and its cotangent is honoured in the backward.
 
 Contract: compress_attention(q [B,T,H,Dk], k_cmp [B,Nc,K,Dk], v_cmp [B,Nc,K,Dv], block, stride,
 segment_ids=None, scale=None) -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32), equal to
-nsa_jax.reference.compressed_attention's (o, lse); a query with no visible block gets o = 0, lse = -inf.
+nsa_jax.reference.compressed_attention's (o, lse); a query with no visible block gets o = 0 and
+lse = -inf.
 """
 
 from __future__ import annotations
@@ -117,19 +119,19 @@ def dot_pieces(a_pieces, b_pieces):
 
 
 def store_rows(ref, rows, off, val):
-  """ref[rows, off:off+size] = val, with all-array indices (accepted by Triton and the interpreter)."""
+  """ref[rows, off:off+size] = val with all-array indices (Triton and the interpreter accept it)."""
   cols = off + lax.iota(jnp.int32, val.shape[1])
   plgpu.store(ref.at[rows[:, None], cols[None, :]], val)
 
 
 def num_visible(pos, block, stride, nc):
-  """How many compressed blocks query position `pos` sees (blocks 0 .. i with i*d + l - 1 <= pos)."""
+  """How many compressed blocks position `pos` sees (blocks 0 .. i with i*d + l - 1 <= pos)."""
   n = jnp.where(pos >= block - 1, (jnp.maximum(pos - block + 1, 0)) // stride + 1, 0)
   return jnp.minimum(n, nc)
 
 
 def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc):
-  """[m, bk] mask: block kidx lies in pos's past, exists, and (with segments) is in pos's document."""
+  """[m, bk] mask: block kidx is in pos's past, exists, and (with segments) in pos's document."""
   vis = (kidx[None, :] * stride + (block - 1) <= pos[:, None]) & (kidx < nc)[None, :]
   if seg_q is not None:
     vis = vis & (seg_q[:, None] == bseg[None, :]) & (bpure != 0)[None, :]
@@ -218,7 +220,8 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
       out_specs=[_whole(t * h, dv), _whole(t * h)],
       out_shape=[jax.ShapeDtypeStruct((b, t * h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, t * h), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                           num_stages=tiling.num_stages),
       interpret=interpret,
       name="nsa_cmp_fwd",
   )(seg, bseg, bpure, q.reshape(b, t * h, dk), kc, vc)

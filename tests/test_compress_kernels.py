@@ -41,7 +41,7 @@ def _close(a, b, tol, what, seed):
   assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol * scale:.3g} (seed {seed})"
 
 
-# ----------------------------------------------------------------------------- compression attention
+# ----------------------------------------------------------------------------- compression
 
 @pytest.mark.parametrize("g,kv,t,use_seg", [(1, 2, 70, True), (4, 2, 90, False), (16, 1, 61, True)])
 def test_compress_attention_fwd_and_grads(g, kv, t, use_seg):
