@@ -25,18 +25,21 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   from nsa_jax.training import train  # after flag parsing: --help stays fast
-  train.initialize_distributed(_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   # Our own INFO lines (run header, which NSA implementation ran); others' only from WARNING up:
   # jax and orbax narrate every backend probe and every save at INFO.
   logging.getLogger().setLevel(logging.WARNING)
-  logging.getLogger("nsa_jax").setLevel(logging.INFO if train.jax.process_index() == 0
-                                        else logging.WARNING)
+  logging.getLogger("nsa_jax").setLevel(logging.INFO)
+  train.initialize_distributed(_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+  if train.jax.process_index() != 0:  # one voice: only process 0 logs and reports
+    logging.getLogger("nsa_jax").setLevel(logging.WARNING)
   try:
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ValueError, FileNotFoundError, train.CheckpointError, train.NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  if train.jax.process_index() != 0:
+    return 0
   fmt = lambda d: f"{d['loss']:.4f}" if "loss" in d else "n/a"
   print(f"done: step {summary['step']}, train loss {fmt(summary['train'])}, val loss "
         f"{fmt(summary['val'])}" + (f" (stopped by {summary['stopped']})" if summary["stopped"] else ""))

@@ -208,12 +208,18 @@ def to_global(batch: dict, setup: Setup) -> dict:
           for k, v in batch.items()}
 
 
+def to_host(tree):
+  """Replicated global arrays -> numpy, on any process (device_get needs fully addressable arrays,
+  which replicated arrays are not once several processes share the mesh)."""
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
 def evaluate(eval_step, state, batches, setup) -> dict:
   sums = None
   for b in batches:
     out = eval_step(state, to_global(b, setup))
     sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-  sums = jax.device_get(sums)
+  sums = to_host(sums)
   loss = float(sums["nll"] / max(sums["weight"], 1.0))
   return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)),
           "accuracy": float(sums["correct"] / max(sums["weight"], 1.0))}
@@ -271,12 +277,15 @@ def _iterators(config, model_cfg, start_step=0):
 
 
 def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool):
-  latest = ckpt.latest_step() if resume else None
+  latest = ckpt.latest_step()
+  if latest is not None and not resume:
+    raise CheckpointError(f"{ckpt.directory} already holds checkpoints (newest: step {latest}) and "
+                          "config.checkpoint.resume is False. Fix: use a fresh --workdir, or resume")
   if latest is None:
     return create_train_state(setup), 0
   state, data_state = ckpt.restore(latest, setup.abstract_state, meta)
   train_iter.restore(data_state)
-  step = int(jax.device_get(state["step"]))
+  step = int(to_host(state["step"]))
   if step != latest or train_iter.step != latest:
     raise CheckpointError(f"checkpoint {ckpt.step_dir(latest)} is inconsistent: directory step "
                           f"{latest}, state step {step}, data step {train_iter.step}")
@@ -326,7 +335,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
       return
     s, m = pending
     pending = None
-    last = {k: float(v) for k, v in jax.device_get(m).items()}
+    last = {k: float(v) for k, v in to_host(m).items()}
     if not all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "param_norm")):
       good = ckpt.latest_step()
       raise NonFiniteError(
@@ -373,7 +382,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
       ckpt.close()  # waits for async saves: a finished run's last checkpoint is on disk
       writer.close()
 
-  final_step = int(jax.device_get(state["step"]))
+  final_step = int(to_host(state["step"]))
   summary = dict(event="end", step=final_step, stopped=stopped, last_saved=last_saved,
                  train=last, val=val)
   if is_main:
