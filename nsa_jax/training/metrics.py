@@ -6,6 +6,7 @@ Only process 0 writes files or draws the bar; other processes get no-op writers.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -27,6 +28,13 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
     if name.lower() in kind.lower():
       return tflops * 1e12
   return None
+
+
+def peak_memory_gb() -> float | None:
+  """Peak bytes in use on this process's first device (None where the backend does not say)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else peak / 2**30
 
 
 def _mean_keys(seq_len: int, per_query) -> float:
@@ -81,14 +89,18 @@ class MetricsWriter:
       os.makedirs(workdir, exist_ok=True)
       self._file = open(self.path, "a", buffering=1)  # line-buffered: tail -f works
       if tensorboard:
-        from tensorboardX import SummaryWriter  # imported lazily: process 0 only
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        try:
+          from tensorboardX import SummaryWriter  # imported lazily: process 0 only
+          self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        except ImportError as e:  # say so, keep training: the JSONL file has every number
+          logging.getLogger("nsa_jax.training").warning(
+              "TensorBoard logging off (%s); pip install tensorboardX to enable it", e)
 
   def write(self, step: int, metrics: dict, prefix: str = ""):
     if not self.enabled:
       return
     clean = {f"{prefix}{k}": float(v) for k, v in metrics.items()}
-    self._file.write(json.dumps({"step": int(step), **clean}) + "\n")
+    self._file.write(json.dumps({"step": int(step), "time": round(time.time(), 3), **clean}) + "\n")
     if self._tb is not None:
       for k, v in clean.items():
         if math.isfinite(v):

@@ -384,7 +384,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
 
   final_step = int(to_host(state["step"]))
   summary = dict(event="end", step=final_step, stopped=stopped, last_saved=last_saved,
-                 train=last, val=val)
+                 train=last, val=val, peak_memory_gb=metrics_lib.peak_memory_gb())
   if is_main:
     with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
       f.write(json.dumps(summary) + "\n")
