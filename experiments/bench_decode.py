@@ -29,6 +29,7 @@ from nsa_jax import decode_math as dm
 from nsa_jax.config import NSAConfig, num_cmp_blocks
 
 H, KH = 64, 4
+IMPLS = ("xla", "pallas", "pallas_all")
 L2_BYTES = 60e6
 
 
@@ -39,7 +40,7 @@ def paper_cfg(dk, dv):
 def nsa_inputs(key, b, t, cfg, dtype=jnp.bfloat16):
   """Random q [B, H, Dk], gates, and a full NSA cache (head-major) for a query at t - 1."""
   dk, dv = cfg.head_dim, cfg.dim_v
-  nc = num_cmp_blocks(t, cfg.cmp_block, cfg.cmp_stride)
+  nc = -(-num_cmp_blocks(t, cfg.cmp_block, cfg.cmp_stride) // 64) * 64  # as nsa_jax.decode pads
   ks = jax.random.split(key, 8)
   n = lambda k, s: jax.random.normal(k, s, dtype)
   caches = {"k_cmp": n(ks[0], (b, KH, nc, dk)), "v_cmp": n(ks[1], (b, KH, nc, dv)),
@@ -65,9 +66,16 @@ def _kernel():
 
 
 def nsa_step_fn(cfg, t, impl):
-  select_fn = _kernel() if impl == "pallas" else None
+  """impl: "xla" (plain JAX), "pallas" (selection kernel), "pallas_all" (+ compression and window
+  through the split-K prefix kernel)."""
+  from pallas_kernels import decode_attention as kern
+  kw = {}
+  if impl in ("pallas", "pallas_all"):
+    kw["select_fn"] = _kernel()
+  if impl == "pallas_all":
+    kw["prefix_fn"] = functools.partial(kern.prefix_decode, interpret=INTERPRET)
   def step(q, caches, gates):
-    return dm.nsa_decode(q, caches, jnp.int32(t - 1), gates, cfg, select_fn=select_fn)[0]
+    return dm.nsa_decode(q, caches, jnp.int32(t - 1), gates, cfg, **kw)[0]
   return step
 
 
@@ -105,16 +113,17 @@ def bench_shape(dk, dv, t, b, peaks, key, selection_only=False):
   copies = [nsa_inputs(jax.random.fold_in(key, i), b, t, cfg) for i in range(r)]
   out = {"r_nsa": r}
   outs = {}
-  for impl in ("xla", "pallas"):
+  for impl in IMPLS:
     try:
       out[f"nsa_{impl}_ms"], outs[impl] = timed(nsa_step_fn(cfg, t, impl), copies)
     except Exception as e:  # keep going: the other rows are still worth having
       out[f"nsa_{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
       print(f"ERROR {impl} d={dk} T={t} B={b}: {out[f'nsa_{impl}_error']}", flush=True)
   # Correctness on the GPU: kernel path vs plain-JAX path on the same inputs (bf16 outputs).
-  out["max_abs_diff_pallas_vs_xla"] = None if len(outs) < 2 else max(
-      float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32))))
-      for a, b_ in zip(outs["pallas"], outs["xla"]))
+  for impl in IMPLS[1:]:
+    out[f"max_abs_diff_{impl}_vs_xla"] = None if not {impl, "xla"} <= set(outs) else max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32))))
+        for a, b_ in zip(outs[impl], outs["xla"]))
   if selection_only:
     idx = jax.jit(lambda q, c, g: dm.nsa_decode(q, c, jnp.int32(t - 1), g, cfg)[1]["block_idx"])
     sel_copies = [(q, c, idx(q, c, g)) for q, c, g in copies]
@@ -157,15 +166,16 @@ def records_for(dk, dv, t, b, m, peaks):
                dense_tokens=t, bytes_read=m["bytes"], dense_bytes=m["dense_bytes"],
                floor_ms=round(floor, 5), hbm_copy_GBps=round(peaks[1] / 1e9, 1),
                cudnn_dims=m["cudnn_dims"], xla_dense_ms=round(m["xla_dense_ms"], 4),
-               max_abs_diff_pallas_vs_xla=m["max_abs_diff_pallas_vs_xla"], copies=m["r_nsa"])
+               copies=m["r_nsa"])
   if "cudnn_error" in m:
     extra["cudnn_error"] = m["cudnn_error"]
   recs = []
-  for impl, key in (("pallas", "nsa_pallas_ms"), ("xla", "nsa_xla_ms")):
-    if key not in m:
+  for impl in IMPLS:
+    if f"nsa_{impl}_ms" not in m:
       continue
-    ms = m[key]
-    recs.append(bc.record(impl=impl, ms=ms, **common, **extra,
+    ms = m[f"nsa_{impl}_ms"]
+    diff = {} if impl == "xla" else {"max_abs_diff_vs_xla": m[f"max_abs_diff_{impl}_vs_xla"]}
+    recs.append(bc.record(impl=impl, ms=ms, **common, **extra, **diff,
                           achieved_GBps=round(m["bytes"] / ms / 1e6, 1),
                           bw_fraction=round(floor / ms, 3), floor_ratio=round(ms / floor, 2),
                           xla_dense_speedup=round(m["xla_dense_ms"] / ms, 2)))
@@ -210,7 +220,7 @@ def main():
           continue
         new = records_for(dk, dv, t, b, m, peaks)
         recs += new
-        for r in new[:2]:
+        for r in new[:len(IMPLS)]:
           print(json.dumps({k: r.get(k) for k in ("impl", "d_k", "T", "batch", "ms", "cudnn_ms",
                                                   "speedup", "xla_dense_ms", "bw_fraction")}),
                 flush=True)
@@ -224,10 +234,10 @@ def preamble(peaks):
   return (f"# NSA decode attention step vs dense decode ({bc.hardware()})\n\n"
           f"Measured HBM copy rate {peaks[1] / 1e12:.2f} TB/s, bf16 matmul "
           f"{peaks[0] / 1e12:.0f} TFLOP/s. One new query per sequence, 64 q / 4 KV heads, paper "
-          "NSA settings (l=32, d=16, l'=64, n=16, w=512), bf16. cudnn_ms: jax.nn.dot_product_attention"
-          " (cuDNN) over the whole cache, at d_k = d_v = max(d_k, d_v). tokens_read_per_group vs "
-          "the paper's Table 4 estimate paper_tokens = s/16 + 1536. Command: "
-          "`python -m experiments.bench_decode`.")
+          "NSA settings (l=32, d=16, l'=64, n=16, w=512), bf16. cudnn_ms: "
+          "jax.nn.dot_product_attention (cuDNN) over the whole cache, at d_k = d_v = "
+          "max(d_k, d_v). tokens_read_per_group vs the paper's Table 4 estimate paper_tokens = "
+          "s/16 + 1536. Command: `python -m experiments.bench_decode`.")
 
 
 def summary(recs):

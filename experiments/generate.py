@@ -1,7 +1,7 @@
 """Generate text from a trained checkpoint (or a freshly initialised model): prefill the prompt,
 then sample with a jit-compiled decode loop, streaming the text out as it is produced.
 
-Trained model (the workdir written by experiments.train; the model config comes from the checkpoint):
+Trained model (a workdir written by experiments.train; the model config comes from the checkpoint):
   python -m experiments.generate --workdir=runs/tiny --prompt="def main(" --max_new_tokens=200
 Untrained model from a config file (random weights: for checking the machinery, not the text):
   python -m experiments.generate --config=configs/tiny_cpu.py --attention=dense --prompt="x"
@@ -88,18 +88,15 @@ def fresh_model(config_path: str, attention: str | None, seed: int):
 
 # ----------------------------------------------------------------------------- decoding loop
 
-def choose_kernel(mode: str):
-  """The NSA selection function for decoding: the Pallas kernel on a GPU unless told otherwise."""
+def choose_kernels(mode: str) -> dict:
+  """Decode kernels: the Pallas split-K kernels on a GPU unless told otherwise ({} = plain JAX)."""
   use = mode == "pallas" or (mode == "auto" and jax.default_backend() == "gpu")
-  if not use:
-    log.info("decode selection: plain JAX (%s)", jax.default_backend())
-    return None
-  from pallas_kernels import decode_attention as kern
-  log.info("decode selection: Pallas kernel (pallas_kernels.decode_attention)")
-  return kern.select_decode
+  log.warning("decode attention: %s on %s", "Pallas kernels (pallas_kernels.decode_attention)"
+              if use else "plain JAX", jax.default_backend())
+  return decode.pallas_decode_kernels() if use else {}
 
 
-def make_chunk_fn(graphdef, chunk: int, select_fn, **sample_kw):
+def make_chunk_fn(graphdef, chunk: int, kernels: dict, **sample_kw):
   """Jitted: feed `token`, then chunk times (decode step, sample); returns the chunk's tokens."""
 
   @functools.partial(jax.jit, donate_argnums=1)
@@ -108,7 +105,7 @@ def make_chunk_fn(graphdef, chunk: int, select_fn, **sample_kw):
 
     def body(carry, _):
       cache, token, key = carry
-      logits, cache = decode.decode_step(model, cache, token, select_fn=select_fn, check=False)
+      logits, cache = decode.decode_step(model, cache, token, check=False, **kernels)
       key, sub = jax.random.split(key)
       nxt = sampling.sample(sub, logits, **sample_kw)
       return (cache, nxt, key), nxt
@@ -120,17 +117,19 @@ def make_chunk_fn(graphdef, chunk: int, select_fn, **sample_kw):
 
 
 def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-             chunk=16, select_fn=None, on_tokens=None):
+             chunk=16, kernels=None, on_tokens=None):
   """Samples max_new_tokens after prompt_ids [B, T]; returns [B, max_new_tokens] int32.
 
   on_tokens(tokens [B, c]) is called as soon as each chunk is on the host (streaming).
+  kernels: {select_fn, prefix_fn} decode kernels (decode.pallas_decode_kernels()); None = plain JAX.
   """
   b, t = prompt_ids.shape
   steps = max_new_tokens - 1  # the first new token comes from the prefill logits
   max_len = t + steps
   if max_len > model.cfg.max_seq_len:
     raise ValueError(f"prompt ({t}) + new tokens ({max_new_tokens}) needs {max_len} cache slots "
-                     f"> max_seq_len={model.cfg.max_seq_len}. Fix: shorten the prompt or generate less.")
+                     f"> max_seq_len={model.cfg.max_seq_len}. Fix: shorten the prompt or generate "
+                     "less.")
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
   params, prefill_fn, _ = decode.jit_decode(model)
   graphdef = nnx.graphdef(model)
@@ -147,7 +146,7 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top
     c = min(chunk, steps - done)
     decode.check_room(cache, c)  # the jitted loop cannot raise; check before entering it
     if c not in fns:
-      fns[c] = make_chunk_fn(graphdef, c, select_fn, **kw)
+      fns[c] = make_chunk_fn(graphdef, c, kernels or {}, **kw)
     cache, token, key, toks = fns[c](params, cache, token, key)
     toks = np.asarray(toks)
     out.append(toks)
@@ -207,7 +206,7 @@ def main(argv=None):
   try:
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, chunk=args.chunk,
-                   select_fn=choose_kernel(args.kernel), on_tokens=stream)
+                   kernels=choose_kernels(args.kernel), on_tokens=stream)
   except ValueError as e:
     print(f"\nerror: {e}", file=sys.stderr)
     return 1

@@ -98,17 +98,19 @@ def nsa_cache_shapes(cfg: NSAConfig, batch: int, max_len: int) -> dict:
     w = min(cfg.window, max_len)
     out.update(k_win=(batch, kh, w, dk), v_win=(batch, kh, w, dv))
   if need["cmp"]:
-    nc = max(1, num_cmp_blocks(max_len, cfg.cmp_block, cfg.cmp_stride))  # 1: keep shapes non-empty
+    # Whole 64-slot tiles (the split-K decode kernel walks 64 at a time); unseen slots are masked.
+    nc = -(-max(1, num_cmp_blocks(max_len, cfg.cmp_block, cfg.cmp_stride)) // 64) * 64
     out.update(buf_k=(batch, kh, cfg.cmp_block, dk), buf_v=(batch, kh, cfg.cmp_block, dv),
                k_cmp=(batch, kh, nc, dk), v_cmp=(batch, kh, nc, dv))
   return out
 
 
 def init_cache(model, batch: int, max_len: int, dtype=None) -> DecodeCache:
-  """An empty cache (pos = 0) for up to max_len tokens; dtype defaults to the model's compute dtype."""
+  """An empty cache (pos = 0) for up to max_len tokens; dtype: default the model's compute dtype."""
   if max_len < 1 or max_len > model.cfg.max_seq_len:
-    raise ValueError(f"max_len={max_len} must be in [1, model max_seq_len={model.cfg.max_seq_len}]. "
-                     "Fix: lower max_len or build the model with a larger max_seq_len.")
+    raise ValueError(f"max_len={max_len} must be in [1, model max_seq_len="
+                     f"{model.cfg.max_seq_len}]. Fix: lower max_len or build the model with a "
+                     "larger max_seq_len.")
   layers = []
   for block in model.blocks:
     attn = block.attn
@@ -228,7 +230,7 @@ def _head(model, x):
 
 # ----------------------------------------------------------------------------- one decode step
 
-def _step_nsa(attn: NSAAttention, x, t, cache: NSALayerCache, select_fn=None):
+def _step_nsa(attn: NSAAttention, x, t, cache: NSALayerCache, kernels):
   """x [B, 1, d_model] at position t -> (y [B, 1, d_model], cache holding t)."""
   cfg, b = attn.cfg, x.shape[0]
   x = x.astype(attn.dtype)
@@ -247,7 +249,7 @@ def _step_nsa(attn: NSAAttention, x, t, cache: NSALayerCache, select_fn=None):
   if c["k_cmp"] is not None:
     c.update(_step_compression(attn, x, t, c))
   gates = attn.gates(x)[:, 0]
-  o, _ = dm.nsa_decode(q, c, t, gates, cfg, select_fn=select_fn)
+  o, _ = dm.nsa_decode(q, c, t, gates, cfg, **kernels)
   y = attn.o_proj(o.reshape(b, 1, cfg.num_heads * cfg.dim_v).astype(attn.dtype))
   return y, NSALayerCache(**c)
 
@@ -295,13 +297,15 @@ def check_room(cache: DecodeCache, steps: int = 1):
                      "max_seq_len) or generate fewer tokens.")
 
 
-def decode_step(model, cache: DecodeCache, token, *, select_fn=None, check=True):
+def decode_step(model, cache: DecodeCache, token, *, select_fn=None, prefix_fn=None,
+                check=True):
   """Appends one token per sequence and returns (logits [B, vocab] float32, new cache).
 
   token [B] int. Outside jit a full cache raises ValueError. Under jit (cache.pos traced) the check
   cannot raise: call `check_room(cache, n)` before a loop of n steps; an overflowing step returns
   NaN logits (and its cache writes land in the last slot).
-  select_fn: replacement of the plain-JAX selection attention (e.g. the Pallas decode kernel).
+  select_fn, prefix_fn: Pallas decode kernels for the selection / compression and window branches
+  (see `pallas_decode_kernels`); None = plain JAX.
   """
   if check and not isinstance(cache.pos, jax.core.Tracer):
     check_room(cache)
@@ -311,7 +315,8 @@ def decode_step(model, cache: DecodeCache, token, *, select_fn=None, check=True)
   for block, layer_cache in zip(model.blocks, cache.layers):
     h = block.attn_norm(x)
     if isinstance(block.attn, NSAAttention):
-      y, new = _step_nsa(block.attn, h, t, layer_cache, select_fn)
+      y, new = _step_nsa(block.attn, h, t, layer_cache,
+                         dict(select_fn=select_fn, prefix_fn=prefix_fn))
     else:
       y, new = _step_dense(block.attn, h, t, layer_cache)
     layers.append(new)
@@ -324,7 +329,14 @@ def decode_step(model, cache: DecodeCache, token, *, select_fn=None, check=True)
 
 # ----------------------------------------------------------------------------- jitted entry points
 
-def jit_decode(model, *, select_fn=None):
+def pallas_decode_kernels(interpret=False) -> dict:
+  """{select_fn, prefix_fn}: the split-K Pallas decode kernels, for decode_step / jit_decode."""
+  from pallas_kernels import decode_attention as kern
+  return {"select_fn": functools.partial(kern.select_decode, interpret=interpret),
+          "prefix_fn": functools.partial(kern.prefix_decode, interpret=interpret)}
+
+
+def jit_decode(model, *, select_fn=None, prefix_fn=None):
   """(params, prefill_fn, step_fn): jitted functions over the split model state, so the weights
   are arguments, not constants baked into the executable.
 
@@ -339,6 +351,7 @@ def jit_decode(model, *, select_fn=None):
 
   @functools.partial(jax.jit, donate_argnums=1)
   def step_fn(params, cache, token):
-    return decode_step(nnx.merge(graphdef, params), cache, token, select_fn=select_fn, check=False)
+    return decode_step(nnx.merge(graphdef, params), cache, token, select_fn=select_fn,
+                       prefix_fn=prefix_fn, check=False)
 
   return params, prefill_fn, step_fn

@@ -70,7 +70,10 @@ def compressed_decode(qg, k_cmp, v_cmp, t, cfg: NSAConfig, scale=None):
 # ----------------------------------------------------------------------------- selection
 
 def nsa_block_scores(p_cmp, num_sel, cfg: NSAConfig):
-  """Eq. 9 remap onto selection blocks, then Eq. 10 sum over the group's heads: [B, K, Ns]."""
+  """Eq. 9 remap onto selection blocks, then Eq. 10 sum over the group's heads: [B, K, Ns].
+
+  Slots past (l'/d) * Ns (cache padding) are never visible, so they are dropped first."""
+  p_cmp = p_cmp[..., :num_sel * (cfg.sel_block // cfg.cmp_stride)]
   return xla.cmp_to_sel_banded(p_cmp, num_sel, cfg).sum(axis=2)
 
 
@@ -157,7 +160,22 @@ def dense_decode(qg, k, v, t, scale=None):
 
 # ----------------------------------------------------------------------------- the whole NSA step
 
-def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None):
+def compressed_decode_with(prefix_fn, qg, k_cmp, v_cmp, t, cfg: NSAConfig, scale=None):
+  """compressed_decode through a split-K kernel (pallas_kernels.decode_attention.prefix_decode)
+  that returns the logits of the same pass, from which p_cmp follows without re-reading K_cmp."""
+  nv = num_visible_cmp(t, cfg)
+  o, lse, logits = prefix_fn(qg, k_cmp, v_cmp, nv - 1, scale, return_logits=True)
+  visible = jnp.arange(k_cmp.shape[2]) < nv
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+  p = jnp.where(visible, jnp.exp(jnp.where(visible, logits, 0.0) - lse_safe), 0.0)
+  return o, lse, p
+
+
+def _fits(prefix_fn, cache, block=64):
+  return prefix_fn is not None and cache.shape[2] % block == 0
+
+
+def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, prefix_fn=None):
   """NSA attention (Eq. 5) of one new query per sequence.
 
   q [B, H, Dk] rotated at t; gates [B, H, 3] in (cmp, slc, win) order; caches a dict with the
@@ -165,6 +183,9 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None):
     k_cmp, v_cmp [B, K, Nc, D]; k_slc, v_slc [B, K, S, D]; k_win, v_win [B, K, W, D] (ring), or no
     k_win when the window reads the selection cache (shared_kv).
   select_fn: optional replacement of `select_decode` with the same signature (the Pallas kernel).
+  prefix_fn: optional split-K kernel for the compression and window branches
+    (pallas_kernels.decode_attention.prefix_decode); used where the cache length is a multiple
+    of 64 slots, plain JAX elsewhere.
   Returns o [B, H, Dv] in q's dtype and aux {"block_idx": [B, K, n]} (when selection runs).
   """
   b, h, _ = q.shape
@@ -172,7 +193,11 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None):
   outs, aux = {}, {}
   want_slc = "slc" in cfg.branches
   if "cmp" in cfg.branches or (want_slc and cfg.selector == "nsa"):
-    o_cmp, _, p_cmp = compressed_decode(qg, caches["k_cmp"], caches["v_cmp"], t, cfg, scale)
+    if _fits(prefix_fn, caches["k_cmp"]):
+      o_cmp, _, p_cmp = compressed_decode_with(prefix_fn, qg, caches["k_cmp"], caches["v_cmp"], t,
+                                               cfg, scale)
+    else:
+      o_cmp, _, p_cmp = compressed_decode(qg, caches["k_cmp"], caches["v_cmp"], t, cfg, scale)
     outs["cmp"] = o_cmp
   if want_slc:
     ns = caches["k_slc"].shape[2] // cfg.sel_block
@@ -185,7 +210,12 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None):
     outs["slc"], _ = fn(qg, caches["k_slc"], caches["v_slc"], idx, t, cfg.sel_block, scale)
     aux["block_idx"] = idx
   if "win" in cfg.branches:
-    if caches.get("k_win") is not None:
+    k_win = caches.get("k_win")
+    if k_win is not None and _fits(prefix_fn, k_win) and k_win.shape[2] <= cfg.window:
+      # A ring of W <= w slots holds only in-window positions: slots <= min(t, W - 1) are live.
+      live = jnp.minimum(t, k_win.shape[2] - 1)
+      outs["win"], _ = prefix_fn(qg, k_win, caches["v_win"], live, scale)
+    elif k_win is not None:
       outs["win"], _ = window_decode(qg, caches["k_win"], caches["v_win"], t, cfg.window, scale)
     else:
       outs["win"], _ = window_from_full(qg, caches["k_slc"], caches["v_slc"], t, cfg.window, scale)

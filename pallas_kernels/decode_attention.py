@@ -12,6 +12,10 @@ Contract (the semantics of nsa_jax.decode_math.select_decode):
   select_decode(qg [B, K, G, Dk], k [B, K, S, Dk], v [B, K, S, Dv], block_idx [B, K, n] int32
   (-1 = empty slot), t (int32 scalar: the query's position; keys <= t are visible), block_size)
   -> (o [B, K, G, Dv] in qg.dtype, lse [B, K, G] float32); o = 0, lse = -inf when nothing is seen.
+The same kernel in contiguous mode, `prefix_decode(qg, k, v, t)`, attends to slots 0..t of a short
+cache split across its length (the compressed cache, optionally returning the logits of the same
+pass for the selection scores, and the window ring), so a whole NSA decode step reads each cached
+token it needs exactly once.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ LN2 = math.log(2.0)
 TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs: enough splits to fill it at batch 1
 
 
-def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, m_rows, bps,
+def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_refs, m_rows, bps,
             block_size, bk, dk_pieces, dv_pieces, scale):
   split = pl.program_id(2)
   cnt, t = meta_ref[0], meta_ref[1]
@@ -47,7 +51,10 @@ def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, m_
       start = blk * block_size + sub * bk
       ks = [k_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dk_pieces]
       vs = [v_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dv_pieces]
-      s = C.dot_pieces(qs, ks) * (scale * LOG2E)  # [m_rows, bk] base-2 logits
+      s = C.dot_pieces(qs, ks) * scale  # [m_rows, bk]
+      if lg_refs:  # contiguous mode: slot j of this split's output block holds block first + j
+        lg_refs[0][:, pl.ds((j - first) * block_size + sub * bk, bk)] = s
+      s = s * LOG2E  # base-2 logits for exp2
       kpos = start + lax.iota(jnp.int32, bk)
       s = jnp.where((kpos <= t)[None, :], s, -jnp.inf)
       m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
@@ -100,17 +107,62 @@ def select_decode(qg, k, v, block_idx, t, block_size, scale=None, *, blocks_per_
   if not ok:
     raise ValueError(f"pallas select_decode does not support this call: {why}")
   b, kh, g, dk = qg.shape
-  s_len, dv, n = k.shape[2], v.shape[3], block_idx.shape[-1]
-  scale = float(dk ** -0.5 if scale is None else scale)
-  bk = block_k or min(64, block_size)
+  n = block_idx.shape[-1]
   bps = blocks_per_split or default_blocks_per_split(b, kh, n)
-  splits = C.cdiv(n, bps)
-  m_rows = C.rows_of(g, 1)
-  n_pad = C.next_pow2(n)
   # Compact the valid slots to the front (the kernel loops over [split * bps, cnt)).
   idx = jnp.sort(jnp.where(block_idx >= 0, block_idx, C.BIG), axis=-1)
   cnt = jnp.sum(idx < C.BIG, axis=-1).astype(jnp.int32)
-  idx = jnp.pad(jnp.where(idx < C.BIG, idx, 0), ((0, 0), (0, 0), (0, n_pad - n))).astype(jnp.int32)
+  idx = jnp.where(idx < C.BIG, idx, 0).astype(jnp.int32)
+  acc, m, l, _ = _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps,
+                       num_stages, interpret, want_logits=False)
+  return merge_splits(acc, m, l, qg.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_size", "blocks_per_split", "block_k",
+                                             "num_warps", "num_stages", "interpret",
+                                             "return_logits"))
+def prefix_decode(qg, k, v, t, scale=None, *, block_size=64, blocks_per_split=None, block_k=None,
+                  num_warps=4, num_stages=2, interpret=False, return_logits=False):
+  """Attention of one query per sequence over the cache slots 0..t of a contiguous cache
+  k [B, K, S, Dk], v [B, K, S, Dv] (S a multiple of block_size), split across S.
+
+  Used for the compressed cache (t = visible blocks - 1) and the window ring (t = min(t, W - 1):
+  a ring of W <= w slots written at p % W holds only in-window positions, slots <= t when t < W).
+  Returns (o, lse) like select_decode, plus logits [B, K, G, S] float32 (q.k * scale; only slots
+  <= t are meaningful) with return_logits, read in the same pass (the compression scores need them).
+  """
+  ok, why = supports(qg.shape, k.shape, v.shape, block_size, block_k)
+  if not ok:
+    raise ValueError(f"pallas prefix_decode does not support this call: {why}")
+  b, kh, g, _ = qg.shape
+  nb = k.shape[2] // block_size
+  bps = blocks_per_split or default_blocks_per_split(b, kh, nb)
+  idx = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, kh, nb))
+  t = jnp.asarray(t, jnp.int32)
+  cnt = jnp.broadcast_to(jnp.clip(t // block_size + 1, 0, nb), (b, kh)).astype(jnp.int32)
+  acc, m, l, lg = _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps,
+                        num_stages, interpret, want_logits=return_logits)
+  o, lse = merge_splits(acc, m, l, qg.dtype)
+  if not return_logits:
+    return o, lse
+  splits = lg.shape[2]
+  lg = lg[:, :, :, :g].transpose(0, 1, 3, 2, 4).reshape(b, kh, g, splits * bps * block_size)
+  return o, lse, lg[..., :k.shape[2]]
+
+
+def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,
+          interpret, want_logits):
+  """The pallas_call shared by both entry points: idx [B, K, n] block ids with the cnt [B, K]
+  valid ones first. Returns per-split partials (acc, m, l) [B, K, splits, G, ...] and the logits
+  blocks [B, K, splits, M, bps * block_size] (None unless want_logits)."""
+  b, kh, g, dk = qg.shape
+  s_len, dv, n = k.shape[2], v.shape[3], idx.shape[-1]
+  scale = float(dk ** -0.5 if scale is None else scale)
+  bk = block_k or min(64, block_size)
+  splits = C.cdiv(n, bps)
+  m_rows = C.rows_of(g, 1)
+  n_pad = C.next_pow2(n)
+  idx = jnp.pad(idx, ((0, 0), (0, 0), (0, n_pad - n)))
   meta = jnp.stack([cnt, jnp.broadcast_to(jnp.asarray(t, jnp.int32), cnt.shape)], axis=-1)
   q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
   kernel = functools.partial(
@@ -120,23 +172,30 @@ def select_decode(qg, k, v, block_idx, t, block_size, scale=None, *, blocks_per_
                                           lambda bb, kk, ss: (bb, kk) + (0,) * len(shape))
   per_split = lambda *shape: pl.BlockSpec((None, None, None, *shape),
                                           lambda bb, kk, ss: (bb, kk, ss) + (0,) * len(shape))
-  C.log_once(("decode", qg.shape, k.shape, v.shape, n, block_size, bps, bk, interpret),
-             "select_decode: qg=%s k=%s v=%s n=%d block=%d splits=%d block_k=%d interpret=%s",
-             qg.shape, k.shape, v.shape, n, block_size, splits, bk, interpret)
-  acc, m, l = pl.pallas_call(
+  out_specs = [per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)]
+  out_shape = [jax.ShapeDtypeStruct((b, kh, splits, m_rows, dv), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32)]
+  if want_logits:  # one block per split: programs never write the same output block
+    out_specs.append(per_split(m_rows, bps * block_size))
+    out_shape.append(jax.ShapeDtypeStruct((b, kh, splits, m_rows, bps * block_size), jnp.float32))
+  C.log_once(("decode", qg.shape, k.shape, v.shape, n, block_size, bps, bk, want_logits, interpret),
+             "decode attention: qg=%s k=%s v=%s blocks=%d block=%d splits=%d block_k=%d logits=%s "
+             "interpret=%s", qg.shape, k.shape, v.shape, n, block_size, splits, bk, want_logits,
+             interpret)
+  outs = pl.pallas_call(
       kernel,
       grid=(b, kh, splits),
       in_specs=[per_group(n_pad), per_group(2), per_group(m_rows, dk), per_group(s_len, dk),
                 per_group(s_len, dv)],
-      out_specs=[per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)],
-      out_shape=[jax.ShapeDtypeStruct((b, kh, splits, m_rows, dv), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name="nsa_select_decode",
+      name="nsa_decode_attention",
   )(idx, meta, q_rows, k, v)
-  return merge_splits(acc[:, :, :, :g], m[..., :g], l[..., :g], qg.dtype)
+  acc, m, l = outs[0][:, :, :, :g], outs[1][..., :g], outs[2][..., :g]
+  return acc, m, l, (outs[3] if want_logits else None)
 
 
 def merge_splits(acc, m, l, dtype):

@@ -23,14 +23,15 @@ def fresh_key(i=0):
   return jax.random.fold_in(jax.random.key(SEED), i)
 
 
-def tiny_model(attention="nsa", heads=4, kv_heads=2, n_layers=2, layer_attention=None, **nsa):
+def tiny_model(attention="nsa", heads=4, kv_heads=2, n_layers=2, layer_attention=None, head_dim=8,
+               **nsa):
   # l=8, d=4, l'=16, n=4 (1 initial + 2 local + 1 chosen), w=12: a 90-token run crosses 21
   # compression blocks, 6 selection blocks (so top-n really chooses) and wraps the window ring.
   head_dim_v = nsa.pop("head_dim_v", None)
   base = dict(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=4, window=12)
   base.update(nsa)
   cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=heads,
-                    n_kv_heads=kv_heads, head_dim=8, head_dim_v=head_dim_v,
+                    n_kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
                     ffn_dim=64, max_seq_len=128, attention=attention,
                     layer_attention=layer_attention, nsa=NSAConfig(**base))
   return TransformerLM(cfg, rngs=nnx.Rngs(params=SEED % 100_000))
@@ -160,3 +161,33 @@ def test_pallas_decode_kernel_interpret_matches_plain_jax(heads, kv_heads, dk, d
                                         interpret=True)
     assert_close(got_o, want_o, f"kernel o at t={t}", tol=1e-5)
     assert_close(got_lse, want_lse, f"kernel lse at t={t}", tol=1e-5)
+  # Contiguous prefix mode (compressed cache and window ring): slots 0..t, logits of the same pass.
+  k64, v64 = k[:, :, :128], v[:, :, :128]
+  for t in (-1, 0, 63, 100, 127):
+    want_o, want_lse = decode_math.attend(q, k64, v64, jnp.arange(128) <= t)
+    got_o, got_lse, logits = kern.prefix_decode(q, k64, v64, t, blocks_per_split=1,
+                                                return_logits=True, interpret=True)
+    assert_close(got_o, want_o, f"prefix o at t={t}", tol=1e-5)
+    if t < 0:
+      assert np.all(np.asarray(got_lse) == -np.inf)
+      continue
+    assert_close(got_lse, want_lse, f"prefix lse at t={t}", tol=1e-5)
+    want_logits = jnp.einsum("bkgd,bksd->bkgs", q, k64) * dk ** -0.5
+    assert_close(logits[..., :t + 1], want_logits[..., :t + 1], f"prefix logits at t={t}", tol=1e-5)
+
+
+def test_decode_with_pallas_kernels_interpret_equals_parallel():
+  """The whole decode step with all three split-K kernels (interpret mode) against the parallel
+  pass: 70 cached tokens, so the compressed cache (15 blocks) and the window ring are live."""
+  model = tiny_model(n_layers=1, heads=16, kv_heads=1, head_dim=16, window=64)
+  tokens = jax.random.randint(fresh_key(9), (1, 74), 0, VOCAB)
+  params, prefill_fn, _ = decode.jit_decode(model)
+  _, step_fn = params, jax.jit(lambda p, c, x: decode.decode_step(
+      nnx.merge(nnx.graphdef(model), p), c, x, check=False,
+      **decode.pallas_decode_kernels(interpret=True)))
+  logits, cache = prefill_fn(params, tokens[:, :70], 74)
+  out = [logits]
+  for i in range(70, 74):
+    step_logits, cache = step_fn(params, cache, tokens[:, i])
+    out.append(step_logits[:, None])
+  assert_close(jnp.concatenate(out, 1), parallel_logits(model, tokens), "pallas decode")
