@@ -301,15 +301,31 @@ def combine(outputs, gates, branches):
   return out
 
 
+def check_segment_ids(segment_ids):
+  """Segment ids must mark each document as one contiguous run (packed documents). Checked when the
+  ids are concrete; under jit they are trusted (a reused id would let its runs see each other)."""
+  if segment_ids is None or isinstance(segment_ids, jax.core.Tracer):
+    return
+  seg = np.asarray(segment_ids)
+  changes = seg[:, 1:] != seg[:, :-1]
+  runs = changes.sum(axis=1) + 1
+  distinct = np.array([len(np.unique(row)) for row in seg])
+  if np.any(runs != distinct):
+    row = int(np.argmax(runs != distinct))
+    raise ValueError(f"segment_ids row {row} reuses an id for two separate runs of tokens. Fix: give "
+                     "every packed document its own id (e.g. the cumulative count of document starts).")
+
+
 def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
                      segment_ids=None):
   """Shape checks shared by every NSA implementation; errors name the tensor and the fix."""
   if q.ndim != 4:
-    raise ValueError(f"q must be [batch, time, heads, head_dim], got shape {q.shape}")
+    raise ValueError(f"q must be [batch, time, heads, head_dim], got shape {q.shape}. Fix: reshape "
+                     "q to 4 dimensions (layout of jax.nn.dot_product_attention).")
   b, t, h, dk = q.shape
   if h != cfg.num_heads or dk != cfg.head_dim:
     raise ValueError(f"q has {h} heads of dim {dk} but the config says num_heads={cfg.num_heads}, "
-                     f"head_dim={cfg.head_dim}; reshape q or fix the config")
+                     f"head_dim={cfg.head_dim}. Fix: reshape q or set the config to match.")
   nc = cfg.num_cmp_blocks(t)
   want = {
       "k_cmp": (b, nc, cfg.num_kv_heads, dk), "v_cmp": (b, nc, cfg.num_kv_heads, cfg.dim_v),
@@ -321,9 +337,13 @@ def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NS
   for name, shape in want.items():
     if got[name] is not None and tuple(got[name].shape) != shape:
       raise ValueError(f"{name} has shape {tuple(got[name].shape)}, expected {shape} "
-                       f"(batch={b}, time={t}, cmp blocks={nc}, kv_heads={cfg.num_kv_heads})")
+                       f"(batch={b}, time={t}, cmp blocks={nc}, kv_heads={cfg.num_kv_heads}). Fix: "
+                       f"pass {name} in that shape (compressed tensors come from mlp_compress / "
+                       "mean_compress of the raw keys/values).")
   if segment_ids is not None and tuple(segment_ids.shape) != (b, t):
-    raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected {(b, t)}")
+    raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected {(b, t)}. Fix: "
+                     "give one id per token, [batch, time].")
+  check_segment_ids(segment_ids)
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,

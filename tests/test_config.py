@@ -141,6 +141,7 @@ def test_mismatched_shape_names_the_tensor(name, shape):
       fn(*nsa_inputs(**{name: shape}), CFG)
     msg = str(excinfo.value)
     assert re.match(rf"{name}\b", msg), f"message does not start with {name!r}: {msg}"
+    assert "Fix" in msg, f"message gives no fix: {msg}"
     if name != "q":  # the expected shape is the fix
       assert str(GOOD[name]) in msg, f"message does not give the expected shape: {msg}"
 
@@ -149,3 +150,12 @@ def test_mismatched_segment_ids_named():
   for bad in ((B, T + 1), (T,), (1, T)):
     with pytest.raises(ValueError, match=r"segment_ids.*expected"):
       reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=np.zeros(bad, np.int32))
+
+
+def test_reused_segment_id_is_rejected():
+  seg = np.zeros((B, T), np.int32)
+  seg[:, T // 3:] = 1
+  reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=seg)  # two contiguous documents: fine
+  seg[:, 2 * T // 3:] = 0  # document 0 again after document 1
+  with pytest.raises(ValueError, match=r"segment_ids.*reuses an id.*Fix"):
+    reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=seg)
