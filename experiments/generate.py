@@ -52,7 +52,11 @@ def load_checkpoint(workdir: str, step: int | None = None):
   the parameters of the newest (or the given) step."""
   import orbax.checkpoint as ocp
   from nsa_jax.training.checkpointing import Checkpointer, CheckpointError
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
+  path = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(path):  # Checkpointer would create it: a typo must not leave directories
+    raise CheckpointError(f"no checkpoint directory {path}. Fix: pass the --workdir that "
+                          "experiments.train wrote, or --config for an untrained model.")
+  ckpt = Checkpointer(path, async_save=False)
   step = ckpt.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f"no checkpoint in {ckpt.directory}. Fix: train first "
@@ -201,12 +205,13 @@ def main(argv=None):
     sys.stdout.write(utf8.decode(bytes(row)) if byte_level else " " + " ".join(map(str, row)))
     sys.stdout.flush()
 
+  kernels = choose_kernels(args.kernel)
   sys.stdout.write(args.prompt)
   start = time.perf_counter()
   try:
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, chunk=args.chunk,
-                   kernels=choose_kernels(args.kernel), on_tokens=stream)
+                   kernels=kernels, on_tokens=stream)
   except ValueError as e:
     print(f"\nerror: {e}", file=sys.stderr)
     return 1
