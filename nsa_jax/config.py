@@ -114,6 +114,11 @@ class NSAConfig:
             f"smaller than the {forced} forced blocks (num_init_blocks={self.num_init_blocks} + "
             f"num_local_blocks={self.num_local_blocks}), which are counted inside n",
             f"set num_selected >= {forced} or force fewer blocks")
+    if self.selector == "quest" and self.num_local_blocks < 1:
+      _fail("num_local_blocks", self.num_local_blocks,
+            "must be >= 1 with selector='quest': Quest's per-block key bounds include keys after t "
+            "in the query's own block, so that block must be forced rather than scored",
+            "set num_local_blocks >= 1 or use selector='nsa'")
     _check_choice("score_alignment", self.score_alignment, ALIGNMENTS)
     _check_choice("compression", self.compression, COMPRESSIONS)
     _check_choice("gating", self.gating, GATINGS)

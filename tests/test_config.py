@@ -159,3 +159,9 @@ def test_reused_segment_id_is_rejected():
   seg[:, 2 * T // 3:] = 0  # document 0 again after document 1
   with pytest.raises(ValueError, match=r"segment_ids.*reuses an id.*Fix"):
     reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=seg)
+
+
+def test_quest_needs_a_forced_current_block():
+  with pytest.raises(ValueError, match=r"num_local_blocks.*Fix"):
+    NSAConfig(selector="quest", num_local_blocks=0)
+  NSAConfig(selector="quest", num_local_blocks=1)
