@@ -63,6 +63,12 @@ def test_mismatched_model_is_named_and_left_alone(tmp_path):
   with pytest.raises(CheckpointError, match=r"d_model: checkpoint has 16, config has 32"):
     ckpt.restore(4, abstract_like(state, shardings(state)), other)
   assert ckpt.all_steps() == [4]
+  # Fields listed as resumable (how to compute, not what is learned) may differ.
+  window = {"model": {"d_model": 16, "nsa": {"window": 9, "branches": ["cmp", "slc", "win"]}}}
+  with pytest.raises(CheckpointError, match="nsa.window"):
+    ckpt.restore(4, abstract_like(state, shardings(state)), window)
+  restored, _ = ckpt.restore(4, abstract_like(state, shardings(state)), window, ignore=("nsa.window",))
+  np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
   ckpt.close()
 
 

@@ -22,13 +22,15 @@ class CheckpointError(RuntimeError):
   """A checkpoint in the work directory cannot be used; the message says which and why."""
 
 
-def _diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
-  """Human-readable differences between two JSON-like dicts."""
+def _diff(saved: dict, current: dict, prefix: str = "", ignore=()) -> list[str]:
+  """Human-readable differences between two JSON-like dicts (dotted paths in ignore skipped)."""
   out = []
   for key in sorted(set(saved) | set(current)):
+    if f"{prefix}{key}" in ignore:
+      continue
     a, b = saved.get(key, "<missing>"), current.get(key, "<missing>")
     if isinstance(a, dict) and isinstance(b, dict):
-      out += _diff(a, b, f"{prefix}{key}.")
+      out += _diff(a, b, f"{prefix}{key}.", ignore)
     elif a != b:
       out.append(f"{prefix}{key}: checkpoint has {a!r}, config has {b!r}")
   return out
@@ -72,14 +74,15 @@ class Checkpointer:
     except Exception as e:  # orbax raises many kinds; the user needs the path and the cause
       raise CheckpointError(self._broken(step, "its metadata", e)) from e
 
-  def restore(self, step: int, abstract_state, expected_meta: dict):
+  def restore(self, step: int, abstract_state, expected_meta: dict, ignore=()):
     """Checks meta against expected_meta, then restores (state, data_state) at step.
 
+    ignore: dotted model fields that may change on resume (how to compute, not what is learned).
     abstract_state: a tree of jax.ShapeDtypeStruct carrying the target NamedShardings, so every
     array is read directly into its shards.
     """
     meta = self.read_meta(step)
-    problems = _diff(meta.get("model", {}), _jsonable(expected_meta["model"]))
+    problems = _diff(meta.get("model", {}), _jsonable(expected_meta["model"]), ignore=ignore)
     if problems:
       raise CheckpointError(
           f"checkpoint {self.step_dir(step)} was written for a different model:\n  "

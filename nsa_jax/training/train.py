@@ -33,6 +33,12 @@ from nsa_jax.training.optim import make_optimizer
 log = logging.getLogger("nsa_jax.training")
 
 
+# Model fields that say how to compute, not what is learned: a run may resume with them changed
+# (e.g. turn on remat after an OOM, or switch the NSA implementation). Array shapes are still
+# checked by the restore itself.
+RESUMABLE_MODEL_FIELDS = ("remat", "dtype", "max_seq_len", "nsa.implementation", "nsa.query_chunk")
+
+
 class NonFiniteError(FloatingPointError):
   """Loss or gradient norm became NaN/Inf; the message names the step and the last good checkpoint."""
 
@@ -283,7 +289,7 @@ def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool):
                           "config.checkpoint.resume is False. Fix: use a fresh --workdir, or resume")
   if latest is None:
     return create_train_state(setup), 0
-  state, data_state = ckpt.restore(latest, setup.abstract_state, meta)
+  state, data_state = ckpt.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS)
   train_iter.restore(data_state)
   step = int(to_host(state["step"]))
   if step != latest or train_iter.step != latest:
@@ -315,7 +321,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   if is_main:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  header = dict(event="start", step=start, params=setup.num_params, mesh=dict(mesh.shape),
+  header = dict(event="start", time=round(time.time(), 3), step=start, params=setup.num_params, mesh=dict(mesh.shape),
                 devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
                 flops_per_token=flops_tok, attention=setup.model_cfg.attention_kinds)
   writer.note(header)
