@@ -32,13 +32,14 @@ _SAMPLES = None
 _SEED = None
 _BUCKET = None
 _BATCHES = None
+_VAL_SEED = None
 _OUT = None
 
 
 def define_flags():
   """Command-line flags; defined only when run as a script, so that importing this module
   (tests, other scripts) never defines absl flags twice."""
-  global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES, _OUT
+  global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES, _VAL_SEED, _OUT
   _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position"], "what to evaluate")
   _WORKDIRS = flags.DEFINE_list("workdirs", [], "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
   _LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
@@ -48,6 +49,8 @@ def define_flags():
   _SEED = flags.DEFINE_integer("seed", 1234, "needle: example seed (not a training seed)")
   _BUCKET = flags.DEFINE_integer("bucket", 64, "position: bucket width in tokens")
   _BATCHES = flags.DEFINE_integer("batches", 8, "position: validation batches")
+  _VAL_SEED = flags.DEFINE_integer("val_seed", -1, "position: data seed of the validation windows "
+                                   "(-1: each run's own; set it to compare runs on the same text)")
   _OUT = flags.DEFINE_string("out", None, "PNG path (a .json with the numbers is written beside it)")
 
 ANSWER_DIGITS = 5
@@ -221,6 +224,8 @@ def main(argv):
     curves = []
     for (workdir, _), label in zip(specs, labels):
       model, config, _ = load_model(workdir)
+      if _VAL_SEED.value >= 0:
+        config.data.seed = _VAL_SEED.value
       batches = val_batches(config, _BATCHES.value)
       per_pos = position_nll(jit_logits(model), batches)
       buckets = bucketize(per_pos, _BUCKET.value)
