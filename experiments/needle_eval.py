@@ -39,7 +39,8 @@ _OUT = None
 def define_flags():
   """Command-line flags; defined only when run as a script, so that importing this module
   (tests, other scripts) never defines absl flags twice."""
-  global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES, _VAL_SEED, _OUT
+  global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES
+  global _VAL_SEED, _OUT
   _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position"], "what to evaluate")
   _WORKDIRS = flags.DEFINE_list("workdirs", [], "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
   _LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
