@@ -135,7 +135,8 @@ def run_cli(*args):
 
 def test_config_typos_and_bad_values_are_clear_errors(tmp_path):
   typo = run_cli("--config=configs/tiny_cpu.py", "--config.model.n_layer=4", f"--workdir={tmp_path}")
-  assert typo.returncode != 0 and "n_layer" in typo.stderr, typo.stderr[-2000:]
+  assert typo.returncode == 2 and "Traceback" not in typo.stderr, typo.stderr[-2000:]
+  assert 'Did you mean "n_layers" instead of "n_layer"' in typo.stderr, typo.stderr[-2000:]
   bad = run_cli("--config=configs/tiny_cpu.py", "--config.model.n_kv_heads=3", f"--workdir={tmp_path}")
   assert bad.returncode == 1, bad.stderr[-2000:]
   assert "not divisible by n_kv_heads=3" in bad.stderr and "Fix:" in bad.stderr
