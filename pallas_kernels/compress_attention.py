@@ -30,6 +30,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import cdiv, dim_pieces, dot_pieces, next_pow2, store_rows
+from pallas_kernels._common import load_pieces as load_rows
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -57,29 +60,11 @@ class CmpTiling:
   bwd_num_stages: int = 2
 
 
-def next_pow2(x):
-  return 1 << max(0, int(x - 1).bit_length())
-
-
-def cdiv(a, b):
-  return -(-a // b)
-
-
 def tile_shape(g, rows):
   """(tokens per tile tq, padded heads gp, tile rows m = tq * gp) for G heads per KV group."""
   gp = next_pow2(g)
   tq = max(1, rows // gp)
   return tq, gp, max(16, tq * gp)
-
-
-def dim_pieces(d):
-  """Split a head dim into power-of-two (offset, size) pieces (Triton loads power-of-two tiles)."""
-  pieces, off = [], 0
-  while off < d:
-    size = 1 << ((d - off).bit_length() - 1)
-    pieces.append((off, size))
-    off += size
-  return tuple(pieces)
 
 
 def tile_rows(tile, kk, *, tq, g, gp, m, t, h):
@@ -101,27 +86,8 @@ def tile_rows(tile, kk, *, tq, g, gp, m, t, h):
   return pos, pos * h + kk * g + jnp.minimum(head, g - 1), valid
 
 
-def load_rows(ref, rows, pieces):
-  return [ref[rows, pl.ds(off, size)] for off, size in pieces]
-
-
 def load_block(ref, start, n, pieces):
   return [ref[pl.ds(start, n), pl.ds(off, size)] for off, size in pieces]
-
-
-def dot_pieces(a_pieces, b_pieces):
-  """sum_i a_i @ b_i^T (the contraction walked in power-of-two pieces), float32."""
-  acc = None
-  for a, b in zip(a_pieces, b_pieces):
-    d = plgpu.dot(a, b, trans_b=True)
-    acc = d if acc is None else acc + d
-  return acc
-
-
-def store_rows(ref, rows, off, val):
-  """ref[rows, off:off+size] = val with all-array indices (Triton and the interpreter accept it)."""
-  cols = off + lax.iota(jnp.int32, val.shape[1])
-  plgpu.store(ref.at[rows[:, None], cols[None, :]], val)
 
 
 def num_visible(pos, block, stride, nc):
