@@ -144,25 +144,32 @@ class Throughput:
 
 
 class Progress:
-  """tqdm bar with step, loss, tokens/s and MFU; silent off process 0 or when disabled."""
+  """tqdm bar with step, loss, tokens/s and MFU on process 0; without a bar (progress_bar=False,
+  e.g. batch jobs) the same numbers are printed as one line per log step."""
 
-  def __init__(self, total: int, initial: int, enabled: bool):
-    self._bar = None
-    if enabled:
+  def __init__(self, total: int, initial: int, enabled: bool, echo: bool = True):
+    self._bar, self._echo = None, echo
+    if enabled and echo:
       from tqdm.auto import tqdm
       self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                        smoothing=0.1)
 
-  def update(self, n: int, **postfix):
-    if self._bar is None:
-      return
-    self._bar.update(n)
-    if postfix:
-      self._bar.set_postfix({k: _fmt(k, v) for k, v in postfix.items()}, refresh=False)
+  def update(self, n: int = 1):
+    if self._bar is not None:
+      self._bar.update(n)
+
+  def log(self, step: int, **values):
+    shown = {k: _fmt(k, v) for k, v in values.items()}
+    if self._bar is not None:
+      self._bar.set_postfix(shown, refresh=False)
+    elif self._echo:
+      print(f"step {step}: " + "  ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
 
   def write(self, msg: str):
     if self._bar is not None:
       self._bar.write(msg)
+    elif self._echo:
+      print(msg, flush=True)
 
   def close(self):
     if self._bar is not None:

@@ -321,16 +321,17 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   if is_main:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  header = dict(event="start", time=round(time.time(), 3), step=start, params=setup.num_params, mesh=dict(mesh.shape),
-                devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
-                flops_per_token=flops_tok, attention=setup.model_cfg.attention_kinds)
+  header = dict(event="start", time=round(time.time(), 3), step=start, params=setup.num_params,
+                mesh=dict(mesh.shape), devices=jax.device_count(),
+                device_kind=jax.devices()[0].device_kind, flops_per_token=flops_tok,
+                attention=setup.model_cfg.attention_kinds)
   writer.note(header)
   log.info("run: %s", json.dumps(header))
 
   train_step = make_train_step(setup, config.optim.grad_accum_steps)
   eval_step = make_eval_step(setup)
   total = config.train.num_steps
-  bar = metrics_lib.Progress(total, start, enabled=is_main and config.train.progress_bar)
+  bar = metrics_lib.Progress(total, start, enabled=config.train.progress_bar, echo=is_main)
   last_saved = start if ckpt.latest_step() == start and start > 0 else None
   pending, last, val, stopped = None, {}, {}, None
 
@@ -356,7 +357,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
     if s % config.train.log_every == 0 or s == total:
       rates = speed.report() if s > start + 1 else {}
       writer.write(s, {**last, **rates}, prefix="train/")
-      bar.update(0, loss=last["loss"], **{k: v for k, v in rates.items() if k != "step_time_s"})
+      bar.log(s, loss=last["loss"], **{k: v for k, v in rates.items() if k != "step_time_s"})
     for hook in step_hooks:
       hook(s, last)
 
@@ -376,6 +377,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
           fetch()
           val = evaluate(eval_step, state, val_batches, setup)
           writer.write(s, val, prefix="val/")
+          speed.reset()  # evaluation time is not training throughput
           bar.write(f"step {s}: val loss {val['loss']:.4f}  ppl {val['perplexity']:.2f}"
                     f"  acc {val['accuracy']:.3f}")
         if stop_now:
