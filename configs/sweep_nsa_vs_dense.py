@@ -6,8 +6,9 @@ Runs (every run sees the same batches: same data seed, steps, batch and length):
                 adds two extra K/V projection pairs, phi_k/phi_v and the gate per layer.
   dense_pmatch  dense with ffn_dim widened so its parameter count matches nsa's (the difference
                 left is under one ffn step of 8 units; the table shows it).
-  nsa_seed1 / dense_seed1   the same two runs with another init and data seed: the spread
-                between seeds is the noise floor for reading every other table.
+  *_seed1, *_seed2   the same runs with other init and data seeds (the data seed also picks
+                the validation windows): the spread between seeds is the noise floor for
+                reading every other table.
 
 Run: python -m experiments.ablate --config=configs/sweep_nsa_vs_dense.py [--run=NAME]
 """
@@ -28,4 +29,10 @@ def get_runs():
       "dense_pmatch": {"model.attention": "dense", MATCH_PARAMS: "nsa"},
       "nsa_seed1": {"train.seed": 1, "data.seed": 1},
       "dense_seed1": {"model.attention": "dense", "train.seed": 1, "data.seed": 1},
+      "dense_pmatch_seed1": {"model.attention": "dense", MATCH_PARAMS: "nsa", "train.seed": 1,
+                             "data.seed": 1},
+      "nsa_seed2": {"train.seed": 2, "data.seed": 2},
+      "dense_seed2": {"model.attention": "dense", "train.seed": 2, "data.seed": 2},
+      "dense_pmatch_seed2": {"model.attention": "dense", MATCH_PARAMS: "nsa", "train.seed": 2,
+                             "data.seed": 2},
   }
