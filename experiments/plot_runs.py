@@ -14,7 +14,7 @@ def main(argv=None):
   parser.add_argument("workdirs", nargs="+", help="training work directories (with metrics.jsonl)")
   parser.add_argument("--out", default="loss_curves.png", help="PNG to write")
   parser.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
-  parser.add_argument("--smoothing", type=float, default=0.9, help="EMA factor for train loss")
+  parser.add_argument("--smoothing", type=float, default=0.9, help="train loss smoothing: a centered window over (1 - this) of the points")
   args = parser.parse_args(argv)
   labels = args.labels.split(",") if args.labels else None
   if labels and len(labels) != len(args.workdirs):

@@ -31,14 +31,14 @@ def series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
   return steps, vals
 
 
-def _ema(x: np.ndarray, alpha: float) -> np.ndarray:
-  # Short runs have few points: cap the smoothing so the curve does not lag far behind them.
-  alpha = max(0.0, min(alpha, 1.0 - 5.0 / max(len(x), 1)))
-  out, acc = np.empty_like(x, dtype=float), None
-  for i, v in enumerate(x):
-    acc = v if acc is None else alpha * acc + (1 - alpha) * v
-    out[i] = acc
-  return out
+def _smooth(x: np.ndarray, smoothing: float) -> np.ndarray:
+  """Centered moving average over a (1 - smoothing) share of the points: no lag, unlike an EMA."""
+  half = int(len(x) * (1.0 - smoothing) / 2)
+  if half < 1:
+    return np.asarray(x, float)
+  kernel = np.ones(2 * half + 1)
+  # Divide by the number of points actually under the window, so the ends are not pulled to 0.
+  return np.convolve(x, kernel, "same") / np.convolve(np.ones(len(x)), kernel, "same")
 
 
 def _label(workdir: str) -> str:
@@ -66,7 +66,7 @@ def plot_runs(workdirs: list[str], out: str, labels: list[str] | None = None,
     steps, loss = series(recs, "train/loss")
     if len(steps):
       ax_train.plot(steps, loss, color=color, alpha=0.25, lw=0.8)
-      ax_train.plot(steps, _ema(loss, smoothing), color=color, lw=1.6, label=label)
+      ax_train.plot(steps, _smooth(loss, smoothing), color=color, lw=1.6, label=label)
     steps, loss = series(recs, "val/loss")
     if len(steps):
       ax_val.plot(steps, loss, "o-", color=color, ms=3, label=label)
