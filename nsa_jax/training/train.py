@@ -368,7 +368,10 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
         fetch()
         pending = (s, m)
         bar.update(1)
-        stop_now = stop.agreed()
+        # Across processes the vote is a collective that waits for the device: hold it only at
+        # log steps, which sync the host anyway. One process checks its flag every step.
+        stop_now = stop.agreed() if (jax.process_count() == 1 or s % config.train.log_every == 0
+                                     or s == total) else False
         if s % config.checkpoint.every_steps == 0 or s == total or stop_now:
           fetch()  # never save a step whose metrics were not checked
           ckpt.save(s, state, train_iter.state(), {**meta, "step": s})
