@@ -64,18 +64,33 @@ def attention_keys_per_query(model_cfg, seq_len: int) -> list[float]:
   return out
 
 
-def train_flops_per_token(model_cfg, matmul_params: int, seq_len: int) -> float:
+def train_flops_per_token(model_cfg, matmul_params: float, seq_len: int) -> float:
   """6 * (matmul parameters) + attention scores and values, forward + backward (x3)."""
   per_key = 2 * model_cfg.n_heads * (model_cfg.head_dim + (model_cfg.head_dim_v or model_cfg.head_dim))
   attention = sum(per_key * k for k in attention_keys_per_query(model_cfg, seq_len))
   return 6.0 * matmul_params + 3.0 * attention
 
 
-def count_params(params, lookup_table_size: int = 0) -> tuple[int, int]:
-  """(all parameters, parameters used in matmuls: rank >= 2 minus the input lookup table)."""
-  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  mats = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params) if len(x.shape) >= 2)
-  return total, mats - lookup_table_size
+def count_params(params, model_cfg, lookup_table_size: int = 0) -> tuple[int, float]:
+  """(all parameters, matmul parameters applied per token).
+
+  Matmul parameters: rank >= 2, minus the input lookup table. NSA's compression MLPs (phi_k,
+  phi_v) run once per compressed block and KV head, i.e. n_kv_heads / cmp_stride times per
+  token; their intra-block position encoding ("pos") is added, not multiplied.
+  """
+  total, per_token = 0, -float(lookup_table_size)
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    size = int(np.prod(x.shape))
+    total += size
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if len(x.shape) < 2:
+      continue
+    if any(k.startswith("phi") for k in keys):
+      if keys[-1] != "pos":
+        per_token += size * model_cfg.n_kv_heads / model_cfg.nsa.cmp_stride
+    else:
+      per_token += size
+  return total, per_token
 
 
 class MetricsWriter:

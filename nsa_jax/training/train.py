@@ -89,7 +89,7 @@ class Setup:
   batch_shardings: dict
   init_fn: Callable[[], dict]
   num_params: int
-  matmul_params: int
+  matmul_params: float  # applied per token (see metrics.count_params)
 
 
 def default_model_factory(model_cfg, rngs):
@@ -129,7 +129,7 @@ def build_setup(config, mesh, model_factory=None) -> Setup:
   lookup = 0 if model_cfg.tie_embeddings else sum(
       int(np.prod(v.shape)) for v in jax.tree.leaves(abs_params, is_leaf=_is_var)
       if (v.get_metadata().get("out_sharding") or (None,))[0] == "vocab")
-  total, mats = metrics_lib.count_params(abstract["params"], lookup)
+  total, mats = metrics_lib.count_params(abstract["params"], model_cfg, lookup)
   bs = shd.batch_sharding(mesh)
   return Setup(mesh=mesh, model_cfg=model_cfg, graphdef=graphdef, tx=tx, schedule=schedule,
                state_shardings=state_sh, abstract_state=abstract_like(abstract, state_sh),
