@@ -127,6 +127,26 @@ def test_mismatched_checkpoint_is_refused_without_touching_it(full_run, tmp_path
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "6"]
 
 
+def test_flops_count_the_keys_each_attention_reads():
+  from nsa_jax.training import metrics
+  c = small_config()
+  c.model.attention = "dense"
+  dense = train.model_config_from(c.model)
+  assert metrics.attention_keys_per_query(dense, 128) == [64.5]  # causal: mean of 1..128
+  c.model.attention = "nsa"
+  c.model.nsa.branches = ("win",)
+  c.model.nsa.window = 128
+  assert metrics.attention_keys_per_query(train.model_config_from(c.model), 128) == [64.5]
+  c.model.nsa.branches = ("cmp", "slc", "win")
+  c.model.nsa.window = 32
+  nsa = train.model_config_from(c.model)  # l=16, d=8, l'=32, n=3
+  t = np.arange(1, 129)
+  expected = (np.maximum((t - 16) // 8 + 1, 0) + np.minimum(96, t) + np.minimum(32, t)).mean()
+  assert metrics.attention_keys_per_query(nsa, 128) == [pytest.approx(expected)]
+  per_key = 2 * 4 * (16 + 16)  # heads x (d_k + d_v), multiply-adds counted twice
+  assert metrics.train_flops_per_token(dense, 1000, 128) == pytest.approx(6000 + 3 * per_key * 64.5)
+
+
 def run_cli(*args):
   return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=120,
