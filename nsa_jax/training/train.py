@@ -364,7 +364,9 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   with _StopFlag() as stop, jax.set_mesh(mesh):
     try:
       for s in range(start + 1, total + 1):
-        state, m = train_step(state, to_global(next(train_iter), setup))
+        batch = to_global(next(train_iter), setup)
+        with jax.transfer_guard("disallow"):  # the step itself must not copy to or from the host
+          state, m = train_step(state, batch)
         fetch()
         pending = (s, m)
         bar.update(1)
