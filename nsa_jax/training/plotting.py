@@ -72,6 +72,9 @@ def plot_runs(workdirs: list[str], out: str, labels: list[str] | None = None,
       ax_val.plot(steps, loss, "o-", color=color, ms=3, label=label)
   ax_train.set(title="train loss (smoothed)", xlabel="step", ylabel="loss (nats/token)")
   ax_val.set(title="validation loss", xlabel="step")
+  if not ax_val.lines:  # e.g. runs stopped before their first validation
+    ax_val.text(0.5, 0.5, "no validation records yet", ha="center", va="center",
+                transform=ax_val.transAxes, color="gray")
   for ax in (ax_train, ax_val):
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
