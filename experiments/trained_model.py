@@ -12,7 +12,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -77,26 +76,8 @@ def load_model(workdir: str, max_seq_len: int | None = None):
 
 
 def forward_with_aux(model, tokens):
-  """TransformerLM forward that also returns, per layer, NSA's aux dict (None for dense layers).
-
-  Mirrors TransformerLM.__call__ / Block.__call__ (no segment ids, default positions); the hook we
-  would like instead is model(tokens, return_aux=True).
-  """
-  x = model.embed(tokens)
-  auxes = []
-  for block in model.blocks:
-    h = block.attn_norm(x)
-    if block.kind == "nsa":
-      y, aux = block.attn(h, return_aux=True)
-      aux = {k: v for k, v in aux.items() if k in ("block_idx", "gates")}
-    else:
-      y, aux = block.attn(h), None
-    x = x + y
-    x = x + block.mlp(block.mlp_norm(x))
-    auxes.append(aux)
-  logits = model.lm_head(model.final_norm(x)) if not model.cfg.tie_embeddings else \
-      model.embed.attend(model.final_norm(x))
-  return logits.astype(jnp.float32), auxes
+  """TransformerLM forward that also returns, per layer, NSA's aux dict (None for dense layers)."""
+  return model(tokens, return_aux=True)
 
 
 def jit_logits(model):

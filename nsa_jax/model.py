@@ -28,13 +28,26 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x, segment_ids=None, positions=None):
-    x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
-    return x + self.mlp(self.mlp_norm(x))
+  def __call__(self, x, segment_ids=None, positions=None, return_aux=False):
+    h = self.attn_norm(x)
+    aux = None
+    if return_aux and self.kind == "nsa":
+      y, aux = self.attn(h, segment_ids=segment_ids, positions=positions, return_aux=True)
+      aux = {"block_idx": aux["block_idx"], "gates": aux["gates"]} if "block_idx" in aux else \
+          {"gates": aux["gates"]}
+    else:
+      y = self.attn(h, segment_ids=segment_ids, positions=positions)
+    x = x + y
+    x = x + self.mlp(self.mlp_norm(x))
+    return (x, aux) if return_aux else x
 
 
 class TransformerLM(nnx.Module):
-  """tokens [B, T] int -> logits [B, T, vocab] float32."""
+  """tokens [B, T] int -> logits [B, T, vocab] float32.
+
+  With return_aux=True also returns one entry per layer: for NSA layers a dict with the selected
+  blocks "block_idx" [B, T, K, n] and the gates "gates" [B, T, H, 3]; None for dense layers.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     if not isinstance(cfg, ModelConfig):
@@ -51,15 +64,19 @@ class TransformerLM(nnx.Module):
         self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dt,
                               param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, tokens, segment_ids=None, positions=None):
+  def __call__(self, tokens, segment_ids=None, positions=None, return_aux=False):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")
     x = self.embed(tokens)
+    auxes = []
     for block in self.blocks:
-      if self.cfg.remat:
+      if return_aux:
+        x, aux = block(x, segment_ids, positions, return_aux=True)
+        auxes.append(aux)
+      elif self.cfg.remat:
         x = nnx.remat(lambda blk, y: blk(y, segment_ids, positions))(block, x)
       else:
         x = block(x, segment_ids, positions)
@@ -68,4 +85,5 @@ class TransformerLM(nnx.Module):
       logits = self.embed.attend(x)
     else:
       logits = self.lm_head(x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    return (logits, auxes) if return_aux else logits

@@ -140,8 +140,13 @@ def test_lm_mixed_layers_and_bf16():
   assert isinstance(model.blocks[0].attn, DenseAttention)
   assert isinstance(model.blocks[1].attn, NSAAttention)
   assert model.blocks[1].attn.q_proj.kernel[...].dtype == jnp.float32  # params stay float32
-  logits = model(jax.random.randint(fresh_key(9), (1, 40), 0, 64))
+  tokens = jax.random.randint(fresh_key(9), (1, 40), 0, 64)
+  logits = model(tokens)
   assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+  logits_aux, auxes = model(tokens, return_aux=True)
+  np.testing.assert_array_equal(np.asarray(logits_aux), np.asarray(logits))
+  assert auxes[0] is None  # dense layer
+  assert auxes[1]["block_idx"].shape == (1, 40, 2, 3) and auxes[1]["gates"].shape == (1, 40, 4, 3)
 
 
 def test_lm_rejects_too_long_input():
