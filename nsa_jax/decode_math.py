@@ -34,14 +34,8 @@ def attend(qg, k, v, mask, scale=None):
   scale = qg.shape[-1] ** -0.5 if scale is None else scale
   m = jnp.broadcast_to(mask, (k.shape[0], k.shape[1], k.shape[2]))[:, :, None, :]
   logits = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(m, logits, -jnp.inf)
-  mx = jnp.max(logits, axis=-1, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  e = jnp.where(m, jnp.exp(logits - mx), 0.0)
-  s = jnp.sum(e, axis=-1, keepdims=True)
-  s_safe = jnp.where(s > 0, s, 1.0)
-  lse = jnp.where(s > 0, jnp.log(s_safe) + mx, -jnp.inf)[..., 0]
-  o = jnp.einsum("bkgs,bksd->bkgd", (e / s_safe).astype(v.dtype), v,
+  p, lse = reference.masked_softmax(logits, m)
+  o = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v,
                  preferred_element_type=jnp.float32)
   return o.astype(qg.dtype), lse
 

@@ -43,18 +43,23 @@ def masked_attention(q, k, v, mask, scale=None):
   qg = q.reshape(b, t, kh, h // kh, dk)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
   m = jnp.broadcast_to(mask, (b, mask.shape[1], t, k.shape[1]))[:, :, None]
-  logits = jnp.where(m, logits, -jnp.inf)
-  mx = jnp.max(logits, axis=-1, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  e = jnp.where(m, jnp.exp(logits - mx), 0.0)
-  s = jnp.sum(e, axis=-1, keepdims=True)
-  s_safe = jnp.where(s > 0, s, 1.0)
-  p = e / s_safe
-  lse = jnp.where(s > 0, jnp.log(s_safe) + mx, -jnp.inf)[..., 0]  # [B, K, G, T]
+  p, lse = masked_softmax(logits, m)  # lse [B, K, G, T]
   o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   o = o.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
   lse = lse.transpose(0, 3, 1, 2).reshape(b, t, h)
   return o, lse
+
+
+def masked_softmax(logits, mask):
+  """Softmax over the last axis where `mask` allows, NaN-free: a row with nothing allowed gets p = 0
+  and lse = -inf, and finite gradients. Returns p (float32) and lse (float32, last axis dropped)."""
+  logits = jnp.where(mask, logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  e = jnp.where(mask, jnp.exp(logits - mx), 0.0)
+  s = jnp.sum(e, axis=-1, keepdims=True)
+  s_safe = jnp.where(s > 0, s, 1.0)
+  return e / s_safe, jnp.where(s > 0, jnp.log(s_safe) + mx, -jnp.inf)[..., 0]
 
 
 def _segments(segment_ids, b, t):

@@ -171,14 +171,8 @@ def _attend(logits, mask, v, out_dtype):
   logits [B, K, G, C, S] float32; mask broadcastable to it; v [B, K, C, S, Dv].
   Returns o [B, C, K, G, Dv] (out_dtype) and lse [B, K, G, C] float32.
   """
-  logits = jnp.where(mask, logits, -jnp.inf)
-  mx = jnp.max(logits, axis=-1, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  e = jnp.where(mask, jnp.exp(logits - mx), 0.0)
-  s = jnp.sum(e, axis=-1, keepdims=True)
-  s_safe = jnp.where(s > 0, s, 1.0)
-  lse = jnp.where(s > 0, jnp.log(s_safe) + mx, -jnp.inf)[..., 0]
-  p = (e / s_safe).astype(v.dtype)
+  p, lse = reference.masked_softmax(logits, mask)
+  p = p.astype(v.dtype)
   o = jnp.einsum("bkgcs,bkcsd->bckgd", p, v, preferred_element_type=jnp.float32)
   return o.astype(out_dtype), lse
 
