@@ -258,3 +258,16 @@ def atomic_add_rows(ref, rows, off, val):
   """Atomic ref[rows, off:off+size] += val (duplicate rows add up)."""
   cols = off + jax.lax.iota(jnp.int32, val.shape[1])
   plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val)
+
+
+def softmax_step(state, s, vs):
+  """One online-softmax step (shared by every kernel): fold base-2 logits s [m, bk] (-inf where
+  masked) and values vs into the state (running max, running sum, accumulators)."""
+  m_i, l_i, accs = state
+  m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked row so far: avoid inf - inf
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - m_use[:, None])
+  pv = p.astype(vs[0].dtype)
+  accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
+  return m_new, l_i * alpha + jnp.sum(p, axis=1), accs

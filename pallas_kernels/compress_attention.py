@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import cdiv, dim_pieces, dot_pieces, next_pow2, store_rows
+from pallas_kernels._common import (cdiv, dim_pieces, dot_pieces, next_pow2, softmax_step,
+                                    store_rows)
 from pallas_kernels._common import load_pieces as load_rows
 
 LOG2E = math.log2(math.e)
@@ -149,14 +150,7 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
     s = dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
     vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
     s = jnp.where(vis, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: avoid inf - inf
-    alpha = jnp.exp2(m_i - m_use)
-    p = jnp.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + jnp.sum(p, axis=1)
-    pv = p.astype(vs[0].dtype)
-    accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
-    return m_new, l_i, accs
+    return softmax_step((m_i, l_i, accs), s, vs)
 
   init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))

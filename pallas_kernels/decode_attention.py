@@ -57,14 +57,7 @@ def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_r
       s = s * LOG2E  # base-2 logits for exp2
       kpos = start + lax.iota(jnp.int32, bk)
       s = jnp.where((kpos <= t)[None, :], s, -jnp.inf)
-      m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: avoid inf - inf
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s - m_use[:, None])
-      l_i = l_i * alpha + jnp.sum(p, axis=1)
-      pv = p.astype(vs[0].dtype)
-      accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
-      m_i = m_new
+      m_i, l_i, accs = C.softmax_step((m_i, l_i, accs), s, vs)
     return m_i, l_i, accs
 
   init = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32),

@@ -37,18 +37,6 @@ def _init_state(m, dv_pieces):
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
 
 
-def _softmax_step(state, s, vs):
-  """Fold base-2 logits s [m, bk] (-inf where masked) and values vs into the state."""
-  m_i, l_i, accs = state
-  m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked row so far: avoid inf - inf
-  alpha = jnp.exp2(m_i - m_use)
-  p = jnp.exp2(s - m_use[:, None])
-  pv = p.astype(vs[0].dtype)
-  accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
-  return m_new, l_i * alpha + jnp.sum(p, axis=1), accs
-
-
 def _store_state(state, row, o_ref, lse_ref, dv_pieces):
   """o = acc / l and lse = log(l) + max (o = 0, lse = -inf where no key was visible)."""
   m_i, l_i, accs = state
@@ -83,7 +71,7 @@ def _fwd_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, o
     for kpos, ks, vs, seg_k in kv(ub_ref[u]):
       s = C.dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
       s = jnp.where(C.visible(rows_on, pos, kpos, seg_q, seg_k), s, -jnp.inf)
-      state = _softmax_step(state, s, vs)
+      state = C.softmax_step(state, s, vs)
     return state
 
   state = lax.fori_loop(0, cnt_ref[0], body, _init_state(m, dv_pieces))
@@ -107,7 +95,7 @@ def _fwd_shared_kernel(com_ref, ccnt_ref, priv_ref, pcnt_ref, seg_ref, q_ref, k_
     pos, _, qs, seg_q = tok
     s = C.dot_pieces(qs, ks) * (scale * LOG2E)
     s = jnp.where(C.visible(on, pos, kpos, seg_q, seg_k), s, -jnp.inf)
-    return _softmax_step(state, s, vs)
+    return C.softmax_step(state, s, vs)
 
   def common_body(u, states):  # one K/V load serves every token of the tile
     for kpos, ks, vs, seg_k in kv(com_ref[u]):
