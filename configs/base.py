@@ -97,6 +97,12 @@ def get_base_config() -> ConfigDict:
   c.train.progress_bar = True      # tqdm bar on process 0
   c.train.tensorboard = True       # TensorBoard event files in <workdir>/tb
   c.train.plot = True              # loss.png in the workdir at the end
+  c.train.stop_after = 0           # end this invocation after this step (0: num_steps); the LR
+                                   # schedule still spans num_steps, a rerun resumes from here
+  c.train.time_limit_minutes = 0.0  # stop cleanly (checkpoint + validation) after this much wall
+                                   # time in the loop; 0 = no limit. A rerun resumes.
+  c.train.hlo_report = False       # write <workdir>/collectives.json: the collectives (kind, shape,
+                                   # bytes, JAX op) of the compiled train step
 
   # --- checkpoints (nsa_jax/training/checkpointing.py) ----------------------------------------
   c.checkpoint = ConfigDict()

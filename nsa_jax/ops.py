@@ -11,15 +11,24 @@ Implementations:
                top-n indices carry no gradient; the selection kernel keeps its own residuals.
   "auto":      "pallas" on a GPU when the kernels support the shape, else "xla".
 Which one ran is logged once per shape (logger "nsa_jax"); on a GPU a fallback is a warning.
+
+Under a device mesh (`jax.set_mesh`, as the training loop does) both ops run inside `jax.shard_map`:
+batch rows split over the mesh's batch axes (data, fsdp) and KV groups (with their query heads) over
+the tensor axis, so every device runs the kernels on its own rows and heads and the op moves no data
+between devices (XLA cannot partition a Pallas custom call by itself: without this it would gather
+the inputs and compute the whole op on every device). A dimension the mesh does not divide stays
+whole on that axis (computed redundantly there), with a warning naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from nsa_jax import reference
 from nsa_jax.config import NSAConfig
@@ -147,12 +156,86 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   return o
 
 
+BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split batch rows (nsa_jax.training.sharding)
+HEAD_MESH_AXIS = "tensor"           # mesh axis that splits heads
+
+
+def mesh_layout(batch: int, kv_heads: int, what: str):
+  """(mesh, batch_axes, head_axis) for the mesh in context, or None when there is none to use.
+
+  batch_axes: the (data, fsdp) axes of size > 1 when they divide `batch`, else None; head_axis:
+  "tensor" when it has size > 1 and divides `kv_heads`, else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return None  # already inside shard_map (manual axes) or explicit sharding: leave it alone
+  bax = tuple(a for a in BATCH_MESH_AXES if sizes.get(a, 1) > 1)
+  nb = 1
+  for a in bax:
+    nb *= sizes[a]
+  if bax and batch % nb:
+    _log_once(logging.WARNING, f"{what}: batch {batch} is not divisible by mesh axes {bax} "
+              f"(size {nb}); rows stay whole and every device computes them all. Fix: make the "
+              "per-step batch a multiple of data*fsdp")
+    bax = ()
+  tp = sizes.get(HEAD_MESH_AXIS, 1)
+  hax = HEAD_MESH_AXIS if tp > 1 and kv_heads % tp == 0 else None
+  if tp > 1 and hax is None:
+    _log_once(logging.WARNING, f"{what}: {kv_heads} KV head(s) cannot be split over tensor={tp}; "
+              "attention runs whole on each tensor-parallel device (query heads gathered). Fix: "
+              "use n_kv_heads divisible by the tensor axis")
+  if not bax and hax is None:
+    return None
+  return mesh, (bax or None), hax
+
+
+def _sharded(fn, layout, n4d: int, has_seg: bool, what: str):
+  """fn(*n4d arrays [B, ., heads, .], seg?) run per device under shard_map."""
+  mesh, bax, hax = layout
+  spec4 = P(bax, None, hax, None)
+  in_specs = (spec4,) * n4d + ((P(bax, None),) if has_seg else ())
+  _log_once(logging.INFO, f"{what}: per-device under shard_map, batch over {bax}, heads over {hax}"
+            f" (mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))})")
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec4, check_vma=False)
+
+
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
                   segment_ids=None, scale=None, implementation=None, return_aux=False):
   """The whole NSA op. Shapes as in `nsa_jax.reference.nsa_attention`.
 
   implementation: None (use cfg.implementation), "auto", "pallas", "xla" or "reference".
+  Under a mesh in context it runs per device (module docstring); return_aux=True runs unsharded.
   """
+  with jax.named_scope("nsa_attention"):  # names the op in HLO metadata (collectives report)
+    return _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids,
+                          scale, implementation, return_aux)
+
+
+def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
+                   implementation, return_aux):
+  layout = None if return_aux else mesh_layout(q.shape[0], k_slc.shape[2], "NSA attention")
+  if layout is None:
+    return _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
+                      implementation, return_aux)
+  has_seg = segment_ids is not None
+  mesh, _, hax = layout
+  tp = dict(zip(mesh.axis_names, mesh.axis_sizes))[hax] if hax else 1
+  # Each device holds K/tp whole KV groups with their G query heads each.
+  local_cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // tp,
+                                  num_kv_heads=cfg.num_kv_heads // tp)
+
+  def local(*xs):
+    seg = xs[8] if has_seg else None
+    return _nsa_local(*xs[:8], local_cfg, seg, scale, implementation, False)
+
+  arrays = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates) + ((segment_ids,) if has_seg else ())
+  return _sharded(local, layout, 8, has_seg, "NSA attention")(*arrays)
+
+
+def _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
+               implementation, return_aux):
   impl = resolve_implementation(implementation or cfg.implementation, q, k_slc, v_slc, cfg)
   args = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg)
   if impl == "reference":
@@ -165,7 +248,23 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
 
 
 def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"):
-  """Dense causal attention: cuDNN on a GPU (bf16/fp16, d_k == d_v), XLA elsewhere."""
+  """Dense causal attention: cuDNN on a GPU (bf16/fp16, d_k == d_v), XLA elsewhere.
+
+  Under a mesh in context it runs per device, like nsa_attention."""
+  with jax.named_scope("dense_attention"):
+    layout = mesh_layout(q.shape[0], k.shape[2], "dense attention")
+    if layout is None:
+      return _dense_local(q, k, v, segment_ids, scale, implementation)
+    has_seg = segment_ids is not None
+
+    def local(q, k, v, *seg):
+      return _dense_local(q, k, v, seg[0] if has_seg else None, scale, implementation)
+
+    return _sharded(local, layout, 3, has_seg, "dense attention")(
+        q, k, v, *((segment_ids,) if has_seg else ()))
+
+
+def _dense_local(q, k, v, segment_ids, scale, implementation):
   if implementation == "auto":
     implementation = ("cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
                       and q.shape[-1] == v.shape[-1] else "xla")

@@ -107,6 +107,22 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_losses(full_run, tmp_p
   assert resumed == reference, f"seed {SEED}: resumed {resumed} vs uninterrupted {reference}"
 
 
+def test_stop_after_and_time_limit_end_cleanly_and_resume_exactly(full_run, tmp_path):
+  reference = train_losses(full_run[0])
+  workdir = str(tmp_path)
+  c = small_config()
+  c.train.stop_after = 3
+  first = train.train_and_evaluate(c, workdir)
+  assert first["stopped"] == "stop_after" and first["last_saved"] == 3 and first["step"] == 3
+  c = small_config()
+  c.train.time_limit_minutes = 1e-9  # ends after its first step, validated and saved
+  second = train.train_and_evaluate(c, workdir)
+  assert second["stopped"] == "time limit" and second["last_saved"] == 4 and second["val"]
+  third = train.train_and_evaluate(small_config(), workdir)
+  assert third["step"] == 6 and third["stopped"] is None
+  assert train_losses(workdir) == reference, f"seed {SEED}"
+
+
 def test_nan_guard_names_the_step_and_keeps_the_last_good_checkpoint(full_run, tmp_path):
   workdir = str(tmp_path / "run")
   subprocess.run(["cp", "-r", full_run[0], workdir], check=True)

@@ -260,6 +260,21 @@ class _StopFlag:
     return bool(multihost_utils.process_allgather(np.int32(self.requested)).max())
 
 
+def _compile_and_report(train_step, state, batch, workdir, seq_len, is_main):
+  """Compiles the step ahead of time and writes the collectives it contains (collectives.json)."""
+  from nsa_jax.training import hlo_report
+  compiled = train_step.lower(state, batch).compile()
+  records = hlo_report.collectives(compiled.as_text())
+  summary = hlo_report.summarize(records, seq_len)
+  if is_main:
+    with open(os.path.join(workdir, "collectives.json"), "w") as f:
+      json.dump({"summary": summary, "collectives": records}, f, indent=1)
+  log.info("compiled train step: %d collectives %s; %d with a sequence dimension; %d inside "
+           "attention", summary["total"], {k: v["count"] for k, v in summary["per_kind"].items()},
+           len(summary["with_sequence_dim"]), len(summary["in_attention_op"]))
+  return compiled
+
+
 def check_batch_layout(config, mesh, model_cfg):
   b, a = config.data.global_batch_size, config.optim.grad_accum_steps
   per_step = shd.batch_divisor(mesh) * a
@@ -331,6 +346,12 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   train_step = make_train_step(setup, config.optim.grad_accum_steps)
   eval_step = make_eval_step(setup)
   total = config.train.num_steps
+  # This invocation ends at `end` (stop_after) or at the time limit; the schedule spans `total`.
+  stop_after = int(config.train.stop_after)
+  if stop_after < 0:
+    raise ValueError(f"config.train.stop_after={stop_after}: expected 0 (run to num_steps) or a step")
+  end = min(total, stop_after) if stop_after else total
+  time_limit = float(config.train.time_limit_minutes) * 60.0
   bar = metrics_lib.Progress(total, start, enabled=config.train.progress_bar, echo=is_main)
   last_saved = start if ckpt.latest_step() == start and start > 0 else None
   pending, last, val, stopped = None, {}, {}, None
@@ -354,31 +375,37 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
     speed.tick()
     if s == start + 1:
       speed.reset()  # the first step includes compilation
-    if s % config.train.log_every == 0 or s == total:
+    if s % config.train.log_every == 0 or s == end:
       rates = speed.report() if s > start + 1 else {}
       writer.write(s, {**last, **rates}, prefix="train/")
       bar.log(s, loss=last["loss"], **{k: v for k, v in rates.items() if k != "step_time_s"})
     for hook in step_hooks:
       hook(s, last)
 
+  loop_start = time.time()
   with _StopFlag() as stop, jax.set_mesh(mesh):
     try:
-      for s in range(start + 1, total + 1):
+      for s in range(start + 1, end + 1):
         batch = to_global(next(train_iter), setup)
+        if s == start + 1 and config.train.hlo_report:
+          train_step = _compile_and_report(train_step, state, batch, workdir, seq, is_main)
         with jax.transfer_guard("disallow"):  # the step itself must not copy to or from the host
           state, m = train_step(state, batch)
         fetch()
         pending = (s, m)
         bar.update(1)
+        timed_out = bool(time_limit) and time.time() - loop_start > time_limit
+        stop.requested |= timed_out
         # Across processes the vote is a collective that waits for the device: hold it only at
         # log steps, which sync the host anyway. One process checks its flag every step.
         stop_now = stop.agreed() if (jax.process_count() == 1 or s % config.train.log_every == 0
-                                     or s == total) else False
-        if s % config.checkpoint.every_steps == 0 or s == total or stop_now:
+                                     or s == end) else False
+        if s % config.checkpoint.every_steps == 0 or s == end or stop_now:
           fetch()  # never save a step whose metrics were not checked
           ckpt.save(s, state, train_iter.state(), {**meta, "step": s})
           last_saved = s
-        if s % config.train.eval_every == 0 or s == total:
+        # A planned stop (time limit) is validated like the end; a SIGTERM exits at once.
+        if s % config.train.eval_every == 0 or s == end or (stop_now and timed_out):
           fetch()
           val = evaluate(eval_step, state, val_batches, setup)
           writer.write(s, val, prefix="val/")
@@ -386,9 +413,12 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
           bar.write(f"step {s}: val loss {val['loss']:.4f}  ppl {val['perplexity']:.2f}"
                     f"  acc {val['accuracy']:.3f}")
         if stop_now:
-          stopped = "SIGTERM"
-          bar.write(f"SIGTERM: saved step {s} to {ckpt.step_dir(s)}; exiting")
+          stopped = "time limit" if timed_out else "SIGTERM"
+          bar.write(f"{stopped}: saved step {s} to {ckpt.step_dir(s)}; exiting (rerun to resume)")
           break
+      else:
+        if end < total:
+          stopped = "stop_after"
       fetch()
     finally:
       bar.close()
