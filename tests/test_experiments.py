@@ -307,3 +307,33 @@ def test_plots_are_written(tmp_path):
   vis.plot([codes[None]], [np.full((48, 4, 3), 0.5)], str(tmp_path / "s.png"), "t")
   for name in ("n.png", "p.png", "s.png"):
     assert os.path.getsize(tmp_path / name) > 5_000
+
+
+def test_compare_runs_table_scaling_and_loss_agreement(tmp_path):
+  from experiments import compare_runs
+
+  def fake_run(name, devices, tok_s, losses, colls=None):
+    d = tmp_path / name
+    d.mkdir()
+    recs = [{"event": "start", "devices": devices, "mesh": {"data": devices, "fsdp": 1, "tensor": 1},
+             "device_kind": "fake", "params": 10, "attention": ["nsa"]}]
+    recs += [{"step": s, "train/loss": l, "train/tokens_per_s": tok_s, "train/step_time_s": 0.5}
+             for s, l in losses.items()]
+    recs += [{"step": max(losses), "val/loss": 2.0}, {"event": "end", "peak_memory_gb": 1.0}]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    if colls is not None:
+      (d / "collectives.json").write_text(json.dumps({"summary": colls}))
+    return f"{name}={d}"
+
+  one = fake_run("one", 1, 100.0, {10: 3.0, 20: 2.5})
+  colls = {"per_kind": {"all-reduce": {"count": 3, "bytes": 2 ** 20}}, "with_sequence_dim": [],
+           "in_attention_op": [], "total": 3}
+  two = fake_run("two", 2, 180.0, {10: 3.001, 20: 2.49, 30: 2.2}, colls)
+  compare_runs.main([one, two, "--baseline=one", f"--out_dir={tmp_path}", "--name=cmp"])
+  recs = {r["label"]: r for r in json.loads((tmp_path / "cmp.json").read_text())}
+  assert recs["two"]["scaling_efficiency"] == pytest.approx(0.9)
+  assert recs["two"]["max_abs_loss_diff_vs_baseline"] == pytest.approx(0.01)
+  assert recs["two"]["collectives_in_attention"] == 0 and recs["two"]["collective_mb"] == 1.0
+  assert "| two | 2 |" in (tmp_path / "cmp.md").read_text()
+  with pytest.raises(SystemExit, match="no run has that label"):
+    compare_runs.main([one, "--baseline=nope"])

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The project's GPU training runs, one phase per device call (each phase fits in 10 minutes).
+#
+#   bash scripts/h200_runs.sh PHASE [PHASE ...]      (repository root, on a machine with 2 H200s)
+#
+# pair     NSA vs dense at equal tokens (configs/sweep_nsa_vs_dense.py:gpu, ~100M parameters, 8k
+#          context, 300 steps of 8 x 8k tokens): `nsa` on GPU 0 while `dense` then `dense_pmatch`
+#          run on GPU 1; then validation loss by position and the selection picture.
+# layouts  the same NSA config stopped after 40 steps on 2 GPUs as data-parallel, FSDP and tensor-
+#          parallel meshes (each writes collectives.json), plus a 2-KV-group variant on 1 and 2
+#          GPUs (tensor-parallel that really splits the attention by KV group). Compare with
+#          `python -m experiments.compare_runs` against pair's `nsa` run (same schedule).
+# context  training throughput of NSA vs dense at 8k, 16k and 32k context (same tokens per step),
+#          20 steps each, NSA on GPU 0 and dense on GPU 1 at the same time.
+#
+# Work directories (1.2 GB checkpoints) stay under /tmp/h200; the small results (metrics.jsonl,
+# config.json, loss.png, collectives.json, logs, tables, pictures) are packed into $OUT/<phase>.tgz.
+# On the device tool: carry [".whl"] (ml-collections and tensorboardX wheels, see GPU.md).
+set -uo pipefail
+OUT=${OUT:-/tmp/h200_out}
+T=/tmp/h200
+R=$T/results
+mkdir -p "$R" "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+SWEEP=${SWEEP:-configs/sweep_nsa_vs_dense.py:gpu}  # the CPU scale (no suffix) for a smoke test
+
+keep() {  # keep <workdir> <name>: copy a run's small files into the results
+  mkdir -p "$R/$2"
+  for f in metrics.jsonl config.json loss.png collectives.json; do
+    [ -f "$1/$f" ] && cp "$1/$f" "$R/$2/"
+  done
+}
+
+pair() {
+  local a="--runs_root=$T/runs --out_dir=$R/nsa_vs_dense_gpu"
+  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.ablate --config=$SWEEP --run=nsa $a \
+    > "$R/pair_gpu0.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=$SWEEP --run=dense,dense_pmatch $a \
+    > "$R/pair_gpu1.log" 2>&1 &
+  wait
+  python3 -m experiments.ablate --config=$SWEEP --report_only $a >> "$R/pair_gpu0.log" 2>&1
+  local w="$R/nsa_vs_dense_gpu"
+  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=position \
+    --workdirs=$w:nsa,$w:dense,$w:dense_pmatch --bucket=1024 --batches=4 \
+    --out=$R/position_loss_gpu.png > "$R/position.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m experiments.visualize_selection --workdir=$w:nsa \
+    --out=$R/selection_gpu.png > "$R/selection.log" 2>&1 &
+  wait
+  for d in "$T"/runs/*/; do keep "$d" "pair_$(basename "$d")"; done
+}
+
+layout_run() {  # layout_run <name> <devices> <extra flags...>
+  local name=$1 dev=$2
+  shift 2
+  CUDA_VISIBLE_DEVICES=$dev timeout -s TERM 170 python3 -m experiments.train --config=$SWEEP \
+    --workdir=$T/layouts/$name --config.train.stop_after=40 --config.train.hlo_report=True "$@" \
+    > "$R/layout_$name.log" 2>&1
+  echo "layout $name: exit $?"
+  keep "$T/layouts/$name" "layout_$name"
+}
+
+layouts() {
+  layout_run dp2 0,1 --config.mesh.data=2
+  layout_run fsdp2 0,1 --config.mesh.data=1 --config.mesh.fsdp=2
+  layout_run tp2 0,1 --config.mesh.data=1 --config.mesh.tensor=2
+  layout_run kv2_1gpu 0 --config.model.n_kv_heads=2
+  layout_run kv2_tp2 0,1 --config.model.n_kv_heads=2 --config.mesh.data=1 --config.mesh.tensor=2
+}
+
+context_pair() {  # context_pair <seq_len> <batch>
+  local f="--config.data.seq_len=$1 --config.model.max_seq_len=$1 --config.data.global_batch_size=$2
+    --config.train.stop_after=20 --config.train.log_every=5 --config.train.eval_every=100000"
+  CUDA_VISIBLE_DEVICES=0 timeout -s TERM 200 python3 -m experiments.train --config=$SWEEP \
+    --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout -s TERM 200 python3 -m experiments.train --config=$SWEEP \
+    --workdir=$T/context/dense_$1 --config.model.attention=dense $f > "$R/context_dense_$1.log" 2>&1 &
+  wait
+  keep "$T/context/nsa_$1" "context_nsa_$1"
+  keep "$T/context/dense_$1" "context_dense_$1"
+}
+
+context() {
+  context_pair 8192 8
+  context_pair 16384 4
+  context_pair 32768 2
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%H:%M:%S)"
+  "$phase"
+  echo "=== $phase done $(date -u +%H:%M:%S)"
+  tar czf "$OUT/$phase.tgz" -C "$R" . && ls -la "$OUT/$phase.tgz"
+done
+tail -n 3 "$R"/*.log
