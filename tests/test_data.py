@@ -125,6 +125,30 @@ def test_retrieval_tasks_weight_the_answer_that_was_hidden(task):
     assert len(text) == 401
 
 
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_extra_questions_and_context_weight(task):
+  """num_questions=Q: Q answered questions, each after its fact; context_loss_weight on the rest."""
+  src = data.make_sources(data_cfg(source=task, num_questions=3, context_loss_weight=0.25))
+  assert src["train"].fingerprint["num_questions"] == 3
+  batch = iterator(src["train"], seq_len=400).batch(2)
+  for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"]):
+    text = bytes(np.append(inputs, targets[-1]).astype(np.uint8)).decode()
+    answers = bytes(targets[weights == 1.0].astype(np.uint8)).decode()
+    assert len(answers) == 15 and answers.isdigit() and text.endswith(answers[-5:])
+    assert set(weights.tolist()) == {0.25, 1.0}, f"seed {SEED}"
+    asked = text.split("? ")[1:]  # each question's answer: the 5 digits after "is " up to "?"
+    assert len(asked) == 3
+    for q, a in zip(asked, [answers[i:i + 5] for i in range(0, 15, 5)]):
+      assert q.split(" is ", 1)[1][:5] == a, f"answer {a} not the digits after question (seed {SEED})"
+      first_fact = text.index(a)  # the value first appears in its fact, before any question
+      assert first_fact < text.index("?") and text[first_fact - 3:first_fact] == "is "
+  # the defaults are the original task: no new fingerprint fields, answers only
+  plain = data.make_sources(data_cfg(source=task))["train"]
+  assert "num_questions" not in plain.fingerprint and "context_loss_weight" not in plain.fingerprint
+  with pytest.raises(ValueError, match="num_questions"):
+    iterator(data.make_sources(data_cfg(source=task, num_questions=9))["train"], seq_len=300).batch(0)
+
+
 def test_mqar_values_follow_their_keys():
   src = data.make_sources(data_cfg(source="mqar"))
   batch = iterator(src["val"], seq_len=128, split="val").batch(0)

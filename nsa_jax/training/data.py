@@ -6,7 +6,9 @@ Sources (config.data.source):
             No download; note that it differs between Python versions (the fingerprint says which).
   "text":   plain text file(s) by path (a file, a directory or a glob), byte-level.
   "tokens": a flat uint16/uint32 token file (np.memmap), held-out tail or a separate val_path.
-  "passkey" / "needle": retrieval of 1 / num_needles key-value facts hidden in filler text.
+  "passkey" / "needle": retrieval of 1 / num_needles key-value facts hidden in filler text
+            (optional num_questions: questions per sequence, default 1; optional
+            context_loss_weight: loss weight of the non-answer tokens, default 0).
   "mqar":   multi-query associative recall: key-value pairs, a long gap, then queried keys.
 Because a batch depends only on its step, the iterator state is just the next step (plus a
 fingerprint of the source), and a resumed run sees exactly the batches it would have seen.
@@ -148,35 +150,62 @@ class NeedleSource:
   """num_needles "key -> 5-digit value" facts in filler text; the last one is asked for at the end.
 
   Only the answer digits carry loss weight: the task is retrieval, the filler is noise.
+  num_questions > 1 asks num_questions - 1 more questions at random places after the facts (each
+  about a random fact; passkey: the one key), so each sequence carries 5 * num_questions scored
+  digits instead of 5. The default 1 is the original task, byte for byte.
+  context_weight > 0 also puts that loss weight on every other target (filler, facts, questions):
+  a language-model signal besides the answers. The default 0 scores the answers only.
   """
 
-  def __init__(self, num_needles: int, fingerprint: dict):
+  def __init__(self, num_needles: int, fingerprint: dict, num_questions: int = 1,
+               context_weight: float = 0.0):
+    if num_questions < 1:
+      raise ValueError(f"config.data.num_questions={num_questions}: must be >= 1")
+    if context_weight < 0:
+      raise ValueError(f"config.data.context_loss_weight={context_weight}: must be >= 0")
     self.num_needles = num_needles
+    self.num_questions = num_questions
+    self.context_weight = context_weight
     self.fingerprint = fingerprint
+
+  def _question(self, keys, vals, q):
+    if self.num_needles == 1:
+      return f" What is the pass key? The pass key is {vals[0]}".encode()
+    return f" What is the value of key {keys[q]}? It is {vals[q]}".encode()
 
   def row(self, rng: np.random.Generator, length: int):
     keys = ["".join(chr(c) for c in rng.integers(97, 123, 4)) for _ in range(self.num_needles)]
     vals = [f"{int(v):05d}" for v in rng.integers(0, 100000, self.num_needles)]
     if self.num_needles == 1:
       facts = [f"The pass key is {vals[0]}. Remember it. ".encode()]
-      question = f" What is the pass key? The pass key is {vals[0]}".encode()
+      q = 0
     else:
       facts = [f"The value of key {k} is {v}. ".encode() for k, v in zip(keys, vals)]
       q = int(rng.integers(0, self.num_needles))
-      question = f" What is the value of key {keys[q]}? It is {vals[q]}".encode()
-    room = length - len(question) - sum(map(len, facts))
+    question = self._question(keys, vals, q)
+    extra = self.num_questions - 1
+    # Every question of a passkey row has the same length; a needle row's differ only by key name,
+    # which has a fixed length too, so the room is known before the extra questions are drawn.
+    room = length - len(question) * (1 + extra) - sum(map(len, facts))
     if room < 0:
-      raise ValueError(f"seq_len too short for {self.num_needles} needle(s): need at least "
-                       f"{length - room} tokens. Fix: raise config.data.seq_len")
+      raise ValueError(f"seq_len too short for {self.num_needles} needle(s) and "
+                       f"{self.num_questions} question(s): need at least {length - room} tokens. "
+                       "Fix: raise config.data.seq_len or lower config.data.num_questions")
     filler = b"".join(_FILLER[i] for i in rng.integers(0, len(_FILLER), room // 10 + 1))[:room]
-    cuts = np.sort(rng.integers(0, room + 1, len(facts)))
-    parts, prev = [], 0
-    for cut, fact in zip(cuts, facts):
-      parts += [filler[prev:cut], fact]
+    cuts = np.sort(rng.integers(0, room + 1, len(facts) + extra))
+    # The facts take the earliest cuts, so every question comes after all the facts.
+    inserts = facts + [self._question(keys, vals, int(i))
+                       for i in rng.integers(0, self.num_needles, extra)]
+    parts, prev, ends = [], 0, []
+    for cut, piece in zip(cuts, inserts):
+      parts += [filler[prev:cut], piece]
       prev = cut
+      ends.append(sum(map(len, parts)))
     seq = np.frombuffer(b"".join(parts) + filler[prev:] + question, np.uint8).astype(np.int32)
-    weights = np.zeros(length - 1, np.float32)
+    weights = np.full(length - 1, self.context_weight, np.float32)
     weights[-5:] = 1.0  # targets = seq[1:]: the 5 answer digits are the last 5 targets
+    for end in ends[len(facts):]:  # an extra question's digits end at byte `end` (exclusive)
+      weights[end - 6:end - 1] = 1.0  # target j predicts byte j + 1
     return seq, weights
 
 
@@ -215,7 +244,16 @@ def make_sources(cfg) -> dict:
     raise ValueError(f"config.data.source={cfg.source!r}: unknown. Fix: use one of {SOURCES}")
   if cfg.source in ("passkey", "needle"):
     n = 1 if cfg.source == "passkey" else cfg.num_needles
-    return {s: NeedleSource(n, dict(source=cfg.source, num_needles=n)) for s in SPLITS}
+    # Optional fields (older configs lack them); at their defaults the fingerprint, and so the
+    # checkpoints it guards, stay as they were.
+    nq = int(cfg.get("num_questions", 1))
+    cw = float(cfg.get("context_loss_weight", 0.0))
+    fp = dict(source=cfg.source, num_needles=n)
+    if nq != 1:
+      fp["num_questions"] = nq
+    if cw:
+      fp["context_loss_weight"] = cw
+    return {s: NeedleSource(n, fp, nq, cw) for s in SPLITS}
   if cfg.source == "mqar":
     fp = dict(source="mqar", num_kv_pairs=cfg.num_kv_pairs, num_queries=cfg.num_queries)
     return {s: MQARSource(cfg.num_kv_pairs, cfg.num_queries, fp) for s in SPLITS}
