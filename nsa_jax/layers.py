@@ -40,6 +40,30 @@ def sharding_scope():
   return contextlib.nullcontext()
 
 
+BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split batch rows (nsa_jax.training.sharding)
+
+
+def constrain_rows(x):
+  """Pins an activation [B, ...] to rows split over the mesh's (data, fsdp) axes, the rest whole.
+
+  A no-op without a mesh in context. Without it XLA's propagation may follow the FSDP-sharded
+  weights and split the residual stream along d_model, which costs all-to-alls of [B, T, ...]
+  activations in every layer; with it FSDP only all-gathers weights and reduce-scatters gradients,
+  and tensor parallelism keeps the residual stream whole (Megatron style)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return x
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  axes = tuple(a for a in BATCH_MESH_AXES if a in sizes)
+  n = 1
+  for a in axes:
+    n *= sizes[a]
+  if x.shape[0] % n:
+    return x
+  spec = jax.sharding.PartitionSpec(axes or None, *([None] * (x.ndim - 1)))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
 def linear(d_in, d_out, names, *, dtype, param_dtype, rngs, use_bias=False, init=None):
   init = init or nnx.initializers.lecun_normal()
   return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,

@@ -8,7 +8,8 @@ from flax import nnx
 
 from nsa_jax.attention import DenseAttention, NSAAttention
 from nsa_jax.config import ModelConfig
-from nsa_jax.layers import RMSNorm, SwiGLU, annotated, dtype_of, linear, sharding_scope
+from nsa_jax.layers import (RMSNorm, SwiGLU, annotated, constrain_rows, dtype_of, linear,
+                            sharding_scope)
 
 
 class Block(nnx.Module):
@@ -37,8 +38,8 @@ class Block(nnx.Module):
           {"gates": aux["gates"]}
     else:
       y = self.attn(h, segment_ids=segment_ids, positions=positions)
-    x = x + y
-    x = x + self.mlp(self.mlp_norm(x))
+    x = constrain_rows(x + y)
+    x = constrain_rows(x + self.mlp(self.mlp_norm(x)))
     return (x, aux) if return_aux else x
 
 
@@ -70,7 +71,7 @@ class TransformerLM(nnx.Module):
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")
-    x = self.embed(tokens)
+    x = constrain_rows(self.embed(tokens))
     auxes = []
     for block in self.blocks:
       if return_aux:

@@ -171,23 +171,26 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
     return None  # already inside shard_map (manual axes) or explicit sharding: leave it alone
-  bax = tuple(a for a in BATCH_MESH_AXES if sizes.get(a, 1) > 1)
+  # Size-1 axes are named too: an axis a spec leaves out is one the backward pass sums over
+  # (a psum, an all-reduce in the HLO, even over one device).
+  bax = tuple(a for a in BATCH_MESH_AXES if a in sizes)
   nb = 1
   for a in bax:
     nb *= sizes[a]
-  if bax and batch % nb:
+  if batch % nb:
     _log_once(logging.WARNING, f"{what}: batch {batch} is not divisible by mesh axes {bax} "
               f"(size {nb}); rows stay whole and every device computes them all. Fix: make the "
               "per-step batch a multiple of data*fsdp")
-    bax = ()
+    bax = tuple(a for a in bax if sizes[a] == 1)
   tp = sizes.get(HEAD_MESH_AXIS, 1)
-  hax = HEAD_MESH_AXIS if tp > 1 and kv_heads % tp == 0 else None
+  hax = HEAD_MESH_AXIS if HEAD_MESH_AXIS in sizes and kv_heads % tp == 0 else None
   if tp > 1 and hax is None:
     _log_once(logging.WARNING, f"{what}: {kv_heads} KV head(s) cannot be split over tensor={tp}; "
               "attention runs whole on each tensor-parallel device (query heads gathered). Fix: "
               "use n_kv_heads divisible by the tensor axis")
-  if not bax and hax is None:
-    return None
+  # Even with nothing to split the op runs under shard_map: whole on every device, its inputs
+  # gathered once at the boundary, instead of XLA partitioning (or refusing to partition) the
+  # kernels' custom calls.
   return mesh, (bax or None), hax
 
 

@@ -63,12 +63,12 @@ layout_run() {  # layout_run <name> <devices> <extra flags...>
   keep "$T/layouts/$name" "layout_$name"
 }
 
-layouts() {
-  layout_run dp2 0,1 --config.mesh.data=2
+layouts() {  # each run takes ~2.5 min (start, ~50 s compile, 40 steps, eval, checkpoint)
   layout_run fsdp2 0,1 --config.mesh.data=1 --config.mesh.fsdp=2
-  layout_run tp2 0,1 --config.mesh.data=1 --config.mesh.tensor=2
-  layout_run kv2_1gpu 0 --config.model.n_kv_heads=2
   layout_run kv2_tp2 0,1 --config.model.n_kv_heads=2 --config.mesh.data=1 --config.mesh.tensor=2
+  layout_run tp2 0,1 --config.mesh.data=1 --config.mesh.tensor=2
+  layout_run dp2 0,1 --config.mesh.data=2
+  layout_run kv2_1gpu 0 --config.model.n_kv_heads=2
 }
 
 context_pair() {  # context_pair <seq_len> <batch>
@@ -90,10 +90,14 @@ context() {
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
+# A device call is killed at its limit with nothing packed: pack what exists before that.
+( sleep "${PACK_AT:-540}"; tar czf "$OUT/partial.tgz" -C "$R" . ) &
+WATCHDOG=$!
 for phase in "$@"; do
   echo "=== $phase $(date -u +%H:%M:%S)"
   "$phase"
   echo "=== $phase done $(date -u +%H:%M:%S)"
   tar czf "$OUT/$phase.tgz" -C "$R" . && ls -la "$OUT/$phase.tgz"
 done
+kill $WATCHDOG 2>/dev/null
 tail -n 3 "$R"/*.log

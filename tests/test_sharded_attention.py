@@ -48,8 +48,10 @@ def _run(seed: int):
   assert jax.device_count() == 8, jax.devices()
   warnings = []
   handler = logging.Handler()
-  handler.emit = lambda r: warnings.append(r.getMessage()) if r.levelno >= logging.WARNING else None
+  infos = []
+  handler.emit = lambda r: (warnings if r.levelno >= logging.WARNING else infos).append(r.getMessage())
   logging.getLogger("nsa_jax").addHandler(handler)
+  logging.getLogger("nsa_jax").setLevel(logging.INFO)
 
   b, t, h, k, dk, dv = 4, 160, 8, 4, 32, 16  # T not a multiple of l'; d_k != d_v
   base = dict(num_heads=h, num_kv_heads=k, head_dim=dk, head_dim_v=dv, cmp_block=16, cmp_stride=8,
@@ -112,6 +114,7 @@ def _run(seed: int):
     got = jax.jit(lambda *x: ops.nsa_attention(*x, cfg))(*arrays)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
   assert any("cannot be split over tensor=8" in w and "Fix:" in w for w in warnings), warnings
+  assert any("heads over None (mesh {'data': 1, 'fsdp': 1, 'tensor': 8})" in m for m in infos), infos
   # The collectives report (training's config.train.hlo_report) sees data moved into the op: inputs
   # split over the sequence must be resharded at the op's boundary, and are reported as such.
   from nsa_jax.training import hlo_report
