@@ -48,9 +48,14 @@ def _median(values):
   return statistics.median(values) if values else None
 
 
-def summarize(label: str, run: dict, workdir: str) -> dict:
+def _last_val(val: dict, max_step: int):
+  steps = [s for s in val if not max_step or s <= max_step]
+  return val[max(steps)]["val/loss"] if steps else None
+
+
+def summarize(label: str, run: dict, workdir: str, max_step: int = 0) -> dict:
   tr = run["train"]
-  steps = sorted(tr)
+  steps = sorted(s for s in tr if not max_step or s <= max_step)
   rec = dict(label=label, workdir=workdir, devices=run["start"].get("devices"),
              mesh=run["start"].get("mesh"), device_kind=run["start"].get("device_kind"),
              params=run["start"].get("params"), attention=sorted(set(run["start"].get("attention", []))),
@@ -59,7 +64,7 @@ def summarize(label: str, run: dict, workdir: str) -> dict:
              tokens_per_s=_median(tr[s].get("train/tokens_per_s") for s in steps),
              mfu=_median(tr[s].get("train/mfu") for s in steps),
              train_loss=tr[steps[-1]]["train/loss"],
-             val_loss=run["val"][max(run["val"])]["val/loss"] if run["val"] else None,
+             val_loss=_last_val(run["val"], max_step),
              peak_memory_gb=run["end"].get("peak_memory_gb"),
              losses={s: tr[s]["train/loss"] for s in steps})
   if rec["tokens_per_s"] and rec["devices"]:
@@ -125,13 +130,16 @@ def main(argv=None):
   p.add_argument("--out_dir", default=None, help="where to write <name>.json and <name>.md")
   p.add_argument("--name", default="runs_comparison")
   p.add_argument("--note", default="", help="a sentence for the Markdown preamble")
+  p.add_argument("--max_step", type=int, default=0,
+                 help="use only train windows up to this step (e.g. a long baseline cut to the "
+                      "length of short layout runs); 0 = all")
   args = p.parse_args(argv)
   records = []
   for item in args.runs:
     label, sep, workdir = item.partition("=")
     if not sep or not label or not workdir:
       p.error(f"{item!r}: expected label=workdir")
-    records.append(summarize(label, read_run(workdir), workdir))
+    records.append(summarize(label, read_run(workdir), workdir, args.max_step))
   compare(records, args.baseline)
   table = markdown(records)
   print(table)
