@@ -355,10 +355,11 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   bar = metrics_lib.Progress(total, start, enabled=config.train.progress_bar, echo=is_main)
   last_saved = start if ckpt.latest_step() == start and start > 0 else None
   pending, last, val, stopped = None, {}, {}, None
+  log_now = False  # a stop logs its last step even off the log_every grid
 
   def fetch():
     """Host-side handling of the previous step's metrics: NaN guard, logs, hooks."""
-    nonlocal pending, last
+    nonlocal pending, last, log_now
     if pending is None:
       return
     s, m = pending
@@ -375,7 +376,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
     speed.tick()
     if s == start + 1:
       speed.reset()  # the first step includes compilation
-    if s % config.train.log_every == 0 or s == end:
+    if s % config.train.log_every == 0 or s == end or log_now:
       rates = speed.report() if s > start + 1 else {}
       writer.write(s, {**last, **rates}, prefix="train/")
       bar.log(s, loss=last["loss"], **{k: v for k, v in rates.items() if k != "step_time_s"})
@@ -401,6 +402,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
         stop_now = stop.agreed() if (jax.process_count() == 1 or s % config.train.log_every == 0
                                      or s == end) else False
         if s % config.checkpoint.every_steps == 0 or s == end or stop_now:
+          log_now = stop_now
           fetch()  # never save a step whose metrics were not checked
           ckpt.save(s, state, train_iter.state(), {**meta, "step": s})
           last_saved = s
