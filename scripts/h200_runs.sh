@@ -10,6 +10,8 @@
 #          parallel meshes (each writes collectives.json), plus a 2-KV-group variant on 1 and 2
 #          GPUs (tensor-parallel that really splits the attention by KV group). Compare with
 #          `python -m experiments.compare_runs` against pair's `nsa` run (same schedule).
+# branches, design, blocks
+#          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
 # context  training throughput of NSA vs dense at 8k, 16k and 32k context (same tokens per step),
 #          20 steps each, NSA on GPU 0 and dense on GPU 1 at the same time.
 #
@@ -88,6 +90,21 @@ context() {
   context_pair 16384 4
   context_pair 32768 2
 }
+
+sweep_pair() {  # sweep_pair <sweep> <runs on GPU 0> <runs on GPU 1>: two runs each fit one call
+  local a="--runs_root=$T/runs --out_dir=$R/${1}_gpu --reuse_from=docs/results/nsa_vs_dense_gpu.jsonl"
+  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --run=$2 $a \
+    > "$R/${1}_gpu0.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --run=$3 $a \
+    > "$R/${1}_gpu1.log" 2>&1 &
+  wait
+  python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --report_only $a >> "$R/${1}_gpu0.log" 2>&1
+}
+
+# Paper ablations at GPU scale (each ~8 min on 2 GPUs; nsa itself is reused from pair's record).
+branches() { sweep_pair branches no_cmp,no_slc no_win; }
+design() { sweep_pair design shared_kv,gate_sum quest,mean_phi; }
+blocks() { sweep_pair blocks finer,coarser n_forced_only,n_x2; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
 # A device call is killed at its limit with nothing packed: pack what exists before that.
