@@ -1,12 +1,20 @@
 """Sweep: NSA and dense trained on synthetic passkey retrieval, for experiments/needle_eval.py.
 
-Training data: nsa_jax.training.data's "passkey" source (one 5-digit key hidden at a uniformly
-random place in filler text, asked for at the end; loss only on the 5 answer digits), 256 tokens,
-so the key is usually outside NSA's 64-token window and must be found by compression/selection.
-needle_eval then tests lengths 128..512 (up to 2x the trained length) and depths 0..100%.
+Training data: nsa_jax.training.data's "passkey" source: a 5-digit key hidden at a random place
+in filler text ("The pass key is 12345. Remember it."), asked for at the end ("... The pass key
+is 12345"). The plain task (one question, loss on its 5 digits only) taught the tiny models
+nothing in 1M tokens (docs/results/passkey_recipe.md). What makes it learnable fast, measured:
+  - data.num_questions > 1: the key is asked for again at random places after the fact, so a
+    sequence carries 5 x num_questions scored digits; the last question stays at the end;
+  - data.context_loss_weight 0.1: a small language-model loss on every other token, which makes
+    the first layer learn to look at the previous tokens (the other half of an induction circuit);
+  - model.n_kv_heads 4 (CPU scale): 4 query heads with their own K/V instead of one shared 16-dim
+    K/V, so the copy circuit is not squeezed through one head's keys and values.
+The spacing is chosen so that most answers must come from beyond NSA's window (w = 64 on the CPU,
+512 on the GPU): the answer then has to be fetched by compression + selection.
 
 Run: python -m experiments.ablate --config=configs/sweep_needle.py[:gpu] [--run=NAME]
-Then: python -m experiments.needle_eval --workdirs=<the two workdirs from results.jsonl>
+Then: python -m experiments.needle_eval --workdirs=<sweep out dir>:nsa_passkey,<...>:dense_passkey
 """
 
 from configs.sweep_base import sweep_base_config
@@ -17,17 +25,39 @@ REFERENCE = "nsa_passkey"
 def get_config(scale=None):
   c = sweep_base_config(scale)
   c.data.source = "passkey"
-  if scale == "gpu":                # keep the 8k context; allow evaluation up to 16k
-    c.model.max_seq_len = 2 * c.data.seq_len
-    return c
-  c.data.seq_len = 256
-  c.data.global_batch_size = 8     # 2k tokens, but only 40 answer digits carry loss per step
+  c.data.num_questions = 3         # 15 scored digits per sequence (see the module docstring)
+  c.data.context_loss_weight = 0.1  # small LM loss on the filler: builds previous-token heads
+  if scale == "gpu":
+    return _gpu(c)
+  c.model.n_kv_heads = 4           # one K/V per query head (NSA selects per KV group)
+  c.data.seq_len = 256             # most keys sit > 64 tokens (NSA's window) before their question
+  c.data.global_batch_size = 8     # 2k tokens per step
   c.model.max_seq_len = 1024       # RoPE is computed on the fly: room to test 4x the length
-  c.train.num_steps = 500          # 1M tokens; only 40 answer digits per step carry loss
+  c.train.num_steps = 800          # 1.6M tokens
   c.train.eval_every = 100
   c.train.eval_batches = 4
   c.optim.warmup_steps = 30
   c.checkpoint.every_steps = 100
+  return c
+
+
+def _gpu(c):
+  """A small model (4 x 512, ~20M parameters) at 4k: trains in a few minutes on one H200."""
+  c.model.d_model = 512
+  c.model.n_layers = 4
+  c.model.n_heads = 16             # 16 query heads in one KV group, head_dim 64 (as small_gpu_nsa)
+  c.model.ffn_dim = 2048
+  c.data.seq_len = 4096            # 8 windows of w = 512 (the CPU scale: 4 windows of 64)
+  c.data.num_questions = 5         # ~half the answers lie beyond the window, as at the CPU scale
+  c.data.global_batch_size = 16    # 64k tokens per step
+  c.model.max_seq_len = 4 * c.data.seq_len  # evaluate up to 16k
+  c.optim.learning_rate = 2e-3
+  c.optim.warmup_steps = 50
+  c.train.num_steps = 800          # 52M tokens
+  c.train.log_every = 10
+  c.train.eval_every = 200
+  c.train.eval_batches = 2
+  c.checkpoint.every_steps = 200   # small checkpoints (~0.25 GB); also saved on SIGTERM
   return c
 
 
