@@ -57,7 +57,7 @@ def _gpu(c):
   # The same answer : context loss-weight ratio as the CPU scale (15 : 0.1 x 240, about 1 : 1.6);
   # 0.1 here would give the 4k tokens of filler 16x the answers' weight, and a filler weight of
   # 12x the answers' drowned them on the CPU (run dq4cw).
-  c.data.context_loss_weight = 0.01  # 25 : 0.01 x 4066
+  c.data.context_loss_weight = 0.01  # 25 : 0.01 x 4070
   c.data.global_batch_size = 16    # 64k tokens per step
   c.model.max_seq_len = 4 * c.data.seq_len  # evaluate up to 16k
   c.optim.learning_rate = 2e-3
