@@ -10,6 +10,8 @@
 #          parallel meshes (each writes collectives.json), plus a 2-KV-group variant on 1 and 2
 #          GPUs (tensor-parallel that really splits the attention by KV group). Compare with
 #          `python -m experiments.compare_runs` against pair's `nsa` run (same schedule).
+# passkey  passkey retrieval trained at 4k (configs/sweep_needle.py:gpu), NSA on GPU 0 and dense on
+#          GPU 1, then the needle grid at 2k-16k (heatmap PNG + JSON).
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
 # context  training throughput of NSA vs dense at 8k, 16k and 32k context (same tokens per step),
@@ -99,6 +101,19 @@ sweep_pair() {  # sweep_pair <sweep> <runs on GPU 0> <runs on GPU 1>: two runs e
     > "$R/${1}_gpu1.log" 2>&1 &
   wait
   python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --report_only $a >> "$R/${1}_gpu0.log" 2>&1
+}
+
+passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA and dense at once
+  local t="timeout -s TERM 300 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  CUDA_VISIBLE_DEVICES=0 $t --workdir=$T/passkey/nsa > "$R/passkey_nsa.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 $t --workdir=$T/passkey/dense --config.model.attention=dense \
+    > "$R/passkey_dense.log" 2>&1 &
+  wait
+  keep "$T/passkey/nsa" passkey_nsa
+  keep "$T/passkey/dense" passkey_dense
+  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
+    --workdirs=$T/passkey/nsa,$T/passkey/dense --labels=nsa,dense --lengths=2048,4096,8192,16384 \
+    --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu.png > "$R/needle_gpu.log" 2>&1
 }
 
 # Paper ablations at GPU scale (each ~8 min on 2 GPUs; nsa itself is reused from pair's record).
