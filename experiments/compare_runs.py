@@ -56,6 +56,9 @@ def _last_val(val: dict, max_step: int):
 def summarize(label: str, run: dict, workdir: str, max_step: int = 0) -> dict:
   tr = run["train"]
   steps = sorted(s for s in tr if not max_step or s <= max_step)
+  if not steps:
+    raise SystemExit(f"{workdir}: no train window at or below --max_step={max_step} (first logged "
+                     f"step: {min(tr)}). Fix: raise --max_step")
   rec = dict(label=label, workdir=workdir, devices=run["start"].get("devices"),
              mesh=run["start"].get("mesh"), device_kind=run["start"].get("device_kind"),
              params=run["start"].get("params"), attention=sorted(set(run["start"].get("attention", []))),
@@ -74,7 +77,8 @@ def summarize(label: str, run: dict, workdir: str, max_step: int = 0) -> dict:
     with open(path) as f:
       s = json.load(f)["summary"]
     rec["collectives"] = {k: v["count"] for k, v in s["per_kind"].items()}
-    rec["collective_mb"] = round(sum(v["bytes"] for v in s["per_kind"].values()) / 2 ** 20, 1)
+    if "note" in s:  # reports before the tuple-aware parser counted one array per combined op
+      rec["collective_mb"] = round(sum(v["bytes"] for v in s["per_kind"].values()) / 2 ** 20, 1)
     rec["collectives_with_seq_dim"] = len(s["with_sequence_dim"])
     rec["collectives_in_attention"] = len(s["in_attention_op"])
   return rec

@@ -55,6 +55,8 @@ def constrain_rows(x):
     return x
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   axes = tuple(a for a in BATCH_MESH_AXES if a in sizes)
+  if not axes:
+    return x  # a mesh with other axis names: leave the layout to XLA
   n = 1
   for a in axes:
     n *= sizes[a]

@@ -171,6 +171,12 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
     return None  # already inside shard_map (manual axes) or explicit sharding: leave it alone
+  if not set(sizes) & {*BATCH_MESH_AXES, HEAD_MESH_AXIS}:
+    _log_once(logging.WARNING if on_gpu() else logging.INFO,
+              f"{what}: the mesh's axes {tuple(sizes)} are none of {BATCH_MESH_AXES + (HEAD_MESH_AXIS,)}"
+              "; the op is left to XLA's partitioner (which gathers the inputs of Pallas kernels). "
+              "Fix: name the mesh axes data / fsdp / tensor")
+    return None
   # Size-1 axes are named too: an axis a spec leaves out is one the backward pass sums over
   # (a psum, an all-reduce in the HLO, even over one device).
   bax = tuple(a for a in BATCH_MESH_AXES if a in sizes)

@@ -7,9 +7,10 @@
 #          context, 300 steps of 8 x 8k tokens): `nsa` on GPU 0 while `dense` then `dense_pmatch`
 #          run on GPU 1; then validation loss by position and the selection picture.
 # layouts  the same NSA config stopped after 40 steps on 2 GPUs as data-parallel, FSDP and tensor-
-#          parallel meshes (each writes collectives.json), plus a 2-KV-group variant on 1 and 2
-#          GPUs (tensor-parallel that really splits the attention by KV group). Compare with
-#          `python -m experiments.compare_runs` against pair's `nsa` run (same schedule).
+#          parallel meshes (each writes collectives.json). Compare with
+#          `python -m experiments.compare_runs ... --max_step=40` against pair's `nsa` run.
+# layouts_kv2  a 2-KV-group variant on 1 and 2 GPUs (tensor parallelism that really splits the
+#          attention by KV group).
 # passkey  passkey retrieval trained at 4k (configs/sweep_needle.py:gpu), NSA on GPU 0 and dense on
 #          GPU 1, then the needle grid at 2k-16k (heatmap PNG + JSON).
 # branches, design, blocks
@@ -67,12 +68,16 @@ layout_run() {  # layout_run <name> <devices> <extra flags...>
   keep "$T/layouts/$name" "layout_$name"
 }
 
-layouts() {  # each run takes ~2.5 min (start, ~50 s compile, 40 steps, eval, checkpoint)
-  layout_run fsdp2 0,1 --config.mesh.data=1 --config.mesh.fsdp=2
-  layout_run kv2_tp2 0,1 --config.model.n_kv_heads=2 --config.mesh.data=1 --config.mesh.tensor=2
-  layout_run tp2 0,1 --config.mesh.data=1 --config.mesh.tensor=2
+# Each layout run takes ~2.5 min (start-up, compilation, 40 steps, validation, checkpoint): at
+# most three fit one 10-minute call, hence two phases.
+layouts() {
   layout_run dp2 0,1 --config.mesh.data=2
+  layout_run fsdp2 0,1 --config.mesh.data=1 --config.mesh.fsdp=2
+  layout_run tp2 0,1 --config.mesh.data=1 --config.mesh.tensor=2
+}
+layouts_kv2() {
   layout_run kv2_1gpu 0 --config.model.n_kv_heads=2
+  layout_run kv2_tp2 0,1 --config.model.n_kv_heads=2 --config.mesh.data=1 --config.mesh.tensor=2
 }
 
 context_pair() {  # context_pair <seq_len> <batch>

@@ -327,7 +327,7 @@ def test_compare_runs_table_scaling_and_loss_agreement(tmp_path):
 
   one = fake_run("one", 1, 100.0, {10: 3.0, 20: 2.5})
   colls = {"per_kind": {"all-reduce": {"count": 3, "bytes": 2 ** 20}}, "with_sequence_dim": [],
-           "in_attention_op": [], "total": 3}
+           "in_attention_op": [], "total": 3, "note": "per instruction"}
   two = fake_run("two", 2, 180.0, {10: 3.001, 20: 2.49, 30: 2.2}, colls)
   compare_runs.main([one, two, "--baseline=one", f"--out_dir={tmp_path}", "--name=cmp"])
   recs = {r["label"]: r for r in json.loads((tmp_path / "cmp.json").read_text())}
@@ -337,3 +337,5 @@ def test_compare_runs_table_scaling_and_loss_agreement(tmp_path):
   assert "| two | 2 |" in (tmp_path / "cmp.md").read_text()
   with pytest.raises(SystemExit, match="no run has that label"):
     compare_runs.main([one, "--baseline=nope"])
+  with pytest.raises(SystemExit, match="no train window at or below --max_step=5"):
+    compare_runs.main([one, "--max_step=5"])

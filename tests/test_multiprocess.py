@@ -44,6 +44,39 @@ def _losses(workdir):
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
+def _run_two_processes(workdir, *extra, timeout=600):
+  """Runs experiments.train as 2 processes x 2 CPU devices; returns their (stdout, stderr)."""
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", *OVERRIDES, *extra, f"--workdir={workdir}",
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+      cwd=ROOT, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      pytest.fail(f"multi-process run did not finish in {timeout} s (a hang between processes?)")
+  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i} failed:\n{err[-3000:]}"
+  return outs
+
+
+def test_two_processes_stop_together_at_the_time_limit(tmp_path):
+  # Each process has its own clock: unless the processes agree on the time limit too, one of them
+  # validates (a collective) while the other has left the loop, and both hang.
+  outs = _run_two_processes(str(tmp_path / "limit"), "--config.train.num_steps=100000",
+                            "--config.train.time_limit_minutes=0.15", timeout=300)
+  out, err = outs[0]  # only process 0 prints; both exited with status 0 (checked above)
+  assert "time limit: saved step" in out + err, (out + err)[-2000:]
+  with open(os.path.join(str(tmp_path / "limit"), "metrics.jsonl")) as f:
+    ends = [json.loads(line) for line in f if '"event": "end"' in line]
+  assert [e["stopped"] for e in ends] == ["time limit"], ends
+
+
 def test_two_processes_match_one_process(tmp_path):
   single = str(tmp_path / "single")
   r = subprocess.run([sys.executable, "-m", "experiments.train", *OVERRIDES, f"--workdir={single}"],
@@ -51,22 +84,7 @@ def test_two_processes_match_one_process(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
 
   multi = str(tmp_path / "multi")
-  port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", *OVERRIDES, f"--workdir={multi}",
-       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-      cwd=ROOT, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=600))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      pytest.fail("multi-process run did not finish in 10 minutes")
-  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} failed:\n{err[-3000:]}"
+  _run_two_processes(multi)
   a, b = _losses(single), _losses(multi)
   assert sorted(a) == sorted(b) and len(a) >= STEPS, (a, b)
   for step in a:

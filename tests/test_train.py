@@ -244,12 +244,13 @@ def sharded_losses(seed: int) -> dict:
     state = train.create_train_state(setup)
     embed = state["params"]["embed"]["embedding"]
     out[f"{name}_embed_shard"] = list(embed.addressable_shards[0].data.shape)
-    step = train.make_train_step(setup)
+    step = train.make_train_step(setup, accum)
     it, _ = train._iterators(c, setup.model_cfg)
     losses = []
-    for _ in range(2):
-      state, metrics = step(state, train.to_global(next(it), setup))
-      losses.append(float(metrics["loss"]))
+    with jax.set_mesh(mesh):  # as the loop does: shard_map attention and pinned activations run
+      for _ in range(2):
+        state, metrics = step(state, train.to_global(next(it), setup))
+        losses.append(float(metrics["loss"]))
     out[name] = losses
   return out
 

@@ -16,7 +16,7 @@ KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
                 "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 # "%x = <result shape> <kind>[-start](operands...), ..., metadata={op_name="..." ...}"
-_LINE = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\(")
+_LINE = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(?P<dt>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
 
@@ -26,20 +26,51 @@ def _arrays(shape: str):
           for m in _ARRAY.finditer(shape)]
 
 
+def _top_level(shape: str) -> list[str]:
+  """'(a, (b, c))' -> ['a', '(b, c)']; a non-tuple shape -> [shape]."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, cur = [], 0, ""
+  for ch in shape[1:-1]:
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if ch == "," and depth == 0:
+      parts.append(cur.strip())
+      cur = ""
+    else:
+      cur += ch
+  return parts + ([cur.strip()] if cur.strip() else [])
+
+
+def _results(kind: str, is_start: bool, shape: str) -> list:
+  """The arrays a collective produces. XLA combines several collectives into one instruction with
+  a tuple result; an async all-gather / collective-permute start returns (operands, results[,
+  scratch]) where either may itself be a tuple."""
+  if is_start and kind in ("all-gather", "collective-permute", "all-to-all", "reduce-scatter"):
+    parts = _top_level(shape)
+    if len(parts) >= 2:
+      return _arrays(parts[1])
+  return _arrays(shape)
+
+
 def collectives(hlo_text: str) -> list[dict]:
-  """One record per collective instruction of an optimized HLO module's text."""
+  """One record per collective instruction of an optimized HLO module's text: kind, the result
+  arrays' shapes (several when XLA combined collectives), their total bytes, the JAX op name.
+  Counted per compiled instruction: one inside a while loop (gradient accumulation) runs once per
+  iteration but is listed once."""
   out = []
   for line in hlo_text.splitlines():
     m = _LINE.search(line)
     if not m or "-done" in line.split("=", 1)[0]:
       continue
-    arrays = _arrays(m["shape"])
-    # An async start returns (operands, results[, scratch]); its result is the largest array.
-    dt, dims = max(arrays, key=lambda a: _DTYPE_BYTES.get(a[0], 4) * _numel(a[1]),
-                   default=("f32", ()))
+    arrays = _results(m["kind"], bool(m["start"]), m["shape"]) or [("f32", ())]
     name = _OP_NAME.search(line)
-    out.append(dict(kind=m["kind"], dtype=dt, shape=list(dims),
-                    bytes=_DTYPE_BYTES.get(dt, 4) * _numel(dims),
+    out.append(dict(kind=m["kind"], dtype=arrays[0][0], shape=list(arrays[0][1]),
+                    shapes=[list(d) for _, d in arrays],
+                    bytes=sum(_DTYPE_BYTES.get(dt, 4) * _numel(d) for dt, d in arrays),
                     op_name=name["name"] if name else ""))
   return out
 
@@ -58,8 +89,12 @@ def summarize(records: list[dict], seq_len: int) -> dict:
   for r in records:
     per_kind[r["kind"]]["count"] += 1
     per_kind[r["kind"]]["bytes"] += r["bytes"]
-  with_seq = [r for r in records if seq_len in r["shape"]]
+  # Activations only: parameters (op names "state[...]") whose width happens to equal T are not.
+  with_seq = [r for r in records if not r["op_name"].startswith("state[")
+              and any(seq_len in sh for sh in r.get("shapes", [r["shape"]]))]
   # nsa_jax.ops names its ops with jax.named_scope; resharding at the op's boundary counts too.
   in_attention = [r for r in records if re.search(r"nsa_attention|dense_attention", r["op_name"])]
   return {"per_kind": dict(per_kind), "with_sequence_dim": with_seq,
-          "in_attention_op": in_attention, "total": len(records)}
+          "in_attention_op": in_attention, "total": len(records),
+          "note": "counts and bytes are per compiled instruction (a collective inside a loop, e.g. "
+                  "gradient accumulation, runs once per iteration); bytes are result sizes"}

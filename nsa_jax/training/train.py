@@ -254,10 +254,14 @@ class _StopFlag:
     if self._old is not None:
       signal.signal(signal.SIGTERM, self._old)
 
-  def agreed(self) -> bool:
-    if jax.process_count() == 1:
-      return self.requested
-    return bool(multihost_utils.process_allgather(np.int32(self.requested)).max())
+  def agreed(self, timed_out: bool = False) -> tuple[bool, bool]:
+    """(stop, time limit reached) as every process sees them. Both flags are voted on together:
+    clocks differ between processes, and a process that stopped for the time limit runs a
+    validation pass (a collective) that the others must join."""
+    code = int(self.requested) | int(timed_out) << 1
+    if jax.process_count() > 1:
+      code = int(multihost_utils.process_allgather(np.int32(code)).max())
+    return code != 0, bool(code & 2)
 
 
 def _compile_and_report(train_step, state, batch, workdir, seq_len, is_main):
@@ -384,6 +388,9 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
       hook(s, last)
 
   loop_start = time.time()
+  if start >= end and start < total:
+    bar.write(f"nothing to do: resumed at step {start}, and config.train.stop_after={stop_after} "
+              "stops there. Fix: raise or unset stop_after to continue")
   with _StopFlag() as stop, jax.set_mesh(mesh):
     try:
       for s in range(start + 1, end + 1):
@@ -396,11 +403,11 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
         pending = (s, m)
         bar.update(1)
         timed_out = bool(time_limit) and time.time() - loop_start > time_limit
-        stop.requested |= timed_out
         # Across processes the vote is a collective that waits for the device: hold it only at
-        # log steps, which sync the host anyway. One process checks its flag every step.
-        stop_now = stop.agreed() if (jax.process_count() == 1 or s % config.train.log_every == 0
-                                     or s == end) else False
+        # log steps, which sync the host anyway. One process checks its flags every step.
+        stop_now, timed_out = stop.agreed(timed_out) if (
+            jax.process_count() == 1 or s % config.train.log_every == 0 or s == end) else (
+                False, False)
         if s % config.checkpoint.every_steps == 0 or s == end or stop_now:
           log_now = stop_now
           fetch()  # never save a step whose metrics were not checked
@@ -419,7 +426,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
           bar.write(f"{stopped}: saved step {s} to {ckpt.step_dir(s)}; exiting (rerun to resume)")
           break
       else:
-        if end < total:
+        if start < end < total:
           stopped = "stop_after"
       fetch()
     finally:
