@@ -339,3 +339,16 @@ def test_compare_runs_table_scaling_and_loss_agreement(tmp_path):
     compare_runs.main([one, "--baseline=nope"])
   with pytest.raises(SystemExit, match="no train window at or below --max_step=5"):
     compare_runs.main([one, "--max_step=5"])
+
+
+def test_h200_runs_script_parses_and_defines_every_documented_phase():
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "h200_runs.sh")
+  assert subprocess.run(["bash", "-n", script]).returncode == 0
+  text = open(script).read()
+  header = text.split("set -uo pipefail")[0]
+  defined = set(re.findall(r"^([a-z_0-9]+)\(\)\s*\{", text, re.M))
+  for phase in ("pair", "layouts", "layouts_kv2", "passkey", "branches", "design", "blocks",
+                "context"):
+    assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
+    assert phase in defined, f"{phase} documented but not defined"
