@@ -10,6 +10,7 @@ model built inside a jitted init under a mesh is never materialised on one devic
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,16 @@ def sharding_scope():
 
 
 BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split batch rows (nsa_jax.training.sharding)
+HEAD_MESH_AXIS = "tensor"           # mesh axis that splits heads (whole KV groups)
+
+
+def auto_mesh():
+  """The mesh in context when the model should lay itself out on it, else None: no mesh, a single
+  device, or manual / explicit axes (already inside shard_map, or sharding-in-types)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return None
+  return mesh
 
 
 def constrain_rows(x):
@@ -50,19 +61,12 @@ def constrain_rows(x):
   weights and split the residual stream along d_model, which costs all-to-alls of [B, T, ...]
   activations in every layer; with it FSDP only all-gathers weights and reduce-scatters gradients,
   and tensor parallelism keeps the residual stream whole (Megatron style)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1 or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+  mesh = auto_mesh()
+  axes = tuple(a for a in BATCH_MESH_AXES if mesh is not None and a in mesh.shape)
+  # No batch axis (a mesh with other axis names) or rows it cannot split: leave it to XLA.
+  if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
     return x
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  axes = tuple(a for a in BATCH_MESH_AXES if a in sizes)
-  if not axes:
-    return x  # a mesh with other axis names: leave the layout to XLA
-  n = 1
-  for a in axes:
-    n *= sizes[a]
-  if x.shape[0] % n:
-    return x
-  spec = jax.sharding.PartitionSpec(axes or None, *([None] * (x.ndim - 1)))
+  spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
   return jax.lax.with_sharding_constraint(x, spec)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax import reference
 from nsa_jax.config import NSAConfig
+from nsa_jax.layers import BATCH_MESH_AXES, HEAD_MESH_AXIS, auto_mesh
 
 log = logging.getLogger("nsa_jax")
 
@@ -156,21 +158,15 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   return o
 
 
-BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split batch rows (nsa_jax.training.sharding)
-HEAD_MESH_AXIS = "tensor"           # mesh axis that splits heads
-
-
 def mesh_layout(batch: int, kv_heads: int, what: str):
   """(mesh, batch_axes, head_axis) for the mesh in context, or None when there is none to use.
 
-  batch_axes: the (data, fsdp) axes of size > 1 when they divide `batch`, else None; head_axis:
-  "tensor" when it has size > 1 and divides `kv_heads`, else None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  batch_axes: every (data, fsdp) axis of the mesh when together they divide `batch` (else only
+  those of size 1); head_axis: "tensor" when it divides `kv_heads`, else None."""
+  mesh = auto_mesh()
+  if mesh is None:
     return None
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
-    return None  # already inside shard_map (manual axes) or explicit sharding: leave it alone
+  sizes = mesh.shape
   if not set(sizes) & {*BATCH_MESH_AXES, HEAD_MESH_AXIS}:
     _log_once(logging.WARNING if on_gpu() else logging.INFO,
               f"{what}: the mesh's axes {tuple(sizes)} are none of {BATCH_MESH_AXES + (HEAD_MESH_AXIS,)}"
@@ -180,9 +176,7 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
   # Size-1 axes are named too: an axis a spec leaves out is one the backward pass sums over
   # (a psum, an all-reduce in the HLO, even over one device).
   bax = tuple(a for a in BATCH_MESH_AXES if a in sizes)
-  nb = 1
-  for a in bax:
-    nb *= sizes[a]
+  nb = math.prod(sizes[a] for a in bax)
   if batch % nb:
     _log_once(logging.WARNING, f"{what}: batch {batch} is not divisible by mesh axes {bax} "
               f"(size {nb}); rows stay whole and every device computes them all. Fix: make the "
@@ -206,7 +200,7 @@ def _sharded(fn, layout, n4d: int, has_seg: bool, what: str):
   spec4 = P(bax, None, hax, None)
   in_specs = (spec4,) * n4d + ((P(bax, None),) if has_seg else ())
   _log_once(logging.INFO, f"{what}: per-device under shard_map, batch over {bax}, heads over {hax}"
-            f" (mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))})")
+            f" (mesh {dict(mesh.shape)})")
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec4, check_vma=False)
 
 
@@ -230,7 +224,7 @@ def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segm
                       implementation, return_aux)
   has_seg = segment_ids is not None
   mesh, _, hax = layout
-  tp = dict(zip(mesh.axis_names, mesh.axis_sizes))[hax] if hax else 1
+  tp = mesh.shape[hax] if hax else 1
   # Each device holds K/tp whole KV groups with their G query heads each.
   local_cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // tp,
                                   num_kv_heads=cfg.num_kv_heads // tp)

@@ -241,16 +241,24 @@ def select_blocks(scores, cfg: NSAConfig, segment_ids=None):
   """
   b, t, kh, ns = scores.shape
   seg = _segments(segment_ids, b, t)
-  pos = jnp.arange(t)
-  cur = (pos // cfg.sel_block)[None, :, None]  # [1, T, 1]
-  first = (document_starts(seg) // cfg.sel_block)[:, :, None]  # [B, T, 1]
+  cur = (jnp.arange(t) // cfg.sel_block)[None, :]  # [1, T]
+  first = document_starts(seg) // cfg.sel_block  # [B, T]
+  return topn_blocks(scores, cur, first, cfg)
+
+
+def topn_blocks(scores, cur_block, first_block, cfg: NSAConfig):
+  """Eq. 11 on scores [B, Q, K, Ns] for queries in selection block cur_block and whose document
+  starts in first_block (both broadcastable to [B, Q]): select_blocks' rules, for any set of
+  queries (the chunked path calls it per chunk)."""
+  ns = scores.shape[-1]
+  cur, first = cur_block[..., None], first_block[..., None]  # [B|1, Q, 1]
   j = jnp.arange(ns)[None, None, :]
   eligible = (j <= cur) & (j >= first)
   forced = ((j < first + cfg.num_init_blocks) | (j > cur - cfg.num_local_blocks)) & eligible
   s = jnp.where(forced[:, :, None], jnp.inf, jax.lax.stop_gradient(scores))
   s = jnp.where(eligible[:, :, None], s, -jnp.inf)
   n_eff = min(cfg.num_selected, ns)
-  vals, idx = jax.lax.top_k(s, n_eff)
+  vals, idx = jax.lax.top_k(s, n_eff)  # stable: equal scores keep the lower index first
   idx = jnp.where(vals == -jnp.inf, ns, idx)
   idx = jnp.sort(idx, axis=-1)
   idx = jnp.where(idx == ns, -1, idx).astype(jnp.int32)

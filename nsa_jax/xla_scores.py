@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsa_jax import reference
 from nsa_jax.config import NSAConfig
 
 
@@ -46,21 +47,10 @@ def select_blocks_at(scores, positions, doc_first_block, cfg: NSAConfig):
   query's document start.
   Returns [B, C, K, n] int32, ascending, -1 in empty slots; ties go to the lower block index.
   """
-  ns = scores.shape[-1]
-  cur = (positions // cfg.sel_block)[None, :, None]  # [1, C, 1]
+  cur = (positions // cfg.sel_block)[None, :]  # [1, C]
   # None: one document per row, starting at block 0.
-  first = 0 if doc_first_block is None else doc_first_block[:, :, None]  # [B, C, 1]
-  j = jnp.arange(ns)[None, None, :]
-  eligible = (j <= cur) & (j >= first)
-  forced = ((j < first + cfg.num_init_blocks) | (j > cur - cfg.num_local_blocks)) & eligible
-  s = jnp.where(forced[:, :, None], jnp.inf, jax.lax.stop_gradient(scores))
-  s = jnp.where(eligible[:, :, None], s, -jnp.inf)
-  n_eff = min(cfg.num_selected, ns)
-  vals, idx = jax.lax.top_k(s, n_eff)  # stable: equal scores keep the lower index first
-  idx = jnp.sort(jnp.where(vals == -jnp.inf, ns, idx), axis=-1)
-  idx = jnp.where(idx == ns, -1, idx).astype(jnp.int32)
-  pad = [(0, 0)] * 3 + [(0, cfg.num_selected - n_eff)]
-  return jnp.pad(idx, pad, constant_values=-1)
+  first = jnp.zeros_like(cur) if doc_first_block is None else doc_first_block  # [B|1, C]
+  return reference.topn_blocks(scores, cur, first, cfg)
 
 
 def quest_block_bounds(k, sel_block):

@@ -9,6 +9,7 @@ under shard_map (nsa_jax.ops).
 from __future__ import annotations
 
 import collections
+import math
 import re
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -70,16 +71,9 @@ def collectives(hlo_text: str) -> list[dict]:
     name = _OP_NAME.search(line)
     out.append(dict(kind=m["kind"], dtype=arrays[0][0], shape=list(arrays[0][1]),
                     shapes=[list(d) for _, d in arrays],
-                    bytes=sum(_DTYPE_BYTES.get(dt, 4) * _numel(d) for dt, d in arrays),
+                    bytes=sum(_DTYPE_BYTES.get(dt, 4) * math.prod(d) for dt, d in arrays),
                     op_name=name["name"] if name else ""))
   return out
-
-
-def _numel(dims):
-  n = 1
-  for d in dims:
-    n *= d
-  return n
 
 
 def summarize(records: list[dict], seq_len: int) -> dict:

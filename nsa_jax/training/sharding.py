@@ -14,11 +14,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from nsa_jax.layers import BATCH_MESH_AXES
+
 MESH_AXES = ("data", "fsdp", "tensor")
-# Batch rows are split over every axis that holds a different slice of the data.
-BATCH_AXES = ("data", "fsdp")
-# Logical names the model may use (see the model contract); None means replicated.
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp")
+# Batch rows are split over every axis that holds a different slice of the data; the model pins its
+# activations and shards its attention by the same names (nsa_jax.layers).
+BATCH_AXES = BATCH_MESH_AXES
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 

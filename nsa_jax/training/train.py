@@ -363,7 +363,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
 
   def fetch():
     """Host-side handling of the previous step's metrics: NaN guard, logs, hooks."""
-    nonlocal pending, last, log_now
+    nonlocal pending, last
     if pending is None:
       return
     s, m = pending
