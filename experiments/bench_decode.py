@@ -5,9 +5,15 @@ Run (GPU): python -m experiments.bench_decode --out benchmarks/results [--max_se
 Shapes: 64 query heads, 4 KV heads, (d_k, d_v) in {(192, 128), (128, 128)}, paper NSA settings
 (l=32, d=16, l'=64, n=16, w=512), bf16, T cached tokens in 8k..128k, batch 1 and 8.
 
-Timing: each jitted function runs R independent copies of the step on R different caches inside
-one executable (R chosen so the bytes touched exceed the 60 MB L2 several times over), so neither
-L2 reuse nor Python dispatch hides in the per-step figure; ms = median(call) / R.
+Timing (--timing loop, the default): one executable runs `--steps` dependent decode steps in a
+lax.fori_loop, as generation does (experiments/generate.py scans its steps), each step over R
+independent caches in turn (R chosen so the bytes touched exceed the 60 MB L2 several times over).
+Step i+1's query is step i's query plus 1e-3 x its output, and the position alternates between
+T-1 and T-2, so nothing can be hoisted out of the loop; ms = median(call) / (steps x R). The dense
+baselines run in the same harness. `--timing calls` times one call of R steps per host dispatch
+(the harness of the first runs: host dispatch then counts in the per-step figure).
+Breakdown (--breakdown_T): the pallas_all step with one branch at a time (cfg.branches), in the
+same harness: "cmp" (compression), "slc" (compression scores + top-n + selection), "win".
 Tokens read per step and KV group: NSA (Nc + n*l' + w) vs the paper's Table 4 estimate
 s/16 + 1536, dense s. cuDNN needs d_k == d_v, so the (192, 128) shape is compared with cuDNN at
 192/192 (more bytes than a 192/128 dense cache: noted in each record as cudnn_dims).
@@ -16,6 +22,7 @@ s/16 + 1536, dense s. cuDNN needs d_k == d_v, so the (192, 128) shape is compare
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -74,29 +81,51 @@ def nsa_step_fn(cfg, t, impl):
     kw["select_fn"] = _kernel()
   if impl == "pallas_all":
     kw["prefix_fn"] = functools.partial(kern.prefix_decode, interpret=INTERPRET)
-  def step(q, caches, gates):
-    return dm.nsa_decode(q, caches, jnp.int32(t - 1), gates, cfg, **kw)[0]
+  def step(q, caches, gates, tt):
+    return dm.nsa_decode(q, caches, tt, gates, cfg, **kw)[0]
   return step
 
 
 def select_only_fn(cfg, t, impl):
   fn = _kernel() if impl == "pallas" else dm.select_decode
-  def step(q, caches, idx):
+  def step(q, caches, idx, tt):
     qg = dm.group_heads(q, KH)
-    return fn(qg, caches["k_slc"], caches["v_slc"], idx, jnp.int32(t - 1), cfg.sel_block)[0]
+    return fn(qg, caches["k_slc"], caches["v_slc"], idx, tt, cfg.sel_block)[0].reshape(
+        q.shape[0], H, -1)
   return step
 
 
-def replicated(fn, r):
-  """One executable running fn on r independent argument tuples."""
-  return jax.jit(lambda copies: [fn(*c) for c in copies])
+TIMING = {"mode": "loop", "steps": 16}
 
 
-def timed(fn, copies):
-  """(ms per step, the outputs of one call)."""
-  run = replicated(fn, len(copies))
-  ms = bc.time_ms(run, copies, warmup=2, iters=7) / len(copies)
-  return ms, run(copies)
+def feed_back(q, o):
+  """q + 1e-3 * o (o reshaped to q's rows, its last dim zero-padded or cut to q's): the next
+  step's query depends on this step's output, as in generation."""
+  o = o.reshape(q.shape[:-1] + o.shape[-1:]).astype(jnp.float32)
+  dq, do = q.shape[-1], o.shape[-1]
+  o = jnp.pad(o, [(0, 0)] * (o.ndim - 1) + [(0, dq - do)]) if do < dq else o[..., :dq]
+  return (q.astype(jnp.float32) + 1e-3 * o).astype(q.dtype)
+
+
+def looped(fn, t, steps):
+  """One executable: `steps` dependent steps, each over every copy (q, *rest) in turn."""
+  def run(copies):
+    def body(i, qs):
+      tt = jnp.int32(t - 1) - (i % 2)
+      return tuple(feed_back(q, fn(q, *c[1:], tt)) for q, c in zip(qs, copies))
+    return jax.lax.fori_loop(0, steps, body, tuple(c[0] for c in copies))
+  return jax.jit(run)
+
+
+def timed(fn, copies, t):
+  """(ms per step, the outputs of one plain call at position t - 1)."""
+  once = jax.jit(lambda copies: [fn(*c, jnp.int32(t - 1)) for c in copies])
+  if TIMING["mode"] == "loop":
+    steps = TIMING["steps"]
+    ms = bc.time_ms(looped(fn, t, steps), copies, warmup=2, iters=5) / (len(copies) * steps)
+  else:
+    ms = bc.time_ms(once, copies, warmup=2, iters=7) / len(copies)
+  return ms, once(copies)
 
 
 def copies_for(touched_bytes, full_bytes, budget=24e9):
@@ -105,7 +134,7 @@ def copies_for(touched_bytes, full_bytes, budget=24e9):
   return max(1, min(r, int(budget // max(full_bytes, 1))))
 
 
-def bench_shape(dk, dv, t, b, peaks, key, selection_only=False):
+def bench_shape(dk, dv, t, b, peaks, key, selection_only=False, breakdown=False):
   cfg = paper_cfg(dk, dv)
   tokens, nbytes = nsa_bytes(b, t, cfg)
   full = b * KH * t * (dk + dv) * 2
@@ -115,7 +144,7 @@ def bench_shape(dk, dv, t, b, peaks, key, selection_only=False):
   outs = {}
   for impl in IMPLS:
     try:
-      out[f"nsa_{impl}_ms"], outs[impl] = timed(nsa_step_fn(cfg, t, impl), copies)
+      out[f"nsa_{impl}_ms"], outs[impl] = timed(nsa_step_fn(cfg, t, impl), copies, t)
     except Exception as e:  # keep going: the other rows are still worth having
       out[f"nsa_{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
       print(f"ERROR {impl} d={dk} T={t} B={b}: {out[f'nsa_{impl}_error']}", flush=True)
@@ -124,12 +153,19 @@ def bench_shape(dk, dv, t, b, peaks, key, selection_only=False):
     out[f"max_abs_diff_{impl}_vs_xla"] = None if not {impl, "xla"} <= set(outs) else max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32))))
         for a, b_ in zip(outs[impl], outs["xla"]))
+  if breakdown:  # the fused step with one branch at a time
+    for br in ("cmp", "slc", "win"):
+      cfg_b = dataclasses.replace(cfg, branches=(br,))
+      try:
+        out[f"branch_{br}_ms"] = timed(nsa_step_fn(cfg_b, t, "pallas_all"), copies, t)[0]
+      except Exception as e:
+        print(f"ERROR branch {br}: {type(e).__name__}: {str(e)[:300]}", flush=True)
   if selection_only:
     idx = jax.jit(lambda q, c, g: dm.nsa_decode(q, c, jnp.int32(t - 1), g, cfg)[1]["block_idx"])
     sel_copies = [(q, c, idx(q, c, g)) for q, c, g in copies]
     for impl in ("pallas", "xla"):
       try:
-        out[f"select_{impl}_ms"] = timed(select_only_fn(cfg, t, impl), sel_copies)[0]
+        out[f"select_{impl}_ms"] = timed(select_only_fn(cfg, t, impl), sel_copies, t)[0]
       except Exception as e:
         print(f"ERROR selection-only {impl}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     del sel_copies
@@ -142,8 +178,8 @@ def bench_shape(dk, dv, t, b, peaks, key, selection_only=False):
             jax.random.normal(ks[3 * i + 1], (b, t, KH, dd), jnp.bfloat16),
             jax.random.normal(ks[3 * i + 2], (b, t, KH, dd), jnp.bfloat16)) for i in range(rd)]
   try:
-    out["cudnn_ms"] = timed(functools.partial(jax.nn.dot_product_attention,
-                                              implementation="cudnn"), dense)[0]
+    cudnn = lambda q, k, v, tt: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    out["cudnn_ms"] = timed(cudnn, dense, t)[0]
   except Exception as e:  # report, never hide: the record says why cuDNN is missing
     out["cudnn_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
   del dense
@@ -151,8 +187,8 @@ def bench_shape(dk, dv, t, b, peaks, key, selection_only=False):
          jax.random.normal(ks[3 * i + 1], (b, KH, t, dk), jnp.bfloat16),
          jax.random.normal(ks[3 * i + 2], (b, KH, t, dv), jnp.bfloat16))
         for i in range(copies_for(full, full))]
-  out["xla_dense_ms"] = timed(lambda q, k, v: dm.dense_decode(dm.group_heads(q, KH), k, v,
-                                                              jnp.int32(t - 1))[0], xd)[0]
+  out["xla_dense_ms"] = timed(lambda q, k, v, tt: dm.dense_decode(dm.group_heads(q, KH), k, v,
+                                                                  tt)[0], xd, t)[0]
   out.update(tokens_per_group=tokens, paper_tokens=t // 16 + 1536, bytes=nbytes, dense_bytes=full,
              cudnn_dims=f"{dd}/{dd}")
   return out
@@ -179,6 +215,9 @@ def records_for(dk, dv, t, b, m, peaks):
                           achieved_GBps=round(m["bytes"] / ms / 1e6, 1),
                           bw_fraction=round(floor / ms, 3), floor_ratio=round(ms / floor, 2),
                           xla_dense_speedup=round(m["xla_dense_ms"] / ms, 2)))
+  for br in ("cmp", "slc", "win"):
+    if f"branch_{br}_ms" in m:
+      recs.append(bc.record(impl=f"pallas_all_{br}_only", ms=m[f"branch_{br}_ms"], **common))
   sel_bytes = b * KH * 16 * 64 * (dk + dv) * 2
   for impl in ("pallas", "xla"):
     if f"select_{impl}_ms" not in m:
@@ -198,9 +237,17 @@ def main():
   ap.add_argument("--lengths", default="65536,8192,16384,32768,131072")
   ap.add_argument("--batches", default="8,1")
   ap.add_argument("--interpret", action="store_true", help="CPU dry run (Pallas interpreter)")
+  ap.add_argument("--timing", choices=("loop", "calls"), default="loop",
+                  help="loop: dependent steps in one executable (default); calls: one host "
+                       "dispatch per R steps")
+  ap.add_argument("--steps", type=int, default=16, help="decode steps per timed loop")
+  ap.add_argument("--breakdown_T", default="65536",
+                  help="lengths that also time the fused step one branch at a time")
   args = ap.parse_args()
   global INTERPRET
   INTERPRET = args.interpret
+  TIMING.update(mode=args.timing, steps=args.steps)
+  breakdown_t = {int(x) for x in args.breakdown_T.split(",") if x}
   start = time.time()
   peaks = bc.measure_peaks(n=512, copy_mib=16) if args.interpret else bc.measure_peaks()
   print(f"measured: bf16 matmul {peaks[0] / 1e12:.0f} TFLOP/s, HBM copy {peaks[1] / 1e12:.2f} TB/s",
@@ -214,7 +261,8 @@ def main():
           print(f"time budget reached: skipping d={dk}/{dv} T={t} B={b}", flush=True)
           continue
         try:
-          m = bench_shape(dk, dv, t, b, peaks, key, selection_only=(t == 65536 or args.interpret))
+          m = bench_shape(dk, dv, t, b, peaks, key, selection_only=(t == 65536 or args.interpret),
+                          breakdown=t in breakdown_t)
         except Exception as e:  # e.g. out of memory at 128k: report and go on
           print(f"ERROR d={dk}/{dv} T={t} B={b}: {type(e).__name__}: {str(e)[:300]}", flush=True)
           continue
@@ -237,7 +285,10 @@ def preamble(peaks):
           "NSA settings (l=32, d=16, l'=64, n=16, w=512), bf16. cudnn_ms: "
           "jax.nn.dot_product_attention (cuDNN) over the whole cache, at d_k = d_v = "
           "max(d_k, d_v). tokens_read_per_group vs the paper's Table 4 estimate paper_tokens = "
-          "s/16 + 1536. Command: `python -m experiments.bench_decode`.")
+          f"s/16 + 1536. Timing: {TIMING['mode']}"
+          + (f" ({TIMING['steps']} dependent steps per executable)" if TIMING["mode"] == "loop"
+             else " (one host dispatch per R steps)")
+          + f". Command: `{bc.command_line()}`.")
 
 
 def summary(recs):
