@@ -165,11 +165,31 @@ def compressed_decode_with(prefix_fn, qg, k_cmp, v_cmp, t, cfg: NSAConfig, scale
   return o, lse, p
 
 
+def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig, scale=None):
+  """(o_cmp, block_idx) from a fused compression + top-n kernel
+  (pallas_kernels.decode_select.compressed_select_decode), or None where it does not support the
+  shapes (the caller then runs the generic path)."""
+  from pallas_kernels import decode_select  # kernels are optional on the plain-JAX path
+  ok, why = decode_select.supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel, cfg.cmp_block,
+                                   cfg.cmp_stride, cfg.sel_block)
+  if not ok:
+    decode_select.C.log_once(("decode_select_fallback", qg.shape, k_cmp.shape, why),
+                             "fused decode top-n not used (%s): plain-JAX scoring", why)
+    return None
+  o, _, idx = cmp_select_fn(qg, k_cmp, v_cmp, t, num_visible_cmp(t, cfg), num_sel_blocks=num_sel,
+                            block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
+                            num_selected=cfg.num_selected, num_init=cfg.num_init_blocks,
+                            num_local=cfg.num_local_blocks, alignment=cfg.score_alignment,
+                            scale=scale)
+  return o, idx
+
+
 def _fits(prefix_fn, cache, block=64):
   return prefix_fn is not None and cache.shape[2] % block == 0
 
 
-def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, prefix_fn=None):
+def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, prefix_fn=None,
+               cmp_select_fn=None):
   """NSA attention (Eq. 5) of one new query per sequence.
 
   q [B, H, Dk] rotated at t; gates [B, H, 3] in (cmp, slc, win) order; caches a dict with the
@@ -180,13 +200,25 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
   prefix_fn: optional split-K kernel for the compression and window branches
     (pallas_kernels.decode_attention.prefix_decode); used where the cache length is a multiple
     of 64 slots, plain JAX elsewhere.
+  cmp_select_fn: optional fused compression branch + top-n kernel
+    (pallas_kernels.decode_select.compressed_select_decode), used for the NSA selector where it
+    supports the shapes.
   Returns o [B, H, Dv] in q's dtype and aux {"block_idx": [B, K, n]} (when selection runs).
   """
   b, h, _ = q.shape
   qg = group_heads(q, cfg.num_kv_heads)
   outs, aux = {}, {}
   want_slc = "slc" in cfg.branches
-  if "cmp" in cfg.branches or (want_slc and cfg.selector == "nsa"):
+  idx = fused = None
+  if want_slc:
+    ns = caches["k_slc"].shape[2] // cfg.sel_block
+  if want_slc and cfg.selector == "nsa" and cmp_select_fn is not None:
+    fused = cmp_select_with(cmp_select_fn, qg, caches["k_cmp"], caches["v_cmp"], t, ns, cfg, scale)
+  if fused is not None:
+    o_cmp, idx = fused
+    if "cmp" in cfg.branches:
+      outs["cmp"] = o_cmp
+  elif "cmp" in cfg.branches or (want_slc and cfg.selector == "nsa"):
     if _fits(prefix_fn, caches["k_cmp"]):
       o_cmp, _, p_cmp = compressed_decode_with(prefix_fn, qg, caches["k_cmp"], caches["v_cmp"], t,
                                                cfg, scale)
@@ -194,12 +226,10 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
       o_cmp, _, p_cmp = compressed_decode(qg, caches["k_cmp"], caches["v_cmp"], t, cfg, scale)
     outs["cmp"] = o_cmp
   if want_slc:
-    ns = caches["k_slc"].shape[2] // cfg.sel_block
-    if cfg.selector == "nsa":
-      scores = nsa_block_scores(p_cmp, ns, cfg)
-    else:
-      scores = quest_block_scores(qg, caches["k_slc"], t, cfg.sel_block)
-    idx = select_blocks_decode(scores, t, cfg)
+    if idx is None and cfg.selector == "nsa":
+      idx = select_blocks_decode(nsa_block_scores(p_cmp, ns, cfg), t, cfg)
+    elif idx is None:
+      idx = select_blocks_decode(quest_block_scores(qg, caches["k_slc"], t, cfg.sel_block), t, cfg)
     fn = select_fn or select_decode
     outs["slc"], _ = fn(qg, caches["k_slc"], caches["v_slc"], idx, t, cfg.sel_block, scale)
     aux["block_idx"] = idx

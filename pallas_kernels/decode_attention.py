@@ -41,12 +41,14 @@ def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_r
   split = pl.program_id(2)
   cnt, t = meta_ref[0], meta_ref[1]
   first = split * bps
-  last = jnp.minimum(first + bps, cnt)  # valid slots come first (compacted in XLA)
+  last = jnp.minimum(first + bps, cnt)  # slots past cnt are never read (prefix mode)
   qs = [q_ref[:, pl.ds(off, size)] for off, size in dk_pieces]
 
   def body(j, carry):
     m_i, l_i, accs = carry
     blk = idx_ref[j]
+    live = blk >= 0  # an empty slot (-1) reads block 0 and masks it whole
+    blk = jnp.maximum(blk, 0)
     for sub in range(block_size // bk):
       start = blk * block_size + sub * bk
       ks = [k_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dk_pieces]
@@ -56,7 +58,7 @@ def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_r
         lg_refs[0][:, pl.ds((j - first) * block_size + sub * bk, bk)] = s
       s = s * LOG2E  # base-2 logits for exp2
       kpos = start + lax.iota(jnp.int32, bk)
-      s = jnp.where((kpos <= t)[None, :], s, -jnp.inf)
+      s = jnp.where(((kpos <= t) & live)[None, :], s, -jnp.inf)
       m_i, l_i, accs = C.softmax_step((m_i, l_i, accs), s, vs)
     return m_i, l_i, accs
 
@@ -102,10 +104,9 @@ def select_decode(qg, k, v, block_idx, t, block_size, scale=None, *, blocks_per_
   b, kh, g, dk = qg.shape
   n = block_idx.shape[-1]
   bps = blocks_per_split or default_blocks_per_split(b, kh, n)
-  # Compact the valid slots to the front (the kernel loops over [split * bps, cnt)).
-  idx = jnp.sort(jnp.where(block_idx >= 0, block_idx, C.BIG), axis=-1)
-  cnt = jnp.sum(idx < C.BIG, axis=-1).astype(jnp.int32)
-  idx = jnp.where(idx < C.BIG, idx, 0).astype(jnp.int32)
+  # Every slot is walked; the kernel masks empty ones (-1), so no XLA compaction pass is needed.
+  idx = block_idx.astype(jnp.int32)
+  cnt = jnp.full((b, kh), n, jnp.int32)
   acc, m, l, _ = _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps,
                        num_stages, interpret, want_logits=False)
   return merge_splits(acc, m, l, qg.dtype)

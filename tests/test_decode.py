@@ -1,8 +1,11 @@
 """Cached decoding: token-by-token logits equal the parallel forward pass (NSA and dense, GQA groups
 of 1, 2 and 16, across compression/selection block and window-ring boundaries, every NSA option),
 prefill + decode equals decoding from the first token, the cache refuses to overflow, sampling
-filters, and the Pallas decode kernel (interpret mode) equals the plain-JAX selection decode."""
+filters, and the Pallas decode kernels (interpret mode) equal the plain-JAX decode math: split-K
+attention, and the fused compression branch + top-n (block indices equal to the plain-JAX
+selection); both lower for CUDA."""
 
+import functools
 import os
 
 import jax
@@ -153,8 +156,9 @@ def test_pallas_decode_kernel_interpret_matches_plain_jax(heads, kv_heads, dk, d
     cur = t // block
     # distinct blocks <= cur, ascending, -1 padding when fewer than n are eligible
     perm = jax.random.permutation(jax.random.fold_in(k4, t), cur + 1)[:n]
-    idx = jnp.sort(jnp.pad(perm, (0, n - perm.shape[0]), constant_values=10 ** 6))
-    idx = jnp.where(idx == 10 ** 6, -1, idx).astype(jnp.int32)
+    idx = jnp.pad(perm, (0, n - perm.shape[0]), constant_values=-1).astype(jnp.int32)
+    if t != 5:  # the kernel walks every slot: empty slots (-1) may sit anywhere
+      idx = jax.random.permutation(jax.random.fold_in(k4, t + 1), idx)
     idx = jnp.broadcast_to(idx, (b, kv_heads, n))
     want_o, want_lse = decode_math.select_decode(q, k, v, idx, t, block)
     got_o, got_lse = kern.select_decode(q, k, v, idx, t, block, blocks_per_split=n // splits,
@@ -191,3 +195,56 @@ def test_decode_with_pallas_kernels_interpret_equals_parallel():
     step_logits, cache = step_fn(params, cache, tokens[:, i])
     out.append(step_logits[:, None])
   assert_close(jnp.concatenate(out, 1), parallel_logits(model, tokens), "pallas decode")
+
+
+@pytest.mark.parametrize("heads,kv_heads,dk,dv,align", [(16, 1, 32, 16, "overlap"),
+                                                         (4, 2, 16, 32, "literal")])
+def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv, align):
+  """pallas_kernels.decode_select (interpret mode): o_cmp equal to decode_math.compressed_decode and
+  block indices equal to the plain-JAX scores + top-n, at positions inside the first selection
+  block, across top-n chunks (16 blocks of 16 tokens) and at the end of the cache."""
+  from pallas_kernels import decode_select
+  cfg = NSAConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=dk, head_dim_v=dv, cmp_block=8,
+                  cmp_stride=4, sel_block=16, num_selected=5, window=16, score_alignment=align)
+  b, s_slc, nc = 2, 512, 128
+  k1, k2, k3 = jax.random.split(fresh_key(10), 3)
+  q = jax.random.normal(k1, (b, kv_heads, heads // kv_heads, dk))
+  kc = jax.random.normal(k2, (b, kv_heads, nc, dk))
+  vc = jax.random.normal(k3, (b, kv_heads, nc, dv))
+  ns = s_slc // cfg.sel_block
+  fused = jax.jit(lambda q, kc, vc, t: decode_math.cmp_select_with(
+      functools.partial(decode_select.compressed_select_decode, interpret=True), q, kc, vc, t, ns,
+      cfg))
+  plain = jax.jit(lambda q, kc, vc, t: decode_math.compressed_decode(q, kc, vc, t, cfg))
+  for t in (3, 11, 40, 263, 300, 511):
+    o, idx = fused(q, kc, vc, jnp.int32(t))
+    want_o, _, p_cmp = plain(q, kc, vc, jnp.int32(t))
+    want_idx = decode_math.select_blocks_decode(decode_math.nsa_block_scores(p_cmp, ns, cfg),
+                                                jnp.int32(t), cfg)
+    assert_close(o, want_o, f"fused o_cmp at t={t}", tol=1e-5)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx),
+                                  err_msg=f"block indices at t={t} (seed={SEED})")
+
+
+def test_decode_kernels_lower_for_cuda():
+  from pallas_kernels import decode_attention as kern
+  from pallas_kernels import decode_select
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  b, kh, g, dk, dv, s_slc, nc = 2, 4, 16, 192, 128, 8192, 512
+  q, kc, vc = spec(b, kh, g, dk), spec(b, kh, nc, dk), spec(b, kh, nc, dv)
+  ks, vs = spec(b, kh, s_slc, dk), spec(b, kh, s_slc, dv)
+
+  def step(q, kc, vc, ks, vs):
+    t = jnp.int32(s_slc - 1)
+    o_c, _, idx = decode_select.compressed_select_decode(
+        q, kc, vc, t, jnp.int32(nc - 1), num_sel_blocks=s_slc // 64, block=32, stride=16,
+        sel_block=64, num_selected=16)
+    o_s, _ = kern.select_decode(q, ks, vs, idx, t, 64)
+    return o_c, o_s
+
+  abstract = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+  with jax.sharding.use_abstract_mesh(abstract):
+    text = jax.jit(step).trace(q, kc, vc, ks, vs).lower(lowering_platforms=("cuda",)).as_text()
+  for name in ("nsa_decode_attention", "nsa_decode_topn"):
+    assert name in text, f"{name} missing from the CUDA lowering"

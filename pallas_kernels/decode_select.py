@@ -1,0 +1,155 @@
+"""The compression branch and NSA's block selection for ONE new query per sequence (decoding), in
+two Pallas Triton-lowered kernels and no XLA pass over the compressed logits.
+
+1. The split-K decode kernel (decode_attention, contiguous mode) attends the query to the visible
+   compressed slots and writes, per split, the logits of the same pass (raw layout
+   [B, K, splits, M, L]: M >= 16 padded head rows, L = blocks_per_split * 64 slots).
+2. `_topn_kernel`, one program per (sequence, KV group), walks those logits in chunks of
+   r * nsj slots (r = l'/d): p = exp(logit - lse) on visible slots (Eq. 8, lse from the merged
+   splits), Eq. 9 as the band matmul of pallas_kernels.select_topn (float32-exact via three
+   bfloat16 terms), Eq. 10 as a sum over the group's heads, and Eq. 11's forced / eligible rules
+   merged into a running top-n. Output: block_idx [B, K, n] int32, ascending, -1 in empty slots.
+
+Ties and order as nsa_jax.reference.select_blocks (equal scores go to the lower block index);
+sums run in a different order than the plain-JAX decode path, so two block scores within ~1e-7
+relative may rank differently. The query is one document (decode has no packed segments).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common as C
+from pallas_kernels import decode_attention as da
+from pallas_kernels import select_topn as st
+
+LOG2E = math.log2(math.e)
+SLOT_BLOCK = 64  # compressed slots per split-K step of the decode kernel
+
+
+def _topn_kernel(meta_ref, lse_ref, lg_ref, idx_ref, *, g, m_rows, seg_len, r, c, nsj, off, n,
+                 sel_block, n_init, n_local):
+  nv, t = meta_ref[0], meta_ref[1]
+  lse = lse_ref[...]
+  lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+  real = lax.iota(jnp.int32, m_rows) < g
+  bkc = r * nsj
+  cur = t // sel_block
+  u = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 0)
+  v = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 1)
+  w_own = st._band(u, r * v + off, r, c).astype(jnp.bfloat16)
+  w_next = st._band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
+
+  def body(ci, state):
+    a_val, a_idx, carry = state
+    slot0 = ci * bkc
+    split = slot0 // seg_len
+    col = pl.multiple_of(slot0 - split * seg_len, bkc)
+    s = lg_ref[split, :, pl.ds(col, bkc)]  # [m_rows, bkc] natural-log logits
+    slot = slot0 + lax.iota(jnp.int32, bkc)
+    ok = real[:, None] & (slot < nv)[None, :]
+    p = jnp.where(ok, jnp.exp2(s * LOG2E - lse2[:, None]), 0.0)  # Eq. 8
+    parts = st._split3(p)
+    own = jnp.sum(st._exact_dot(parts, w_own), axis=0)[None, :] + carry  # Eq. 9, 10: [1, nsj]
+    carry = jnp.sum(st._exact_dot(parts, w_next), axis=0)[None, :]
+    j = ci * nsj + lax.broadcasted_iota(jnp.int32, (1, nsj), 1)
+    elig = j <= cur
+    forced = elig & ((j < n_init) | (j > cur - n_local))
+    cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
+    a_val, a_idx = st._merge(a_val, a_idx, cand, j, n=n)
+    return a_val, a_idx, carry
+
+  npad = idx_ref.shape[0]
+  init = (jnp.full((1, npad), -jnp.inf, jnp.float32), jnp.full((1, npad), -1, jnp.int32),
+          jnp.zeros((1, nsj), jnp.float32))
+  a_val, a_idx, _ = lax.fori_loop(0, cur // nsj + 1, body, init)
+  idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
+
+
+def chunk_blocks(r):
+  """Selection blocks per top-n chunk: the band dots need >= 16 rows (r * nsj) and columns."""
+  return max(16, 16 // r)
+
+
+def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_block,
+             blocks_per_split=None):
+  """(ok, reason): whether the fused compression + top-n decode path handles this call."""
+  b, kh = qg_shape[:2]
+  ok, why = da.supports(qg_shape, kc_shape, vc_shape, SLOT_BLOCK)
+  if not ok:
+    return ok, why
+  r = sel_block // stride
+  if sel_block % stride or r & (r - 1):
+    return False, f"l'/d = {sel_block}/{stride} must be a power of two"
+  nsj = chunk_blocks(r)
+  nb = kc_shape[2] // SLOT_BLOCK
+  bps = blocks_per_split or da.default_blocks_per_split(b, kh, nb)
+  seg_len, bkc = bps * SLOT_BLOCK, r * nsj
+  if seg_len % bkc:
+    return False, f"a top-n chunk of {bkc} slots straddles the {seg_len}-slot logits splits"
+  if C.cdiv(nb, bps) * seg_len < C.cdiv(num_sel_blocks, nsj) * bkc:
+    return False, (f"compressed cache of {kc_shape[2]} slots is shorter than the "
+                   f"{C.cdiv(num_sel_blocks, nsj) * bkc} the top-n walk reads")
+  return True, "ok"
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_sel_blocks", "block", "stride", "sel_block", "num_selected", "num_init", "num_local",
+    "alignment", "scale", "blocks_per_split", "interpret"))
+def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride,
+                             sel_block, num_selected, num_init=1, num_local=2,
+                             alignment="overlap", scale=None, blocks_per_split=None,
+                             interpret=False):
+  """Compression branch + top-n of one query per sequence.
+
+  qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
+  t: the query position; nv: the number of visible compressed slots (int32 scalars, may be traced).
+  Returns o_cmp [B, K, G, Dv], lse [B, K, G] float32, block_idx [B, K, n] int32.
+  """
+  ok, why = supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel_blocks, block, stride,
+                     sel_block, blocks_per_split)
+  if not ok:
+    raise ValueError(f"compressed_select_decode does not support this call: {why}")
+  if alignment not in st.ALIGN_OFFSET:
+    raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")
+  b, kh, g, _ = qg.shape
+  nb = k_cmp.shape[2] // SLOT_BLOCK
+  bps = blocks_per_split or da.default_blocks_per_split(b, kh, nb)
+  t, nv = jnp.asarray(t, jnp.int32), jnp.asarray(nv, jnp.int32)
+  ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, kh, nb))
+  cnt = jnp.broadcast_to(jnp.clip((nv - 1) // SLOT_BLOCK + 1, 0, nb), (b, kh)).astype(jnp.int32)
+  acc, m, l, lg = da._call(qg, k_cmp, v_cmp, ids, cnt, nv - 1, SLOT_BLOCK, scale, bps, None, 4, 2,
+                           interpret, want_logits=True)
+  o, lse = da.merge_splits(acc, m, l, qg.dtype)
+  m_rows, splits, seg_len = lg.shape[3], lg.shape[2], lg.shape[4]
+  r = sel_block // stride
+  npad = C.next_pow2(num_selected)
+  meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
+  lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)
+  kernel = functools.partial(
+      _topn_kernel, g=g, m_rows=m_rows, seg_len=seg_len, r=r, c=block // stride,
+      nsj=chunk_blocks(r), off=st.ALIGN_OFFSET[alignment](r), n=num_selected, sel_block=sel_block,
+      n_init=num_init, n_local=num_local)
+  per_group = lambda *shape: pl.BlockSpec((None, None, *shape),
+                                          lambda bb, kk: (bb, kk) + (0,) * len(shape))
+  C.log_once(("decode_topn", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
+             "decode top-n: qg=%s k_cmp=%s selection blocks=%d splits=%d interpret=%s", qg.shape,
+             k_cmp.shape, num_sel_blocks, splits, interpret)
+  idx = pl.pallas_call(
+      kernel,
+      grid=(b, kh),
+      in_specs=[per_group(2), per_group(m_rows), per_group(splits, m_rows, seg_len)],
+      out_specs=per_group(npad),
+      out_shape=jax.ShapeDtypeStruct((b, kh, npad), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="nsa_decode_topn",
+  )(meta, lse_rows, lg)
+  return o, lse, idx[..., :num_selected]
