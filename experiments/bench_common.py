@@ -110,3 +110,34 @@ def write_results(records, out_dir, name, preamble=""):
     json.dump(records, f, indent=1)
   with open(os.path.join(out_dir, name + ".md"), "w") as f:
     f.write(preamble + "\n\n" + markdown_table(records) + "\n")
+
+
+def kernel_profile(fn, args, trace_dir, top=25):
+  """Device kernels of one call of fn(*args) (after a warm-up), from a jax.profiler trace:
+  [(kernel name, launches, total microseconds)], longest first. Written for a GPU; on a backend
+  whose trace has no device plane the list is empty."""
+  import glob
+  jax.block_until_ready(fn(*args))
+  jax.profiler.start_trace(trace_dir)
+  try:
+    jax.block_until_ready(fn(*args))
+  finally:
+    jax.profiler.stop_trace()
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    return []
+  data = jax.profiler.ProfileData.from_file(paths[-1])
+  totals = {}
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "module" in line.name.lower() or "step" in line.name.lower():  # not single kernels
+        continue
+      for ev in line.events:
+        key = f"[{line.name}] {ev.name}"
+        n, us = totals.get(key, (0, 0.0))
+        totals[key] = (n + 1, us + ev.duration_ns / 1e3)
+  rows = sorted(((k, n, round(us, 2)) for k, (n, us) in totals.items()), key=lambda r: -r[2])
+  return rows[:top]

@@ -197,6 +197,24 @@ def bench_shape(dk, dv, t, b, peaks, key, selection_only=False, breakdown=False)
   return out
 
 
+def profile_step(t, out_dir, name, b=8, dk=192, dv=128):
+  """Per-kernel device time of one looped call of each NSA implementation, printed and saved."""
+  cfg = paper_cfg(dk, dv)
+  copies = [nsa_inputs(jax.random.key(1), b, t, cfg)]
+  res = {}
+  for impl in IMPLS:
+    rows = bc.kernel_profile(looped(nsa_step_fn(cfg, t, impl), t, TIMING["steps"]), [copies],
+                             os.path.join("/tmp", f"trace_{impl}"))
+    res[impl] = dict(steps=TIMING["steps"], kernels=rows)
+    print(f"PROFILE {impl} T={t} B={b} {dk}/{dv}: {TIMING['steps']} steps", flush=True)
+    for k, n, us in rows:
+      print(f"  {us:9.1f} us  {n:5d}x  {k[:140]}", flush=True)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, name + "_profile.json"), "w") as f:
+    json.dump(dict(T=t, batch=b, d_k=dk, d_v=dv, command=bc.command_line(), hardware=bc.hardware(),
+                   per_impl=res), f, indent=1)
+
+
 def records_for(dk, dv, t, b, m, peaks):
   common = dict(op="nsa_decode", pass_="decode", t=t, batch=b, q_heads=H, kv_heads=KH, d_k=dk,
                 d_v=dv, cudnn_ms=m.get("cudnn_ms"))
@@ -244,6 +262,9 @@ def main():
                   help="loop: dependent steps in one executable (default); calls: one host "
                        "dispatch per R steps")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per timed loop")
+  ap.add_argument("--profile", action="store_true",
+                  help="also save the device kernels of the fused step (jax.profiler) at the "
+                       "first length, d_k/d_v = 192/128, batch 8, as <name>_profile.json")
   ap.add_argument("--breakdown_T", default="65536",
                   help="lengths that also time the fused step one branch at a time")
   args = ap.parse_args()
@@ -251,6 +272,8 @@ def main():
   INTERPRET = args.interpret
   TIMING.update(mode=args.timing, steps=args.steps)
   breakdown_t = {int(x) for x in args.breakdown_T.split(",") if x}
+  if args.profile:
+    profile_step(int(args.lengths.split(",")[0]), args.out, args.name)
   start = time.time()
   peaks = bc.measure_peaks(n=512, copy_mib=16) if args.interpret else bc.measure_peaks()
   print(f"measured: bf16 matmul {peaks[0] / 1e12:.0f} TFLOP/s, HBM copy {peaks[1] / 1e12:.2f} TB/s",

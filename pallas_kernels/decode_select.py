@@ -1,14 +1,18 @@
 """The compression branch and NSA's block selection for ONE new query per sequence (decoding), in
-two Pallas Triton-lowered kernels and no XLA pass over the compressed logits.
+two Pallas Triton-lowered kernels plus a top-k over the block scores.
 
 1. The split-K decode kernel (decode_attention, contiguous mode) attends the query to the visible
    compressed slots and writes, per split, the logits of the same pass (raw layout
    [B, K, splits, M, L]: M >= 16 padded head rows, L = blocks_per_split * 64 slots).
-2. `_topn_kernel`, one program per (sequence, KV group), walks those logits in chunks of
-   r * nsj slots (r = l'/d): p = exp(logit - lse) on visible slots (Eq. 8, lse from the merged
-   splits), Eq. 9 as the band matmul of pallas_kernels.select_topn (float32-exact via three
-   bfloat16 terms), Eq. 10 as a sum over the group's heads, and Eq. 11's forced / eligible rules
-   merged into a running top-n. Output: block_idx [B, K, n] int32, ascending, -1 in empty slots.
+2. `_scores_kernel`, one program per (sequence, KV group, chunk of nsj selection blocks), reads the
+   chunk's r * nsj slots and the previous chunk's (Eq. 9's band reaches back): p = exp(logit -
+   lse) on visible slots (Eq. 8, lse from the merged splits), Eq. 9 as the band matmul of
+   pallas_kernels.select_topn (float32-exact via three bfloat16 terms), Eq. 10 as a sum over the
+   group's heads, and Eq. 11's forced (+inf) / ineligible (-inf) rules. It writes only the
+   [B, K, Ns] block scores (4 bytes per 64 cached tokens); `top_blocks` (lax.top_k + sort) turns
+   them into block_idx [B, K, n] int32, ascending, -1 in empty slots.
+   (A first version merged a running top-n in one program per (sequence, KV group): measured on
+   the H200 it was slower than the plain-JAX scoring, its 64 chunks walked one after another.)
 
 Ties and order as nsa_jax.reference.select_blocks (equal scores go to the lower block index);
 sums run in a different order than the plain-JAX decode path, so two block scores within ~1e-7
@@ -34,8 +38,10 @@ LOG2E = math.log2(math.e)
 SLOT_BLOCK = 64  # compressed slots per split-K step of the decode kernel
 
 
-def _topn_kernel(meta_ref, lse_ref, lg_ref, idx_ref, *, g, m_rows, seg_len, r, c, nsj, off, n,
-                 sel_block, n_init, n_local):
+def _scores_kernel(meta_ref, lse_ref, lg_ref, sc_ref, *, g, m_rows, seg_len, r, c, nsj, off,
+                   sel_block, n_init, n_local):
+  """Program (b, k, ci): the Eq. 9-11 scores of selection blocks [ci * nsj, (ci + 1) * nsj)."""
+  ci = pl.program_id(2)
   nv, t = meta_ref[0], meta_ref[1]
   lse = lse_ref[...]
   lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
@@ -44,33 +50,26 @@ def _topn_kernel(meta_ref, lse_ref, lg_ref, idx_ref, *, g, m_rows, seg_len, r, c
   cur = t // sel_block
   u = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 0)
   v = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 1)
-  w_own = st._band(u, r * v + off, r, c).astype(jnp.bfloat16)
-  w_next = st._band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
 
-  def body(ci, state):
-    a_val, a_idx, carry = state
-    slot0 = ci * bkc
+  def band_sum(chunk, k_base, live):
+    """Eq. 8-10 of the slots of one chunk for this program's blocks: [1, nsj] (0 if not live)."""
+    slot0 = chunk * bkc
     split = slot0 // seg_len
     col = pl.multiple_of(slot0 - split * seg_len, bkc)
     s = lg_ref[split, :, pl.ds(col, bkc)]  # [m_rows, bkc] natural-log logits
     slot = slot0 + lax.iota(jnp.int32, bkc)
-    ok = real[:, None] & (slot < nv)[None, :]
+    ok = real[:, None] & (slot < nv)[None, :] & live
     p = jnp.where(ok, jnp.exp2(s * LOG2E - lse2[:, None]), 0.0)  # Eq. 8
-    parts = st._split3(p)
-    own = jnp.sum(st._exact_dot(parts, w_own), axis=0)[None, :] + carry  # Eq. 9, 10: [1, nsj]
-    carry = jnp.sum(st._exact_dot(parts, w_next), axis=0)[None, :]
-    j = ci * nsj + lax.broadcasted_iota(jnp.int32, (1, nsj), 1)
-    elig = j <= cur
-    forced = elig & ((j < n_init) | (j > cur - n_local))
-    cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
-    a_val, a_idx = st._merge(a_val, a_idx, cand, j, n=n)
-    return a_val, a_idx, carry
+    w = st._band(u, k_base, r, c).astype(jnp.bfloat16)
+    return jnp.sum(st._exact_dot(st._split3(p), w), axis=0)[None, :]  # Eq. 9, then 10
 
-  npad = idx_ref.shape[0]
-  init = (jnp.full((1, npad), -jnp.inf, jnp.float32), jnp.full((1, npad), -1, jnp.int32),
-          jnp.zeros((1, nsj), jnp.float32))
-  a_val, a_idx, _ = lax.fori_loop(0, cur // nsj + 1, body, init)
-  idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
+  # A chunk's blocks also take the last slots of the chunk before (Eq. 9's band reaches back).
+  own = (band_sum(ci, r * v + off, True)
+         + band_sum(jnp.maximum(ci - 1, 0), r * (nsj + v) + off, ci > 0))
+  j = ci * nsj + lax.broadcasted_iota(jnp.int32, (1, nsj), 1)
+  elig = j <= cur
+  forced = elig & ((j < n_init) | (j > cur - n_local))
+  sc_ref[...] = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf)).reshape(nsj)
 
 
 def chunk_blocks(r):
@@ -130,26 +129,37 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   o, lse = da.merge_splits(acc, m, l, qg.dtype)
   m_rows, splits, seg_len = lg.shape[3], lg.shape[2], lg.shape[4]
   r = sel_block // stride
-  npad = C.next_pow2(num_selected)
+  nsj = chunk_blocks(r)
+  chunks = C.cdiv(num_sel_blocks, nsj)
   meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
   lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)
   kernel = functools.partial(
-      _topn_kernel, g=g, m_rows=m_rows, seg_len=seg_len, r=r, c=block // stride,
-      nsj=chunk_blocks(r), off=st.ALIGN_OFFSET[alignment](r), n=num_selected, sel_block=sel_block,
-      n_init=num_init, n_local=num_local)
+      _scores_kernel, g=g, m_rows=m_rows, seg_len=seg_len, r=r, c=block // stride, nsj=nsj,
+      off=st.ALIGN_OFFSET[alignment](r), sel_block=sel_block, n_init=num_init,
+      n_local=num_local)
   per_group = lambda *shape: pl.BlockSpec((None, None, *shape),
-                                          lambda bb, kk: (bb, kk) + (0,) * len(shape))
-  C.log_once(("decode_topn", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
-             "decode top-n: qg=%s k_cmp=%s selection blocks=%d splits=%d interpret=%s", qg.shape,
-             k_cmp.shape, num_sel_blocks, splits, interpret)
-  idx = pl.pallas_call(
+                                          lambda bb, kk, cc: (bb, kk) + (0,) * len(shape))
+  C.log_once(("decode_scores", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
+             "decode block scores: qg=%s k_cmp=%s selection blocks=%d chunks=%d interpret=%s",
+             qg.shape, k_cmp.shape, num_sel_blocks, chunks, interpret)
+  scores = pl.pallas_call(
       kernel,
-      grid=(b, kh),
+      grid=(b, kh, chunks),
       in_specs=[per_group(2), per_group(m_rows), per_group(splits, m_rows, seg_len)],
-      out_specs=per_group(npad),
-      out_shape=jax.ShapeDtypeStruct((b, kh, npad), jnp.int32),
+      out_specs=pl.BlockSpec((None, None, nsj), lambda bb, kk, cc: (bb, kk, cc)),
+      out_shape=jax.ShapeDtypeStruct((b, kh, chunks * nsj), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
-      name="nsa_decode_topn",
+      name="nsa_decode_scores",
   )(meta, lse_rows, lg)
-  return o, lse, idx[..., :num_selected]
+  return o, lse, top_blocks(scores[..., :num_sel_blocks], num_selected)
+
+
+def top_blocks(scores, n):
+  """[..., Ns] scores (forced blocks +inf, ineligible -inf) -> the n best block ids ascending,
+  -1 in empty slots; equal scores go to the lower block (lax.top_k is stable)."""
+  ns = scores.shape[-1]
+  vals, idx = lax.top_k(scores, min(n, ns))
+  idx = jnp.sort(jnp.where(vals == -jnp.inf, ns, idx), axis=-1)
+  idx = jnp.where(idx == ns, -1, idx).astype(jnp.int32)
+  return jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, n - idx.shape[-1])], constant_values=-1)

@@ -246,5 +246,5 @@ def test_decode_kernels_lower_for_cuda():
       device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
   with jax.sharding.use_abstract_mesh(abstract):
     text = jax.jit(step).trace(q, kc, vc, ks, vs).lower(lowering_platforms=("cuda",)).as_text()
-  for name in ("nsa_decode_attention", "nsa_decode_topn"):
+  for name in ("nsa_decode_attention", "nsa_decode_scores"):
     assert name in text, f"{name} missing from the CUDA lowering"
