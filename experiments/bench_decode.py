@@ -74,7 +74,7 @@ def _kernel():
 
 def nsa_step_fn(cfg, t, impl):
   """impl: "xla" (plain JAX), "pallas" (selection kernel), "pallas_all" (+ compression branch and
-  top-n fused in pallas_kernels.decode_select, window through the split-K prefix kernel)."""
+  top-n fused in pallas_kernels.decode_select, selection + window ring in one launch)."""
   from pallas_kernels import decode_attention as kern
   kw = {}
   if impl in ("pallas", "pallas_all"):
@@ -84,6 +84,7 @@ def nsa_step_fn(cfg, t, impl):
     kw["prefix_fn"] = functools.partial(kern.prefix_decode, interpret=INTERPRET)
     kw["cmp_select_fn"] = functools.partial(decode_select.compressed_select_decode,
                                             interpret=INTERPRET)
+    kw["select_window_fn"] = functools.partial(kern.select_window_decode, interpret=INTERPRET)
   def step(q, caches, gates, tt):
     return dm.nsa_decode(q, caches, tt, gates, cfg, **kw)[0]
   return step

@@ -125,7 +125,7 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top
   """Samples max_new_tokens after prompt_ids [B, T]; returns [B, max_new_tokens] int32.
 
   on_tokens(tokens [B, c]) is called as soon as each chunk is on the host (streaming).
-  kernels: {select_fn, prefix_fn, cmp_select_fn} decode kernels (decode.pallas_decode_kernels()); None = plain JAX.
+  kernels: the Pallas decode kernels (decode.pallas_decode_kernels()); None = plain JAX.
   """
   b, t = prompt_ids.shape
   steps = max_new_tokens - 1  # the first new token comes from the prefill logits

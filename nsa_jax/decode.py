@@ -298,14 +298,15 @@ def check_room(cache: DecodeCache, steps: int = 1):
 
 
 def decode_step(model, cache: DecodeCache, token, *, select_fn=None, prefix_fn=None,
-                cmp_select_fn=None, check=True):
+                cmp_select_fn=None, select_window_fn=None, check=True):
   """Appends one token per sequence and returns (logits [B, vocab] float32, new cache).
 
   token [B] int. Outside jit a full cache raises ValueError. Under jit (cache.pos traced) the check
   cannot raise: call `check_room(cache, n)` before a loop of n steps; an overflowing step returns
   NaN logits (and its cache writes land in the last slot).
-  select_fn, prefix_fn, cmp_select_fn: Pallas decode kernels for the selection / compression and
-  window branches / fused compression + top-n (see `pallas_decode_kernels`); None = plain JAX.
+  select_fn, prefix_fn, cmp_select_fn, select_window_fn: Pallas decode kernels for the selection /
+  compression and window branches / fused compression + top-n / selection + window in one launch
+  (see `pallas_decode_kernels`); None = plain JAX.
   """
   if check and not isinstance(cache.pos, jax.core.Tracer):
     check_room(cache)
@@ -317,7 +318,7 @@ def decode_step(model, cache: DecodeCache, token, *, select_fn=None, prefix_fn=N
     if isinstance(block.attn, NSAAttention):
       y, new = _step_nsa(block.attn, h, t, layer_cache,
                          dict(select_fn=select_fn, prefix_fn=prefix_fn,
-                              cmp_select_fn=cmp_select_fn))
+                              cmp_select_fn=cmp_select_fn, select_window_fn=select_window_fn))
     else:
       y, new = _step_dense(block.attn, h, t, layer_cache)
     layers.append(new)
@@ -331,17 +332,20 @@ def decode_step(model, cache: DecodeCache, token, *, select_fn=None, prefix_fn=N
 # ----------------------------------------------------------------------------- jitted entry points
 
 def pallas_decode_kernels(interpret=False) -> dict:
-  """{select_fn, prefix_fn, cmp_select_fn}: the Pallas decode kernels (split-K attention, and the
-  fused compression + top-n), for decode_step / jit_decode."""
+  """{select_fn, prefix_fn, cmp_select_fn, select_window_fn}: the Pallas decode kernels (split-K
+  attention, the fused compression + top-n, selection + window in one launch), for decode_step /
+  jit_decode."""
   from pallas_kernels import decode_attention as kern
   from pallas_kernels import decode_select
   return {"select_fn": functools.partial(kern.select_decode, interpret=interpret),
           "prefix_fn": functools.partial(kern.prefix_decode, interpret=interpret),
           "cmp_select_fn": functools.partial(decode_select.compressed_select_decode,
-                                             interpret=interpret)}
+                                             interpret=interpret),
+          "select_window_fn": functools.partial(kern.select_window_decode, interpret=interpret)}
 
 
-def jit_decode(model, *, select_fn=None, prefix_fn=None, cmp_select_fn=None):
+def jit_decode(model, *, select_fn=None, prefix_fn=None, cmp_select_fn=None,
+               select_window_fn=None):
   """(params, prefill_fn, step_fn): jitted functions over the split model state, so the weights
   are arguments, not constants baked into the executable.
 
@@ -357,6 +361,7 @@ def jit_decode(model, *, select_fn=None, prefix_fn=None, cmp_select_fn=None):
   @functools.partial(jax.jit, donate_argnums=1)
   def step_fn(params, cache, token):
     return decode_step(nnx.merge(graphdef, params), cache, token, select_fn=select_fn,
-                       prefix_fn=prefix_fn, cmp_select_fn=cmp_select_fn, check=False)
+                       prefix_fn=prefix_fn, cmp_select_fn=cmp_select_fn,
+                       select_window_fn=select_window_fn, check=False)
 
   return params, prefill_fn, step_fn

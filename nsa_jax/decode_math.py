@@ -189,7 +189,7 @@ def _fits(prefix_fn, cache, block=64):
 
 
 def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, prefix_fn=None,
-               cmp_select_fn=None):
+               cmp_select_fn=None, select_window_fn=None):
   """NSA attention (Eq. 5) of one new query per sequence.
 
   q [B, H, Dk] rotated at t; gates [B, H, 3] in (cmp, slc, win) order; caches a dict with the
@@ -203,6 +203,9 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
   cmp_select_fn: optional fused compression branch + top-n kernel
     (pallas_kernels.decode_select.compressed_select_decode), used for the NSA selector where it
     supports the shapes.
+  select_window_fn: optional kernel running the selection and a window ring in one launch
+    (pallas_kernels.decode_attention.select_window_decode), used where the window has its own
+    ring of W <= w slots, a multiple of l'.
   Returns o [B, H, Dv] in q's dtype and aux {"block_idx": [B, K, n]} (when selection runs).
   """
   b, h, _ = q.shape
@@ -230,10 +233,18 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
       idx = select_blocks_decode(nsa_block_scores(p_cmp, ns, cfg), t, cfg)
     elif idx is None:
       idx = select_blocks_decode(quest_block_scores(qg, caches["k_slc"], t, cfg.sel_block), t, cfg)
-    fn = select_fn or select_decode
-    outs["slc"], _ = fn(qg, caches["k_slc"], caches["v_slc"], idx, t, cfg.sel_block, scale)
+    k_win = caches.get("k_win")
+    if (select_window_fn is not None and "win" in cfg.branches and k_win is not None
+        and k_win.shape[2] <= cfg.window and k_win.shape[2] % cfg.sel_block == 0):
+      live = jnp.minimum(t, k_win.shape[2] - 1)  # ring slots <= min(t, W - 1) hold positions
+      outs["slc"], _, outs["win"], _ = select_window_fn(
+          qg, caches["k_slc"], caches["v_slc"], idx, t, k_win, caches["v_win"], live,
+          cfg.sel_block, scale)
+    else:
+      fn = select_fn or select_decode
+      outs["slc"], _ = fn(qg, caches["k_slc"], caches["v_slc"], idx, t, cfg.sel_block, scale)
     aux["block_idx"] = idx
-  if "win" in cfg.branches:
+  if "win" in cfg.branches and "win" not in outs:
     k_win = caches.get("k_win")
     if k_win is not None and _fits(prefix_fn, k_win) and k_win.shape[2] <= cfg.window:
       # A ring of W <= w slots holds only in-window positions: slots <= min(t, W - 1) are live.

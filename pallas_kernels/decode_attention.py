@@ -15,7 +15,8 @@ Contract (the semantics of nsa_jax.decode_math.select_decode):
 The same kernel in contiguous mode, `prefix_decode(qg, k, v, t)`, attends to slots 0..t of a short
 cache split across its length (the compressed cache, optionally returning the logits of the same
 pass for the selection scores, and the window ring), so a whole NSA decode step reads each cached
-token it needs exactly once.
+token it needs exactly once. `select_window_decode` runs the selection and the window ring in one
+launch (splits of both side by side).
 """
 
 from __future__ import annotations
@@ -36,6 +37,49 @@ LN2 = math.log(2.0)
 TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs: enough splits to fill it at batch 1
 
 
+def _walk(state, qs, k_ref, v_ref, lo, hi, t, *, block_of, block_size, bk, dk_pieces, dv_pieces,
+          scale, lg_ref=None):
+  """Online softmax over slots [lo, hi) of a block list: block_of(j) -> (block id, live)."""
+
+  def body(j, carry):
+    m_i, l_i, accs = carry
+    blk, live = block_of(j)  # an empty slot (-1) reads block 0 and masks it whole
+    for sub in range(block_size // bk):
+      start = blk * block_size + sub * bk
+      ks = [k_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dk_pieces]
+      vs = [v_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dv_pieces]
+      s = C.dot_pieces(qs, ks) * scale  # [m_rows, bk]
+      if lg_ref is not None:  # contiguous mode: slot j of this split's output block holds lo + j
+        lg_ref[:, pl.ds((j - lo) * block_size + sub * bk, bk)] = s
+      s = s * LOG2E  # base-2 logits for exp2
+      kpos = start + lax.iota(jnp.int32, bk)
+      s = jnp.where(((kpos <= t) & live)[None, :], s, -jnp.inf)
+      m_i, l_i, accs = C.softmax_step((m_i, l_i, accs), s, vs)
+    return m_i, l_i, accs
+
+  return lax.fori_loop(lo, jnp.maximum(lo, hi), body, state)
+
+
+def _init(m_rows, dv_pieces):
+  return (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32),
+          tuple(jnp.zeros((m_rows, size), jnp.float32) for _, size in dv_pieces))
+
+
+def _store(state, acc_ref, m_ref, l_ref, dv_pieces):
+  m_i, l_i, accs = state
+  for (off, size), a in zip(dv_pieces, accs):
+    acc_ref[:, pl.ds(off, size)] = a
+  m_ref[...] = m_i
+  l_ref[...] = l_i
+
+
+def _listed(idx_ref):
+  def block_of(j):
+    blk = idx_ref[j]
+    return jnp.maximum(blk, 0), blk >= 0
+  return block_of
+
+
 def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_refs, m_rows, bps,
             block_size, bk, dk_pieces, dv_pieces, scale):
   split = pl.program_id(2)
@@ -43,32 +87,30 @@ def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_r
   first = split * bps
   last = jnp.minimum(first + bps, cnt)  # slots past cnt are never read (prefix mode)
   qs = [q_ref[:, pl.ds(off, size)] for off, size in dk_pieces]
+  state = _walk(_init(m_rows, dv_pieces), qs, k_ref, v_ref, first, last, t,
+                block_of=_listed(idx_ref), block_size=block_size, bk=bk, dk_pieces=dk_pieces,
+                dv_pieces=dv_pieces, scale=scale, lg_ref=lg_refs[0] if lg_refs else None)
+  _store(state, acc_ref, m_ref, l_ref, dv_pieces)
 
-  def body(j, carry):
-    m_i, l_i, accs = carry
-    blk = idx_ref[j]
-    live = blk >= 0  # an empty slot (-1) reads block 0 and masks it whole
-    blk = jnp.maximum(blk, 0)
-    for sub in range(block_size // bk):
-      start = blk * block_size + sub * bk
-      ks = [k_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dk_pieces]
-      vs = [v_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in dv_pieces]
-      s = C.dot_pieces(qs, ks) * scale  # [m_rows, bk]
-      if lg_refs:  # contiguous mode: slot j of this split's output block holds block first + j
-        lg_refs[0][:, pl.ds((j - first) * block_size + sub * bk, bk)] = s
-      s = s * LOG2E  # base-2 logits for exp2
-      kpos = start + lax.iota(jnp.int32, bk)
-      s = jnp.where(((kpos <= t) & live)[None, :], s, -jnp.inf)
-      m_i, l_i, accs = C.softmax_step((m_i, l_i, accs), s, vs)
-    return m_i, l_i, accs
 
-  init = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32),
-          tuple(jnp.zeros((m_rows, size), jnp.float32) for _, size in dv_pieces))
-  m_i, l_i, accs = lax.fori_loop(first, jnp.maximum(first, last), body, init)
-  for (off, size), a in zip(dv_pieces, accs):
-    acc_ref[:, pl.ds(off, size)] = a
-  m_ref[...] = m_i
-  l_ref[...] = l_i
+def _sel_win_kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, acc_ref, m_ref, l_ref,
+                    *, m_rows, bps, wbps, sel_splits, n, block_size, bk, dk_pieces, dv_pieces,
+                    scale):
+  """Splits [0, sel_splits) walk the selected blocks of k/v; the rest walk the window ring kw/vw
+  (contiguous, slots <= t_win). One loop of each kind per program, the other one empty."""
+  split = pl.program_id(2)
+  t, t_win = meta_ref[0], meta_ref[1]
+  is_win = split >= sel_splits
+  lo = jnp.where(is_win, 0, split * bps)
+  hi = jnp.where(is_win, 0, jnp.minimum(split * bps + bps, n))
+  w_lo = jnp.where(is_win, (split - sel_splits) * wbps, 0)
+  w_hi = jnp.where(is_win, jnp.minimum(w_lo + wbps, t_win // block_size + 1), 0)
+  qs = [q_ref[:, pl.ds(off, size)] for off, size in dk_pieces]
+  kw = dict(block_size=block_size, bk=bk, dk_pieces=dk_pieces, dv_pieces=dv_pieces, scale=scale)
+  state = _walk(_init(m_rows, dv_pieces), qs, k_ref, v_ref, lo, hi, t, block_of=_listed(idx_ref),
+                **kw)
+  state = _walk(state, qs, kw_ref, vw_ref, w_lo, w_hi, t_win, block_of=lambda j: (j, True), **kw)
+  _store(state, acc_ref, m_ref, l_ref, dv_pieces)
 
 
 def default_blocks_per_split(batch, kv_heads, n):
@@ -142,6 +184,64 @@ def prefix_decode(qg, k, v, t, scale=None, *, block_size=64, blocks_per_split=No
   splits = lg.shape[2]
   lg = lg[:, :, :, :g].transpose(0, 1, 3, 2, 4).reshape(b, kh, g, splits * bps * block_size)
   return o, lse, lg[..., :k.shape[2]]
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "blocks_per_split",
+                                             "window_blocks_per_split", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size, scale=None, *,
+                         blocks_per_split=None, window_blocks_per_split=None, block_k=None,
+                         num_warps=4, num_stages=2, interpret=False):
+  """The selection branch (as `select_decode` over k, v, block_idx) and the window ring (as
+  `prefix_decode` over k_win, v_win slots 0..t_win, W a multiple of block_size) in ONE
+  pallas_call: one launch, the two branches' splits side by side on the GPU.
+  Returns (o_slc, lse_slc, o_win, lse_win)."""
+  for kk, vv, what in ((k, v, "selection"), (k_win, v_win, "window")):
+    ok, why = supports(qg.shape, kk.shape, vv.shape, block_size, block_k)
+    if not ok:
+      raise ValueError(f"pallas select_window_decode does not support the {what} cache: {why}")
+  b, kh, g, dk = qg.shape
+  dv, n, nbw = v.shape[3], block_idx.shape[-1], k_win.shape[2] // block_size
+  bps = blocks_per_split or default_blocks_per_split(b, kh, n)
+  wbps = window_blocks_per_split or default_blocks_per_split(b, kh, nbw)
+  sel_splits, splits = C.cdiv(n, bps), C.cdiv(n, bps) + C.cdiv(nbw, wbps)
+  m_rows = C.rows_of(g, 1)
+  n_pad = C.next_pow2(n)
+  idx = jnp.pad(block_idx.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)), constant_values=-1)
+  meta = jnp.broadcast_to(jnp.stack([jnp.asarray(t, jnp.int32), jnp.asarray(t_win, jnp.int32)]),
+                          (b, kh, 2))
+  q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
+  kernel = functools.partial(
+      _sel_win_kernel, m_rows=m_rows, bps=bps, wbps=wbps, sel_splits=sel_splits, n=n,
+      block_size=block_size, bk=block_k or min(64, block_size), dk_pieces=C.dim_pieces(dk),
+      dv_pieces=C.dim_pieces(dv), scale=float(dk ** -0.5 if scale is None else scale))
+  per_group = lambda *shape: pl.BlockSpec((None, None, *shape),
+                                          lambda bb, kk, ss: (bb, kk) + (0,) * len(shape))
+  per_split = lambda *shape: pl.BlockSpec((None, None, None, *shape),
+                                          lambda bb, kk, ss: (bb, kk, ss) + (0,) * len(shape))
+  C.log_once(("decode_sel_win", qg.shape, k.shape, k_win.shape, n, block_size, interpret),
+             "decode selection + window: qg=%s k=%s k_win=%s blocks=%d splits=%d+%d interpret=%s",
+             qg.shape, k.shape, k_win.shape, n, sel_splits, splits - sel_splits, interpret)
+  acc, m, l = pl.pallas_call(
+      kernel,
+      grid=(b, kh, splits),
+      in_specs=[per_group(n_pad), per_group(2), per_group(m_rows, dk),
+                per_group(k.shape[2], dk), per_group(k.shape[2], dv),
+                per_group(k_win.shape[2], dk), per_group(k_win.shape[2], dv)],
+      out_specs=[per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, splits, m_rows, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="nsa_decode_select_window",
+  )(idx, meta, q_rows, k, v, k_win, v_win)
+  acc, m, l = acc[:, :, :, :g], m[..., :g], l[..., :g]
+  o_s, lse_s = merge_splits(acc[:, :, :sel_splits], m[:, :, :sel_splits], l[:, :, :sel_splits],
+                            qg.dtype)
+  o_w, lse_w = merge_splits(acc[:, :, sel_splits:], m[:, :, sel_splits:], l[:, :, sel_splits:],
+                            qg.dtype)
+  return o_s, lse_s, o_w, lse_w
 
 
 def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,

@@ -180,6 +180,28 @@ def test_pallas_decode_kernel_interpret_matches_plain_jax(heads, kv_heads, dk, d
     assert_close(logits[..., :t + 1], want_logits[..., :t + 1], f"prefix logits at t={t}", tol=1e-5)
 
 
+def test_select_window_kernel_interpret_matches_plain_jax():
+  """Selection + window ring in one launch (interpret mode) against the two plain-JAX branches,
+  with empty slots, a ring not yet full (t < W) and a wrapped one."""
+  from pallas_kernels import decode_attention as kern
+  b, kh, g, dk, dv, block, n, s, w = 2, 2, 4, 32, 16, 16, 4, 160, 64
+  k1, k2, k3, k4, k5 = jax.random.split(fresh_key(11), 5)
+  q = jax.random.normal(k1, (b, kh, g, dk))
+  k = jax.random.normal(k2, (b, kh, s, dk))
+  v = jax.random.normal(k3, (b, kh, s, dv))
+  kw = jax.random.normal(k4, (b, kh, w, dk))
+  vw = jax.random.normal(k5, (b, kh, w, dv))
+  for t in (20, 150):
+    idx = jnp.broadcast_to(jnp.array([0, -1, t // block, -1], jnp.int32), (b, kh, n))
+    live = min(t, w - 1)
+    got = kern.select_window_decode(q, k, v, idx, t, kw, vw, live, block, blocks_per_split=1,
+                                    window_blocks_per_split=2, interpret=True)
+    want_s = decode_math.select_decode(q, k, v, idx, t, block)
+    want_w = decode_math.window_decode(q, kw, vw, t, w)
+    for x, y, what in zip(got, (*want_s, *want_w), ("o_slc", "lse_slc", "o_win", "lse_win")):
+      assert_close(x, y, f"{what} at t={t}", tol=1e-5)
+
+
 def test_decode_with_pallas_kernels_interpret_equals_parallel():
   """The whole decode step with all three split-K kernels (interpret mode) against the parallel
   pass: 70 cached tokens, so the compressed cache (15 blocks) and the window ring are live."""
@@ -240,11 +262,14 @@ def test_decode_kernels_lower_for_cuda():
         q, kc, vc, t, jnp.int32(nc - 1), num_sel_blocks=s_slc // 64, block=32, stride=16,
         sel_block=64, num_selected=16)
     o_s, _ = kern.select_decode(q, ks, vs, idx, t, 64)
-    return o_c, o_s
+    o_s2, _, o_w, _ = kern.select_window_decode(q, ks, vs, idx, t, ks[:, :, :512], vs[:, :, :512],
+                                                jnp.int32(511), 64)
+    return o_c, o_s, o_s2, o_w
 
   abstract = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
   with jax.sharding.use_abstract_mesh(abstract):
     text = jax.jit(step).trace(q, kc, vc, ks, vs).lower(lowering_platforms=("cuda",)).as_text()
-  for name in ("nsa_decode_attention", "nsa_decode_scores"):
+  for name in ("nsa_decode_attention", "nsa_decode_scores", "nsa_decode_topn",
+               "nsa_decode_select_window"):
     assert name in text, f"{name} missing from the CUDA lowering"
