@@ -37,6 +37,10 @@ from nsa_jax.config import NSAConfig, num_cmp_blocks
 
 H, KH = 64, 4
 IMPLS = ("xla", "pallas", "pallas_all")
+# Tuning variants of the fused path (--variants): name -> compressed_select_decode keywords.
+VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
+            "pallas_all_topn_w1": dict(topn_num_warps=1),
+            "pallas_all_topn_w2": dict(topn_num_warps=2)}
 L2_BYTES = 60e6
 
 
@@ -73,6 +77,25 @@ def _kernel():
 
 
 def nsa_step_fn(cfg, t, impl):
+  if impl in VARIANTS:
+    return _fused_step(cfg, **VARIANTS[impl])
+  return _step(cfg, t, impl)
+
+
+def _fused_step(cfg, **tuning):
+  from pallas_kernels import decode_attention as kern
+  from pallas_kernels import decode_select
+  kw = dict(select_fn=_kernel(),
+            prefix_fn=functools.partial(kern.prefix_decode, interpret=INTERPRET),
+            cmp_select_fn=functools.partial(decode_select.compressed_select_decode,
+                                            interpret=INTERPRET, **tuning),
+            select_window_fn=functools.partial(kern.select_window_decode, interpret=INTERPRET))
+  def step(q, caches, gates, tt):
+    return dm.nsa_decode(q, caches, tt, gates, cfg, **kw)[0]
+  return step
+
+
+def _step(cfg, t, impl):
   """impl: "xla" (plain JAX), "pallas" (selection kernel), "pallas_all" (+ compression branch and
   top-n fused in pallas_kernels.decode_select, selection + window ring in one launch)."""
   from pallas_kernels import decode_attention as kern
@@ -100,6 +123,7 @@ def select_only_fn(cfg, t, impl):
 
 
 TIMING = {"mode": "loop", "steps": 16}
+RUN = {"impls": list(IMPLS)}  # "xla" first: the other rows are checked against it
 
 
 def feed_back(q, o):
@@ -146,14 +170,14 @@ def bench_shape(dk, dv, t, b, peaks, key, selection_only=False, breakdown=False)
   copies = [nsa_inputs(jax.random.fold_in(key, i), b, t, cfg) for i in range(r)]
   out = {"r_nsa": r}
   outs = {}
-  for impl in IMPLS:
+  for impl in RUN["impls"]:
     try:
       out[f"nsa_{impl}_ms"], outs[impl] = timed(nsa_step_fn(cfg, t, impl), copies, t)
     except Exception as e:  # keep going: the other rows are still worth having
       out[f"nsa_{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
       print(f"ERROR {impl} d={dk} T={t} B={b}: {out[f'nsa_{impl}_error']}", flush=True)
   # Correctness on the GPU: kernel path vs plain-JAX path on the same inputs (bf16 outputs).
-  for impl in IMPLS[1:]:
+  for impl in RUN["impls"][1:]:
     out[f"max_abs_diff_{impl}_vs_xla"] = None if not {impl, "xla"} <= set(outs) else max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32))))
         for a, b_ in zip(outs[impl], outs["xla"]))
@@ -228,7 +252,7 @@ def records_for(dk, dv, t, b, m, peaks):
   if "cudnn_error" in m:
     extra["cudnn_error"] = m["cudnn_error"]
   recs = []
-  for impl in IMPLS:
+  for impl in RUN["impls"]:
     if f"nsa_{impl}_ms" not in m:
       continue
     ms = m[f"nsa_{impl}_ms"]
@@ -266,12 +290,22 @@ def main():
   ap.add_argument("--profile", action="store_true",
                   help="also save the device kernels of the fused step (jax.profiler) at the "
                        "first length, d_k/d_v = 192/128, batch 8, as <name>_profile.json")
+  ap.add_argument("--impls", default=",".join(IMPLS),
+                  help=f"NSA paths to time (xla always runs first); tuning variants: {list(VARIANTS)}")
+  ap.add_argument("--selection_only_T", default="65536",
+                  help="lengths that also time the selection branch alone")
   ap.add_argument("--breakdown_T", default="65536",
                   help="lengths that also time the fused step one branch at a time")
   args = ap.parse_args()
   global INTERPRET
   INTERPRET = args.interpret
   TIMING.update(mode=args.timing, steps=args.steps)
+  impls = [x for x in args.impls.split(",") if x and x != "xla"]
+  unknown = [x for x in impls if x not in IMPLS and x not in VARIANTS]
+  if unknown:
+    ap.error(f"--impls: unknown {unknown}; choose from {list(IMPLS) + list(VARIANTS)}")
+  RUN["impls"] = ["xla"] + impls
+  sel_t = {int(x) for x in args.selection_only_T.split(",") if x}
   breakdown_t = {int(x) for x in args.breakdown_T.split(",") if x}
   if args.profile:
     profile_step(int(args.lengths.split(",")[0]), args.out, args.name)
@@ -288,14 +322,14 @@ def main():
           print(f"time budget reached: skipping d={dk}/{dv} T={t} B={b}", flush=True)
           continue
         try:
-          m = bench_shape(dk, dv, t, b, peaks, key, selection_only=(t == 65536 or args.interpret),
+          m = bench_shape(dk, dv, t, b, peaks, key, selection_only=(t in sel_t or args.interpret),
                           breakdown=t in breakdown_t)
         except Exception as e:  # e.g. out of memory at 128k: report and go on
           print(f"ERROR d={dk}/{dv} T={t} B={b}: {type(e).__name__}: {str(e)[:300]}", flush=True)
           continue
         new = records_for(dk, dv, t, b, m, peaks)
         recs += new
-        for r in new[:len(IMPLS)]:
+        for r in new[:len(RUN["impls"])]:
           print(json.dumps({k: r.get(k) for k in ("impl", "d_k", "T", "batch", "ms", "cudnn_ms",
                                                   "speedup", "xla_dense_ms", "bw_fraction")}),
                 flush=True)

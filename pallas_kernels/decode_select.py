@@ -122,11 +122,11 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
 
 @functools.partial(jax.jit, static_argnames=(
     "num_sel_blocks", "block", "stride", "sel_block", "num_selected", "num_init", "num_local",
-    "alignment", "scale", "blocks_per_split", "interpret"))
+    "alignment", "scale", "blocks_per_split", "cmp_num_stages", "topn_num_warps", "interpret"))
 def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride,
                              sel_block, num_selected, num_init=1, num_local=2,
                              alignment="overlap", scale=None, blocks_per_split=None,
-                             interpret=False):
+                             cmp_num_stages=2, topn_num_warps=4, interpret=False):
   """Compression branch + top-n of one query per sequence.
 
   qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
@@ -145,8 +145,8 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   t, nv = jnp.asarray(t, jnp.int32), jnp.asarray(nv, jnp.int32)
   ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, kh, nb))
   cnt = jnp.broadcast_to(jnp.clip((nv - 1) // SLOT_BLOCK + 1, 0, nb), (b, kh)).astype(jnp.int32)
-  acc, m, l, lg = da._call(qg, k_cmp, v_cmp, ids, cnt, nv - 1, SLOT_BLOCK, scale, bps, None, 4, 2,
-                           interpret, want_logits=True)
+  acc, m, l, lg = da._call(qg, k_cmp, v_cmp, ids, cnt, nv - 1, SLOT_BLOCK, scale, bps, None, 4,
+                           cmp_num_stages, interpret, want_logits=True)
   o, lse = da.merge_splits(acc, m, l, qg.dtype)
   m_rows, splits, seg_len = lg.shape[3], lg.shape[2], lg.shape[4]
   r = sel_block // stride
@@ -181,7 +181,7 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
       in_specs=[pl.BlockSpec((None, None, scores.shape[-1]), lambda bb, kk: (bb, kk, 0))],
       out_specs=pl.BlockSpec((None, None, npad), lambda bb, kk: (bb, kk, 0)),
       out_shape=jax.ShapeDtypeStruct((b, kh, npad), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=topn_num_warps, num_stages=1),
       interpret=interpret,
       name="nsa_decode_topn",
   )(scores)
