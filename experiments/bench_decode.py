@@ -40,7 +40,7 @@ IMPLS = ("xla", "pallas", "pallas_all")
 # Tuning variants of the fused path (--variants): name -> compressed_select_decode keywords.
 VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
             "pallas_all_topn_w1": dict(topn_num_warps=1),
-            "pallas_all_topn_w2": dict(topn_num_warps=2)}
+            "pallas_all_topn_w4": dict(topn_num_warps=4)}  # default: 2 warps (tuned 2026-11-29)
 L2_BYTES = 60e6
 
 

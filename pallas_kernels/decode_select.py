@@ -126,7 +126,7 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
 def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride,
                              sel_block, num_selected, num_init=1, num_local=2,
                              alignment="overlap", scale=None, blocks_per_split=None,
-                             cmp_num_stages=2, topn_num_warps=4, interpret=False):
+                             cmp_num_stages=2, topn_num_warps=2, interpret=False):
   """Compression branch + top-n of one query per sequence.
 
   qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
