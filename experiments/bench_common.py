@@ -69,10 +69,11 @@ def command_line():
 
 
 def code_commit():
-  """Short git commit of the working tree, or None where there is no git (e.g. a copied tree)."""
+  """Short git commit of the working tree, "-dirty" when files differ from it (a copied tree whose
+  git metadata lags, as on the device machine, shows up that way), or None where there is no git."""
   try:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         timeout=10, check=True)
+    out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                         capture_output=True, text=True, timeout=10, check=True)
     return out.stdout.strip() or None
   except (OSError, subprocess.SubprocessError):
     return None

@@ -240,6 +240,34 @@ def profile_step(t, out_dir, name, b=8, dk=192, dv=128):
                    per_impl=res), f, indent=1)
 
 
+def plot(path):
+  """Speed-up over cuDNN vs cached tokens, one line per (impl, batch, dims), PNG next to the JSON."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  recs = [r for r in json.load(open(path)) if r.get("tokens_read_per_group")]  # whole-step rows
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+  for ax, (dk, dv) in zip(axes, ((192, 128), (128, 128))):
+    for impl, batch, style in (("pallas_all", 8, "-o"), ("pallas_all", 1, "--o"), ("xla", 8, "-s"),
+                               ("xla", 1, "--s")):
+      pts = sorted((r["T"], r["speedup"]) for r in recs if r["impl"] == impl and r["batch"] == batch
+                   and (r["d_k"], r["d_v"]) == (dk, dv) and r["speedup"])
+      if pts:
+        ax.plot(*zip(*pts), style, label=f"{impl}, batch {batch}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(8.0, color="red", lw=0.8, ls=":", label="issue target (64k, batch 8)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("cached tokens")
+    ax.set_title(f"d_k/d_v = {dk}/{dv} (cuDNN at {max(dk, dv)}/{max(dk, dv)})")
+    ax.legend(fontsize=8)
+  axes[0].set_ylabel("speed-up over cuDNN dense decode")
+  fig.suptitle("NSA decode step vs cuDNN, H200, bf16, 64 q / 4 KV heads", fontsize=11)
+  fig.tight_layout()
+  out = os.path.splitext(path)[0] + ".png"
+  fig.savefig(out, dpi=120)
+  return out
+
+
 def records_for(dk, dv, t, b, m, peaks):
   common = dict(op="nsa_decode", pass_="decode", t=t, batch=b, q_heads=H, kv_heads=KH, d_k=dk,
                 d_v=dv, cudnn_ms=m.get("cudnn_ms"))
@@ -283,6 +311,7 @@ def main():
   ap.add_argument("--lengths", default="65536,8192,16384,32768,131072")
   ap.add_argument("--batches", default="8,1")
   ap.add_argument("--interpret", action="store_true", help="CPU dry run (Pallas interpreter)")
+  ap.add_argument("--plot", default="", help="only draw the speed-up PNG of this results JSON")
   ap.add_argument("--timing", choices=("loop", "calls"), default="loop",
                   help="loop: dependent steps in one executable (default); calls: one host "
                        "dispatch per R steps")
@@ -297,6 +326,9 @@ def main():
   ap.add_argument("--breakdown_T", default="65536",
                   help="lengths that also time the fused step one branch at a time")
   args = ap.parse_args()
+  if args.plot:
+    print(plot(args.plot))
+    return
   global INTERPRET
   INTERPRET = args.interpret
   TIMING.update(mode=args.timing, steps=args.steps)
@@ -337,6 +369,8 @@ def main():
         with open(os.path.join(args.out, args.name + ".md"), "w") as f:
           f.write(preamble(peaks) + "\n\n" + summary(recs) + "\n")
   print(summary(recs))
+  if recs:
+    plot(os.path.join(args.out, args.name + ".json"))
 
 
 def preamble(peaks):
