@@ -95,8 +95,8 @@ def fresh_model(config_path: str, attention: str | None, seed: int):
 def choose_kernels(mode: str) -> dict:
   """Decode kernels: the Pallas split-K kernels on a GPU unless told otherwise ({} = plain JAX)."""
   use = mode == "pallas" or (mode == "auto" and jax.default_backend() == "gpu")
-  log.warning("decode attention: %s on %s", "Pallas kernels (pallas_kernels.decode_attention)"
-              if use else "plain JAX", jax.default_backend())
+  log.warning("decode attention: %s on %s", "Pallas kernels (pallas_kernels.decode_attention, "
+              "decode_select)" if use else "plain JAX", jax.default_backend())
   return decode.pallas_decode_kernels() if use else {}
 
 
