@@ -4,6 +4,8 @@
   gate_sum       plain sum of the branches instead of sigmoid gates
   align_literal  Eq. 9's printed index range instead of the spatial overlap (docs/NSA.md §1.2)
   quest          Quest-style selection: query x per-block min/max of keys (paper §6.1)
+  aux_selector   a learned gate trained by an auxiliary loss (KL to full attention's block mass),
+                 SeerAttention-like (paper §6.1; nsa_jax/aux_selector.py)
   mean_phi       mean pooling instead of the MLP phi (what most other implementations do)
 
 Run: python -m experiments.ablate --config=configs/sweep_design.py [--run=NAME]
@@ -25,5 +27,6 @@ def get_runs():
       "gate_sum": {"model.nsa.gating": "sum"},
       "align_literal": {"model.nsa.score_alignment": "literal"},
       "quest": {"model.nsa.selector": "quest"},
+      "aux_selector": {"model.nsa.selector": "aux"},
       "mean_phi": {"model.nsa.compression": "mean"},
   }

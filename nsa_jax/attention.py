@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nsa_jax import ops, reference
+from nsa_jax import aux_selector, ops, reference
 from nsa_jax.config import NSAConfig
 from nsa_jax.layers import (annotated, apply_rope, default_positions, dtype_of, linear,
                             sharding_scope)
@@ -46,7 +46,8 @@ class NSAAttention(nnx.Module):
 
   Parameters: q projection; separate key/value projections for the compression, selection and
   window branches (cfg.shared_kv=True shares one pair, the paper's ablation); phi for keys and
-  values (cfg.compression="mlp"); a gate Linear(d_model -> 3 * heads) + sigmoid; output projection.
+  values (cfg.compression="mlp"); a gate Linear(d_model -> 3 * heads) + sigmoid; output projection;
+  with selector="aux", the block-importance gate's projections aux_wq, aux_wk [d_k, aux_dim].
   """
 
   def __init__(self, d_model: int, cfg: NSAConfig, *, rope_theta=10000.0, dtype="float32",
@@ -70,6 +71,10 @@ class NSAAttention(nnx.Module):
         self.phi_v = CompressionMLP(cfg.cmp_block, dv, dv, f, param_dtype=pdt, rngs=rngs)
       if cfg.gating == "sigmoid":
         self.gate = linear(d_model, 3 * h, ("embed", None), use_bias=True, **kw)
+      if cfg.selector == "aux":
+        init = annotated(nnx.initializers.lecun_normal(), None, None)
+        self.aux_wq = nnx.Param(init(rngs.params(), (dk, cfg.aux_dim), pdt))
+        self.aux_wk = nnx.Param(init(rngs.params(), (dk, cfg.aux_dim), pdt))
       self.o_proj = linear(h * dv, d_model, ("heads", "embed"), **kw)
 
   def _kv(self, x, branch):
@@ -99,7 +104,10 @@ class NSAAttention(nnx.Module):
     return jax.nn.sigmoid(self.gate(x).astype(jnp.float32)).reshape(b, t, self.cfg.num_heads, 3)
 
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None,
-               return_aux=False):
+               return_aux=False, return_selector_loss=False):
+    """y [B, T, d_model]; with return_aux also a dict (block_idx, gates, ...); with
+    return_selector_loss also the "aux" selector's loss per token [B, T] (zeros for the other
+    selectors): y, aux, loss in that order, each present only when asked."""
     cfg = self.cfg
     if x.ndim != 3 or x.shape[-1] != self.d_model:
       raise ValueError(f"NSAAttention expects x [batch, time, {self.d_model}], got {x.shape}")
@@ -115,15 +123,22 @@ class NSAAttention(nnx.Module):
     k_w, v_w = self._kv(x, "win")
     k_s = apply_rope(k_s, positions, self.rope_theta)
     k_w = k_s if cfg.shared_kv else apply_rope(k_w, positions, self.rope_theta)
+    block_idx, sel_loss = None, jnp.zeros((b, t), jnp.float32)
+    if cfg.selector == "aux" and "slc" in cfg.branches:
+      block_idx, sel_loss = aux_selector.select(q, k_s, self.aux_wq[...], self.aux_wk[...], cfg,
+                                                segment_ids)
     out = ops.nsa_attention(q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, self.gates(x), cfg,
                             segment_ids=segment_ids, implementation=implementation,
-                            return_aux=return_aux)
+                            return_aux=return_aux, block_idx=block_idx)
     o, aux = out if return_aux else (out, None)
     y = self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.dim_v).astype(self.dtype))
+    result = (y,)
     if return_aux:
       aux["gates"] = self.gates(x)
-      return y, aux
-    return y
+      result += (aux,)
+    if return_selector_loss:
+      result += (sel_loss,)
+    return result if len(result) > 1 else y
 
 
 class DenseAttention(nnx.Module):

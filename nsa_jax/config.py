@@ -13,7 +13,7 @@ ALIGNMENTS = ("overlap", "literal")
 COMPRESSIONS = ("mlp", "mean")
 BRANCHES = ("cmp", "slc", "win")
 GATINGS = ("sigmoid", "sum")
-SELECTORS = ("nsa", "quest")
+SELECTORS = ("nsa", "quest", "aux")
 IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
 ATTENTION_KINDS = ("nsa", "dense")
 
@@ -57,7 +57,11 @@ class NSAConfig:
     shared_kv: share one K/V projection across the three branches (ablation; paper: separate).
     branches: which branches contribute to the output (ablation; paper: all three).
     gating: "sigmoid" per-branch, per-head gates from the layer input, or "sum" (ablation).
-    selector: "nsa" (compression-attention scores) or "quest" (query x per-block key min/max).
+    selector: "nsa" (compression-attention scores), "quest" (query x per-block key min/max) or
+      "aux" (a learned gate trained by an auxiliary loss, nsa_jax.aux_selector; ablations).
+    aux_dim: width of the "aux" selector's query/key projections.
+    aux_loss_weight: weight of the "aux" selector's loss (KL to full attention's block mass) in
+      the training objective.
     implementation: "auto", "pallas", "xla" (memory-sane plain JAX) or "reference" (dense masks).
     query_chunk: queries processed together by the plain-JAX "xla" path (bounds its memory).
   """
@@ -79,7 +83,9 @@ class NSAConfig:
   shared_kv: bool = False
   branches: tuple[str, ...] = BRANCHES
   gating: Literal["sigmoid", "sum"] = "sigmoid"
-  selector: Literal["nsa", "quest"] = "nsa"
+  selector: Literal["nsa", "quest", "aux"] = "nsa"
+  aux_dim: int = 32
+  aux_loss_weight: float = 1.0
   implementation: Literal["auto", "pallas", "xla", "reference"] = "auto"
   query_chunk: int = 512
 
@@ -114,11 +120,15 @@ class NSAConfig:
             f"smaller than the {forced} forced blocks (num_init_blocks={self.num_init_blocks} + "
             f"num_local_blocks={self.num_local_blocks}), which are counted inside n",
             f"set num_selected >= {forced} or force fewer blocks")
-    if self.selector == "quest" and self.num_local_blocks < 1:
+    if self.selector in ("quest", "aux") and self.num_local_blocks < 1:
       _fail("num_local_blocks", self.num_local_blocks,
-            "must be >= 1 with selector='quest': Quest's per-block key bounds include keys after t "
-            "in the query's own block, so that block must be forced rather than scored",
+            f"must be >= 1 with selector='{self.selector}': its per-block key summaries include "
+            "keys after t in the query's own block, so that block must be forced rather than scored",
             "set num_local_blocks >= 1 or use selector='nsa'")
+    _check_positive("aux_dim", self.aux_dim)
+    if not isinstance(self.aux_loss_weight, (int, float)) or self.aux_loss_weight < 0:
+      _fail("aux_loss_weight", self.aux_loss_weight, "must be a number >= 0",
+            "set aux_loss_weight >= 0 (0 leaves the aux selector's gate untrained)")
     _check_choice("score_alignment", self.score_alignment, ALIGNMENTS)
     _check_choice("compression", self.compression, COMPRESSIONS)
     _check_choice("gating", self.gating, GATINGS)

@@ -205,6 +205,8 @@ def prefill(model, tokens, max_len: int, dtype=None):
   """
   if tokens.ndim != 2 or tokens.shape[1] < 1:
     raise ValueError(f"tokens must be [batch, time] with time >= 1, got shape {tokens.shape}")
+  if "nsa" in model.cfg.attention_kinds:
+    dm.check_decodable(model.cfg.nsa)
   b, t = tokens.shape
   if t > max_len:
     raise ValueError(f"prompt of {t} tokens does not fit a cache of max_len={max_len}. "

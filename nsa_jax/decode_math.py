@@ -184,6 +184,16 @@ def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig,
   return o, idx
 
 
+def check_decodable(cfg: NSAConfig):
+  """Cached decoding supports the "nsa" and "quest" selectors; "aux" (a training-time ablation
+  whose gate lives in the layer) is refused with a clear error rather than decoded wrongly."""
+  if "slc" in cfg.branches and cfg.selector == "aux":
+    raise NotImplementedError(
+        "cached decoding does not support selector='aux' (the auxiliary-loss selector is a "
+        "training-time ablation). Fix: evaluate it with the parallel forward pass (model(tokens)), "
+        "or decode a model trained with selector='nsa' or 'quest'.")
+
+
 def _fits(prefix_fn, cache, block=64):
   return prefix_fn is not None and cache.shape[2] % block == 0
 
@@ -209,6 +219,7 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
   Returns o [B, H, Dv] in q's dtype and aux {"block_idx": [B, K, n]} (when selection runs).
   """
   b, h, _ = q.shape
+  check_decodable(cfg)
   qg = group_heads(q, cfg.num_kv_heads)
   outs, aux = {}, {}
   want_slc = "slc" in cfg.branches

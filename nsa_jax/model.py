@@ -29,9 +29,19 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x, segment_ids=None, positions=None, return_aux=False):
+  def __call__(self, x, segment_ids=None, positions=None, return_aux=False,
+               return_selector_loss=False):
     h = self.attn_norm(x)
     aux = None
+    if return_selector_loss:  # training with selector="aux": the layer's loss per token
+      if self.kind == "nsa":
+        y, sel = self.attn(h, segment_ids=segment_ids, positions=positions,
+                           return_selector_loss=True)
+      else:
+        y, sel = self.attn(h, segment_ids=segment_ids, positions=positions), None
+      x = constrain_rows(x + y)
+      x = constrain_rows(x + self.mlp(self.mlp_norm(x)))
+      return x, sel
     if return_aux and self.kind == "nsa":
       y, aux = self.attn(h, segment_ids=segment_ids, positions=positions, return_aux=True)
       aux = {"block_idx": aux["block_idx"], "gates": aux["gates"]} if "block_idx" in aux else \
@@ -48,6 +58,8 @@ class TransformerLM(nnx.Module):
 
   With return_aux=True also returns one entry per layer: for NSA layers a dict with the selected
   blocks "block_idx" [B, T, K, n] and the gates "gates" [B, T, H, 3]; None for dense layers.
+  With return_selector_loss=True also returns the "aux" selector's loss per token [B, T], the
+  mean over NSA layers (zeros when no layer uses selector="aux").
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -65,16 +77,29 @@ class TransformerLM(nnx.Module):
         self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dt,
                               param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, tokens, segment_ids=None, positions=None, return_aux=False):
+  @property
+  def uses_aux_selector(self) -> bool:
+    return "nsa" in self.cfg.attention_kinds and self.cfg.nsa.selector == "aux"
+
+  def __call__(self, tokens, segment_ids=None, positions=None, return_aux=False,
+               return_selector_loss=False):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")
     x = constrain_rows(self.embed(tokens))
-    auxes = []
+    auxes, sel_losses = [], []
     for block in self.blocks:
-      if return_aux:
+      if return_selector_loss:
+        if self.cfg.remat:
+          x, sel = nnx.remat(lambda blk, y: blk(y, segment_ids, positions,
+                                                return_selector_loss=True))(block, x)
+        else:
+          x, sel = block(x, segment_ids, positions, return_selector_loss=True)
+        if sel is not None:
+          sel_losses.append(sel)
+      elif return_aux:
         x, aux = block(x, segment_ids, positions, return_aux=True)
         auxes.append(aux)
       elif self.cfg.remat:
@@ -87,4 +112,8 @@ class TransformerLM(nnx.Module):
     else:
       logits = self.lm_head(x)
     logits = logits.astype(jnp.float32)
+    if return_selector_loss:
+      sel = (sum(sel_losses) / len(sel_losses) if sel_losses
+             else jnp.zeros(tokens.shape, jnp.float32))
+      return logits, sel
     return (logits, auxes) if return_aux else logits

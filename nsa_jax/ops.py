@@ -129,10 +129,11 @@ def _pallas_indices(q, k_cmp, v_cmp, lse_cmp, k_slc, cfg: NSAConfig, segment_ids
 
 
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-                return_aux):
+                return_aux, block_idx=None):
   from pallas_kernels.compress_attention import compress_attention
   from pallas_kernels.select_attention import select_attention as select_kernel
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
+  reference.check_block_idx(block_idx, q, cfg)
   # Off the GPU the same kernels run in Pallas' interpreter (slow; for tests).
   interpret = not on_gpu()
   outs, aux = {}, {}
@@ -144,8 +145,9 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
                                         segment_ids, scale, interpret=interpret)
     outs["cmp"] = o_cmp
   if want_idx:
-    idx = _pallas_indices(q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg,
-                          segment_ids, scale, interpret)
+    idx = block_idx if block_idx is not None else _pallas_indices(
+        q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg, segment_ids,
+        scale, interpret)
     outs["slc"], _ = select_kernel(q, k_slc, v_slc, idx, cfg.sel_block, segment_ids, scale,
                                    interpret=interpret)
     aux["block_idx"] = idx
@@ -205,24 +207,26 @@ def _sharded(fn, layout, n4d: int, has_seg: bool, what: str):
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
-                  segment_ids=None, scale=None, implementation=None, return_aux=False):
-  """The whole NSA op. Shapes as in `nsa_jax.reference.nsa_attention`.
+                  segment_ids=None, scale=None, implementation=None, return_aux=False,
+                  block_idx=None):
+  """The whole NSA op. Shapes as in `nsa_jax.reference.nsa_attention` (block_idx: selector="aux"
+  only, the blocks its gate chose).
 
   implementation: None (use cfg.implementation), "auto", "pallas", "xla" or "reference".
   Under a mesh in context it runs per device (module docstring); return_aux=True runs unsharded.
   """
   with jax.named_scope("nsa_attention"):  # names the op in HLO metadata (collectives report)
     return _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids,
-                          scale, implementation, return_aux)
+                          scale, implementation, return_aux, block_idx)
 
 
 def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-                   implementation, return_aux):
+                   implementation, return_aux, block_idx):
   layout = None if return_aux else mesh_layout(q.shape[0], k_slc.shape[2], "NSA attention")
   if layout is None:
     return _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-                      implementation, return_aux)
-  has_seg = segment_ids is not None
+                      implementation, return_aux, block_idx)
+  has_seg, has_idx = segment_ids is not None, block_idx is not None
   mesh, _, hax = layout
   tp = mesh.shape[hax] if hax else 1
   # Each device holds K/tp whole KV groups with their G query heads each.
@@ -230,24 +234,28 @@ def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segm
                                   num_kv_heads=cfg.num_kv_heads // tp)
 
   def local(*xs):
-    seg = xs[8] if has_seg else None
-    return _nsa_local(*xs[:8], local_cfg, seg, scale, implementation, False)
+    n4d = 9 if has_idx else 8
+    seg = xs[n4d] if has_seg else None
+    return _nsa_local(*xs[:8], local_cfg, seg, scale, implementation, False,
+                      xs[8] if has_idx else None)
 
-  arrays = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates) + ((segment_ids,) if has_seg else ())
-  return _sharded(local, layout, 8, has_seg, "NSA attention")(*arrays)
+  # block_idx [B, T, K, n] splits like the other [B, ., heads, .] arrays.
+  arrays = ((q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates) + ((block_idx,) if has_idx else ())
+            + ((segment_ids,) if has_seg else ()))
+  return _sharded(local, layout, 9 if has_idx else 8, has_seg, "NSA attention")(*arrays)
 
 
 def _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-               implementation, return_aux):
+               implementation, return_aux, block_idx=None):
   impl = resolve_implementation(implementation or cfg.implementation, q, k_slc, v_slc, cfg)
   args = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg)
+  kw = dict(segment_ids=segment_ids, scale=scale, return_aux=return_aux, block_idx=block_idx)
   if impl == "reference":
-    return reference.nsa_attention(*args, segment_ids=segment_ids, scale=scale,
-                                   return_aux=return_aux)
+    return reference.nsa_attention(*args, **kw)
   if impl == "xla":
     from nsa_jax import xla
-    return xla.nsa_attention(*args, segment_ids=segment_ids, scale=scale, return_aux=return_aux)
-  return _pallas_nsa(*args, segment_ids, scale, return_aux)
+    return xla.nsa_attention(*args, **kw)
+  return _pallas_nsa(*args, segment_ids, scale, return_aux, block_idx)
 
 
 def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"):

@@ -314,6 +314,23 @@ def combine(outputs, gates, branches):
   return out
 
 
+def check_block_idx(block_idx, q, cfg: NSAConfig):
+  """block_idx is given exactly when the selector is "aux", with shape [B, T, K, n]."""
+  if cfg.selector != "aux" or "slc" not in cfg.branches:
+    if block_idx is not None:
+      raise ValueError(f"block_idx was given but selector={cfg.selector!r} chooses its own blocks. "
+                       "Fix: drop block_idx, or use selector='aux'.")
+    return
+  if block_idx is None:
+    raise ValueError("selector='aux' needs block_idx [B, T, K, n] from its gate "
+                     "(nsa_jax.aux_selector.select); NSAAttention passes it. Fix: call the layer, "
+                     "or pass block_idx= to the op.")
+  want = (q.shape[0], q.shape[1], cfg.num_kv_heads, cfg.num_selected)
+  if tuple(block_idx.shape) != want:
+    raise ValueError(f"block_idx has shape {tuple(block_idx.shape)}, expected [B, T, K, n] = "
+                     f"{want}.")
+
+
 def check_segment_ids(segment_ids):
   """Segment ids must mark each document as one contiguous run (packed documents). Checked when the
   ids are concrete; under jit they are trusted (a reused id would let its runs see each other)."""
@@ -360,15 +377,18 @@ def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NS
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
-                  segment_ids=None, scale=None, return_aux=False):
+                  segment_ids=None, scale=None, return_aux=False, block_idx=None):
   """The whole NSA op (Eq. 5), reference version.
 
   q [B, T, H, Dk]; k_cmp/v_cmp [B, Nc, K, D] compressed keys/values (see mlp_compress);
   k_slc/v_slc, k_win/v_win [B, T, K, D] raw keys/values of the selection and window branches;
   gates [B, T, H, 3] in (cmp, slc, win) order. Returns o [B, T, H, Dv] (q's dtype) and, with
   return_aux, a dict with the block indices and per-branch outputs.
+  block_idx: [B, T, K, n] blocks chosen outside the op (required by, and only used with,
+  selector="aux": its gate lives in NSAAttention).
   """
   check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
+  check_block_idx(block_idx, q, cfg)
   b, t = q.shape[:2]
   seg = _segments(segment_ids, b, t)
   outs, aux = {}, {}
@@ -377,11 +397,12 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
                                            scale)
     outs["cmp"] = o_cmp
   if "slc" in cfg.branches:
-    if cfg.selector == "nsa":
-      scores = selection_scores(p_cmp, cfg.num_kv_heads, t, cfg)
+    if cfg.selector == "aux":
+      idx = block_idx
     else:
-      scores = quest_scores(q, k_slc, cfg.sel_block, seg)
-    idx = select_blocks(scores, cfg, seg)
+      scores = (selection_scores(p_cmp, cfg.num_kv_heads, t, cfg) if cfg.selector == "nsa"
+                else quest_scores(q, k_slc, cfg.sel_block, seg))
+      idx = select_blocks(scores, cfg, seg)
     outs["slc"], _ = select_attention(q, k_slc, v_slc, idx, cfg.sel_block, seg, scale)
     aux["block_idx"] = idx
   if "win" in cfg.branches:

@@ -278,7 +278,7 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *,
 # ----------------------------------------------------------------------------- the whole op
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
-                  segment_ids=None, scale=None, return_aux=False):
+                  segment_ids=None, scale=None, return_aux=False, block_idx=None):
   """The whole NSA op (Eq. 5), memory-sane; same contract as reference.nsa_attention.
 
   q [B, T, H, Dk]; k_cmp/v_cmp [B, Nc, K, D]; k_slc/v_slc, k_win/v_win [B, T, K, D];
@@ -286,14 +286,17 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
   return_aux, a dict with the block indices and per-branch outputs.
   """
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
+  reference.check_block_idx(block_idx, q, cfg)
   b, t = q.shape[:2]
   seg = _check_segments(segment_ids, b, t)
   c, n = _chunking(t, cfg.query_chunk)
   want_idx = "slc" in cfg.branches
+  given_idx = block_idx is not None  # selector="aux": chosen by the layer's gate
   # Like the reference, the compression branch also runs when it only feeds the NSA selector.
   want_cmp = "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa")
-  if want_cmp or want_idx:
-    cmp_fn = _cmp_select_chunk_fn(q, k_cmp, v_cmp, k_slc, cfg, seg, scale, want_cmp, want_idx)
+  if want_cmp or (want_idx and not given_idx):
+    cmp_fn = _cmp_select_chunk_fn(q, k_cmp, v_cmp, k_slc, cfg, seg, scale, want_cmp,
+                                  want_idx and not given_idx)
   if want_idx:
     slc_fn = _select_chunk_fn(q, k_slc, v_slc, cfg.sel_block, seg, scale)
   if "win" in cfg.branches:
@@ -301,10 +304,11 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
 
   def chunk(x):  # all branches and the gated sum of one chunk: only o leaves the loop
     outs, aux = {}, {}
-    if want_cmp or want_idx:
-      r = cmp_fn(x)
-      if want_cmp:
-        outs["cmp"] = r["o"]
+    r = cmp_fn(x) if want_cmp or (want_idx and not given_idx) else {}
+    if want_cmp:
+      outs["cmp"] = r["o"]
+    if given_idx:
+      r["idx"] = x["idx"]
     if want_idx:
       outs["slc"], _ = slc_fn(x, r["idx"])
       aux["block_idx"] = r["idx"]
@@ -318,6 +322,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
 
   xs = _query_chunks(q, seg, c, n, cfg.sel_block)
   xs["gates"] = _to_chunks(gates, c, n)
+  if given_idx:
+    xs["idx"] = _to_chunks(block_idx, c, n, "edge")
   ys = _map_chunks(chunk, xs)
   if return_aux:
     return jax.tree.map(lambda y: _from_chunks(y, t), ys)

@@ -149,13 +149,23 @@ def create_train_state(setup: Setup) -> dict:
 # ----------------------------------------------------------------------------- steps -----------
 
 def _loss_sums(graphdef, params, rest, batch):
-  """(sum of weighted token NLL, (sum of weights, weighted count of correct argmax))."""
+  """(objective sum, (sum of weights, weighted count of correct argmax, sum of weighted token NLL,
+  weighted selector-loss sum)). The objective is the NLL sum plus, for a model with the "aux"
+  block selector, aux_loss_weight x its selector loss (nsa_jax.aux_selector); otherwise the two
+  are equal and the selector sum is 0."""
   model = nnx.merge(graphdef, params, rest)
-  logits = model(batch["inputs"]).astype(jnp.float32)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   w = batch["weights"]
+  if getattr(model, "uses_aux_selector", False):
+    logits, sel = model(batch["inputs"], return_selector_loss=True)
+    sel_sum = jnp.sum(sel * w)
+    extra = model.cfg.nsa.aux_loss_weight * sel_sum
+  else:
+    logits, sel_sum, extra = model(batch["inputs"]), jnp.zeros(()), 0.0
+  logits = logits.astype(jnp.float32)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-  return jnp.sum(nll * w), (jnp.sum(w), jnp.sum(correct * w))
+  nll_sum = jnp.sum(nll * w)
+  return nll_sum + extra, (jnp.sum(w), jnp.sum(correct * w), nll_sum, sel_sum)
 
 
 def make_train_step(setup: Setup, grad_accum_steps: int = 1):
@@ -176,12 +186,12 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
       return jax.lax.with_sharding_constraint(acc, (None, params_sh)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    init = ((jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()))), zeros)
+    init = ((jnp.zeros(()), (jnp.zeros(()),) * 4), zeros)
     acc, _ = jax.lax.scan(body, jax.lax.with_sharding_constraint(init, (None, params_sh)), micro)
     return acc
 
   def step(state, batch):
-    (loss_sum, (wsum, correct)), grads = grads_of(state["params"], state["rest"], batch)
+    (_, (wsum, correct, nll_sum, sel_sum)), grads = grads_of(state["params"], state["rest"], batch)
     denom = jnp.maximum(wsum, 1.0)  # sums -> means over weighted tokens, as one big batch would
     grads = jax.tree.map(lambda g: g / denom, grads)
     updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
@@ -189,9 +199,12 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rest": state["rest"]}
     # param_norm lets the NaN guard catch an update that broke the weights while the loss and
     # gradients it was computed from were still finite.
-    metrics = {"loss": loss_sum / denom, "accuracy": correct / denom,
+    # "loss" is the language-model NLL alone, comparable across selectors and with dense models.
+    metrics = {"loss": nll_sum / denom, "accuracy": correct / denom,
                "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                "lr": setup.schedule(state["step"])}
+    if setup.model_cfg.nsa.selector == "aux" and "nsa" in setup.model_cfg.attention_kinds:
+      metrics["selector_loss"] = sel_sum / denom
     return new, metrics
 
   return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
@@ -202,7 +215,7 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
 def make_eval_step(setup: Setup):
   """Jitted (state, batch) -> sums {nll, weight, correct} (summed over batches by the caller)."""
   def step(state, batch):
-    nll, (w, correct) = _loss_sums(setup.graphdef, state["params"], state["rest"], batch)
+    _, (w, correct, nll, _) = _loss_sums(setup.graphdef, state["params"], state["rest"], batch)
     return {"nll": nll, "weight": w, "correct": correct}
   return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
                  out_shardings=shd.replicated(setup.mesh))
