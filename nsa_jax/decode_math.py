@@ -11,6 +11,8 @@ t is the new token's position, an int32 scalar shared by the whole batch (it may
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
@@ -165,6 +167,9 @@ def compressed_decode_with(prefix_fn, qg, k_cmp, v_cmp, t, cfg: NSAConfig, scale
   return o, lse, p
 
 
+_WARNED: set = set()
+
+
 def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig, scale=None):
   """(o_cmp, block_idx) from a fused compression + top-n kernel
   (pallas_kernels.decode_select.compressed_select_decode), or None where it does not support the
@@ -172,9 +177,13 @@ def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig,
   from pallas_kernels import decode_select  # kernels are optional on the plain-JAX path
   ok, why = decode_select.supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel, cfg.cmp_block,
                                    cfg.cmp_stride, cfg.sel_block)
-  if not ok:
-    decode_select.C.log_once(("decode_select_fallback", qg.shape, k_cmp.shape, why),
-                             "fused decode top-n not used (%s): plain-JAX scoring", why)
+  if not ok:  # a slower path: said once per shape, as a warning on a GPU
+    key = ("decode_select_fallback", qg.shape, k_cmp.shape, why)
+    if key not in _WARNED:
+      _WARNED.add(key)
+      level = logging.WARNING if jax.default_backend() == "gpu" else logging.INFO
+      logging.getLogger("nsa_jax").log(level, "fused decode scoring + top-n not used for "
+                                       "k_cmp%s (%s): plain-JAX scoring", tuple(k_cmp.shape), why)
     return None
   o, _, idx = cmp_select_fn(qg, k_cmp, v_cmp, t, num_visible_cmp(t, cfg), num_sel_blocks=num_sel,
                             block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
