@@ -72,9 +72,10 @@ def code_commit():
   """Short git commit of the working tree, "-dirty" when files differ from it (a copied tree whose
   git metadata lags, as on the device machine, shows up that way), or None where there is no git."""
   try:
-    out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                         capture_output=True, text=True, timeout=10, check=True)
-    return out.stdout.strip() or None
+    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, timeout=10,
+                                    check=True).stdout.strip()
+    head = run("rev-parse", "--short=7", "HEAD")
+    return (head + "-dirty" if run("status", "--porcelain", "--untracked-files=no") else head) or None
   except (OSError, subprocess.SubprocessError):
     return None
 

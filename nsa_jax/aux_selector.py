@@ -48,21 +48,21 @@ def _past_blocks(positions, first, sel_block, ns):
   return ((j[None, None, :] < cur[..., None]) & (j[None, None, :] >= first[..., None]))[:, :, None]
 
 
-def _chunk_terms(q_c, positions, seg_c, first_c, kbar_g, k, seg, w_q, cfg: NSAConfig, scale):
-  """One query chunk: (group scores [B, C, K, Ns], KL per token [B, C])."""
+def _chunk_terms(q_c, positions, seg_c, first_c, kbar_g, kk, seg, w_q, cfg: NSAConfig, scale):
+  """One query chunk: (group scores [B, C, K, Ns], KL per token [B, C]). kk: the keys repeated
+  per query head, float32, stop-gradient [B, T, H, Dk]."""
   b, c, h, dk = q_c.shape
-  t, kh = k.shape[1], k.shape[2]
+  t, kh = kk.shape[1], kbar_g.shape[2]
   g, ns = h // kh, kbar_g.shape[1]
   allowed = _past_blocks(positions, first_c, cfg.sel_block, ns)  # [B|1, C, 1, Ns]
   q32 = jax.lax.stop_gradient(q_c).astype(jnp.float32)
   qg = (q32 @ w_q).reshape(b, c, kh, g, -1)  # [B, C, K, G, Dg]
   logits = jnp.einsum("bckgd,bnkd->bckgn", qg, kbar_g).reshape(b, c, h, ns)
   logits = logits / jnp.sqrt(jnp.float32(w_q.shape[-1]))
-  p_pred, _ = reference.masked_softmax(logits, allowed)
+  p_pred, lse_pred = reference.masked_softmax(logits, allowed)
   scores = p_pred.reshape(b, c, kh, g, ns).sum(axis=3)
   # The target: full causal attention of each head, mass per block, over the same blocks.
   scale = dk ** -0.5 if scale is None else scale
-  kk = jnp.repeat(jax.lax.stop_gradient(k).astype(jnp.float32), g, axis=2)  # [B, T, H, Dk]
   att = jnp.einsum("bchd,bshd->bchs", q32, kk) * scale
   vis = (jnp.arange(t)[None, None, :] <= positions[..., None])  # [1|B, C, T]
   vis = vis & (seg[:, None, :] == seg_c[:, :, None])
@@ -73,8 +73,9 @@ def _chunk_terms(q_c, positions, seg_c, first_c, kbar_g, k, seg, w_q, cfg: NSACo
   mass = jnp.where(allowed, mass, 0.0)
   tot = jnp.sum(mass, axis=-1, keepdims=True)
   p_true = jax.lax.stop_gradient(jnp.where(tot > 0, mass / jnp.where(tot > 0, tot, 1.0), 0.0))
-  log_ratio = jnp.where(p_true > 0, jnp.log(jnp.where(p_true > 0, p_true, 1.0))
-                        - jnp.log(jnp.maximum(p_pred, 1e-30)), 0.0)
+  # log p_pred as logits - lse: keeps a gradient even where the gate's probability underflows.
+  log_pred = logits - jnp.where(jnp.isfinite(lse_pred), lse_pred, 0.0)[..., None]
+  log_ratio = jnp.where(p_true > 0, jnp.log(jnp.where(p_true > 0, p_true, 1.0)) - log_pred, 0.0)
   kl = jnp.sum(p_true * log_ratio, axis=-1)  # [B, C, H]; 0 where nothing is allowed
   return scores, jnp.mean(kl, axis=-1)
 
@@ -104,10 +105,11 @@ def scores_and_loss(q, k_slc, w_q, w_k, cfg: NSAConfig, segment_ids=None, scale=
   segp = jnp.pad(seg, ((0, 0), (0, padq)), mode="edge").reshape(b, n, c)
   firstp = jnp.pad(first, ((0, 0), (0, padq)), mode="edge").reshape(b, n, c)
   w_q32 = w_q.astype(jnp.float32)
+  kk = jnp.repeat(jax.lax.stop_gradient(k_slc).astype(jnp.float32), h // k_slc.shape[2], axis=2)
 
   def one(i):
     positions = jnp.minimum(i * c + jnp.arange(c), t - 1)[None]  # padded rows copy row T-1
-    return _chunk_terms(qp[:, i], positions, segp[:, i], firstp[:, i], kbar_g, k_slc, seg, w_q32,
+    return _chunk_terms(qp[:, i], positions, segp[:, i], firstp[:, i], kbar_g, kk, seg, w_q32,
                         cfg, scale)
 
   scores, kl = jax.lax.map(one, jnp.arange(n))  # [n, B, c, K, Ns], [n, B, c]

@@ -122,8 +122,11 @@ class NSAConfig:
             f"set num_selected >= {forced} or force fewer blocks")
     if self.selector in ("quest", "aux") and self.num_local_blocks < 1:
       _fail("num_local_blocks", self.num_local_blocks,
-            f"must be >= 1 with selector='{self.selector}': its per-block key summaries include "
-            "keys after t in the query's own block, so that block must be forced rather than scored",
+            f"must be >= 1 with selector='{self.selector}': "
+            + ("Quest's per-block key bounds include keys after t in the query's own block, so "
+               "that block must be forced rather than scored" if self.selector == "quest" else
+               "the aux gate scores only complete past blocks, so the query's own block must be "
+               "forced or it could never be selected"),
             "set num_local_blocks >= 1 or use selector='nsa'")
     _check_positive("aux_dim", self.aux_dim)
     if not isinstance(self.aux_loss_weight, (int, float)) or self.aux_loss_weight < 0:

@@ -6,7 +6,8 @@ GPU idle at batch 1. Here the n selected blocks of a KV group are cut into split
 `blocks_per_split` blocks; program (b, k, s) loads the group's G query heads (padded to >= 16 rows
 for the matrix unit), walks only its split's selected blocks (contiguous [block_k, D] slabs of a
 head-major cache) with online softmax, and writes an unnormalised partial (acc, max, sum). A small
-XLA epilogue merges the splits. Only the selected keys are ever read: n * l' tokens per group.
+XLA epilogue merges the splits. Only the selected keys are read: n * l' tokens per group (an empty
+slot, -1, reads block 0 and masks it whole).
 
 Contract (the semantics of nsa_jax.decode_math.select_decode):
   select_decode(qg [B, K, G, Dk], k [B, K, S, Dk], v [B, K, S, Dv], block_idx [B, K, n] int32

@@ -94,8 +94,10 @@ def _topn_kernel(sc_ref, idx_ref, *, ns, n):
 
 
 def chunk_blocks(r):
-  """Selection blocks per top-n chunk: the band dots need >= 16 rows (r * nsj) and columns."""
-  return max(16, 16 // r)
+  """Selection blocks per score program: 16, the matrix unit's minimum width of the band dot
+  (its r * 16 >= 16 rows then follow for any r >= 1)."""
+  del r
+  return 16
 
 
 def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_block,
@@ -108,6 +110,8 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
   r = sel_block // stride
   if sel_block % stride or r & (r - 1):
     return False, f"l'/d = {sel_block}/{stride} must be a power of two"
+  if block % stride or block > sel_block:
+    return False, f"l={block} must be a multiple of d={stride} and at most l'={sel_block}"
   nsj = chunk_blocks(r)
   nb = kc_shape[2] // SLOT_BLOCK
   bps = blocks_per_split or da.default_blocks_per_split(b, kh, nb)

@@ -148,14 +148,15 @@ def create_train_state(setup: Setup) -> dict:
 
 # ----------------------------------------------------------------------------- steps -----------
 
-def _loss_sums(graphdef, params, rest, batch):
+def _loss_sums(graphdef, params, rest, batch, with_selector=True):
   """(objective sum, (sum of weights, weighted count of correct argmax, sum of weighted token NLL,
   weighted selector-loss sum)). The objective is the NLL sum plus, for a model with the "aux"
-  block selector, aux_loss_weight x its selector loss (nsa_jax.aux_selector); otherwise the two
-  are equal and the selector sum is 0."""
+  block selector, aux_loss_weight x its selector loss (nsa_jax.aux_selector); otherwise (and with
+  with_selector=False, as evaluation uses: the selector's full-attention target is skipped) the
+  two are equal and the selector sum is 0."""
   model = nnx.merge(graphdef, params, rest)
   w = batch["weights"]
-  if getattr(model, "uses_aux_selector", False):
+  if with_selector and getattr(model, "uses_aux_selector", False):
     logits, sel = model(batch["inputs"], return_selector_loss=True)
     sel_sum = jnp.sum(sel * w)
     extra = model.cfg.nsa.aux_loss_weight * sel_sum
@@ -215,7 +216,8 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
 def make_eval_step(setup: Setup):
   """Jitted (state, batch) -> sums {nll, weight, correct} (summed over batches by the caller)."""
   def step(state, batch):
-    _, (w, correct, nll, _) = _loss_sums(setup.graphdef, state["params"], state["rest"], batch)
+    _, (w, correct, nll, _) = _loss_sums(setup.graphdef, state["params"], state["rest"], batch,
+                                         with_selector=False)
     return {"nll": nll, "weight": w, "correct": correct}
   return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
                  out_shardings=shd.replicated(setup.mesh))
