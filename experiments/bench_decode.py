@@ -77,37 +77,17 @@ def _kernel():
 
 
 def nsa_step_fn(cfg, t, impl):
-  if impl in VARIANTS:
-    return _fused_step(cfg, **VARIANTS[impl])
-  return _step(cfg, t, impl)
-
-
-def _fused_step(cfg, **tuning):
-  from pallas_kernels import decode_attention as kern
-  from pallas_kernels import decode_select
-  kw = dict(select_fn=_kernel(),
-            prefix_fn=functools.partial(kern.prefix_decode, interpret=INTERPRET),
-            cmp_select_fn=functools.partial(decode_select.compressed_select_decode,
-                                            interpret=INTERPRET, **tuning),
-            select_window_fn=functools.partial(kern.select_window_decode, interpret=INTERPRET))
-  def step(q, caches, gates, tt):
-    return dm.nsa_decode(q, caches, tt, gates, cfg, **kw)[0]
-  return step
-
-
-def _step(cfg, t, impl):
-  """impl: "xla" (plain JAX), "pallas" (selection kernel), "pallas_all" (+ compression branch and
-  top-n fused in pallas_kernels.decode_select, selection + window ring in one launch)."""
-  from pallas_kernels import decode_attention as kern
+  """impl: "xla" (plain JAX), "pallas" (selection kernel), "pallas_all" (every Pallas decode kernel,
+  nsa_jax.decode.pallas_decode_kernels), or a VARIANTS name (pallas_all with tuning keywords)."""
+  del t  # the step takes its position as an argument
+  from nsa_jax import decode
   kw = {}
-  if impl in ("pallas", "pallas_all"):
+  if impl == "pallas":
     kw["select_fn"] = _kernel()
-  if impl == "pallas_all":
-    from pallas_kernels import decode_select
-    kw["prefix_fn"] = functools.partial(kern.prefix_decode, interpret=INTERPRET)
-    kw["cmp_select_fn"] = functools.partial(decode_select.compressed_select_decode,
-                                            interpret=INTERPRET)
-    kw["select_window_fn"] = functools.partial(kern.select_window_decode, interpret=INTERPRET)
+  elif impl == "pallas_all" or impl in VARIANTS:
+    kw = decode.pallas_decode_kernels(interpret=INTERPRET)
+    if impl in VARIANTS:
+      kw["cmp_select_fn"] = functools.partial(kw["cmp_select_fn"], **VARIANTS[impl])
   def step(q, caches, gates, tt):
     return dm.nsa_decode(q, caches, tt, gates, cfg, **kw)[0]
   return step
