@@ -114,6 +114,23 @@ def _sel_win_kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, acc_
   _store(state, acc_ref, m_ref, l_ref, dv_pieces)
 
 
+def per_group(*shape):
+  """BlockSpec of a [B, K, *shape] array: every program (b, k, ...) of the grid reads slab (b, k)."""
+  return pl.BlockSpec((None, None, *shape), lambda bb, kk, *_: (bb, kk) + (0,) * len(shape))
+
+
+def per_split(*shape):
+  """BlockSpec of a [B, K, splits, *shape] output: program (b, k, s) writes its own slab."""
+  return pl.BlockSpec((None, None, None, *shape),
+                      lambda bb, kk, ss: (bb, kk, ss) + (0,) * len(shape))
+
+
+def pad_rows(qg):
+  """(M, qg padded to M >= 16 head rows, the matrix unit's minimum): [B, K, M, Dk]."""
+  m_rows = C.rows_of(qg.shape[2], 1)
+  return m_rows, jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - qg.shape[2]), (0, 0)))
+
+
 def default_blocks_per_split(batch, kv_heads, n):
   """Enough splits that batch * kv_heads * splits reaches TARGET_PROGRAMS, at most one per block."""
   splits = max(1, min(n, C.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
@@ -172,19 +189,27 @@ def prefix_decode(qg, k, v, t, scale=None, *, block_size=64, blocks_per_split=No
   if not ok:
     raise ValueError(f"pallas prefix_decode does not support this call: {why}")
   b, kh, g, _ = qg.shape
+  acc, m, l, lg = prefix_partials(qg, k, v, t, block_size, scale, blocks_per_split, block_k,
+                                  num_warps, num_stages, interpret, want_logits=return_logits)
+  o, lse = merge_splits(acc, m, l, qg.dtype)
+  if not return_logits:
+    return o, lse
+  lg = lg[:, :, :, :g].transpose(0, 1, 3, 2, 4).reshape(b, kh, g, -1)
+  return o, lse, lg[..., :k.shape[2]]
+
+
+def prefix_partials(qg, k, v, t, block_size, scale, blocks_per_split, block_k, num_warps,
+                    num_stages, interpret, want_logits):
+  """prefix_decode's pallas_call over slots 0..t: the per-split partials (acc, m, l) and the raw
+  logits blocks [B, K, splits, M, bps * block_size] (see `_call`), before any merge."""
+  b, kh = qg.shape[:2]
   nb = k.shape[2] // block_size
   bps = blocks_per_split or default_blocks_per_split(b, kh, nb)
   idx = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, kh, nb))
   t = jnp.asarray(t, jnp.int32)
   cnt = jnp.broadcast_to(jnp.clip(t // block_size + 1, 0, nb), (b, kh)).astype(jnp.int32)
-  acc, m, l, lg = _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps,
-                        num_stages, interpret, want_logits=return_logits)
-  o, lse = merge_splits(acc, m, l, qg.dtype)
-  if not return_logits:
-    return o, lse
-  splits = lg.shape[2]
-  lg = lg[:, :, :, :g].transpose(0, 1, 3, 2, 4).reshape(b, kh, g, splits * bps * block_size)
-  return o, lse, lg[..., :k.shape[2]]
+  return _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,
+               interpret, want_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "blocks_per_split",
@@ -206,20 +231,15 @@ def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size
   bps = blocks_per_split or default_blocks_per_split(b, kh, n)
   wbps = window_blocks_per_split or default_blocks_per_split(b, kh, nbw)
   sel_splits, splits = C.cdiv(n, bps), C.cdiv(n, bps) + C.cdiv(nbw, wbps)
-  m_rows = C.rows_of(g, 1)
+  m_rows, q_rows = pad_rows(qg)
   n_pad = C.next_pow2(n)
   idx = jnp.pad(block_idx.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)), constant_values=-1)
   meta = jnp.broadcast_to(jnp.stack([jnp.asarray(t, jnp.int32), jnp.asarray(t_win, jnp.int32)]),
                           (b, kh, 2))
-  q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
   kernel = functools.partial(
       _sel_win_kernel, m_rows=m_rows, bps=bps, wbps=wbps, sel_splits=sel_splits, n=n,
       block_size=block_size, bk=block_k or min(64, block_size), dk_pieces=C.dim_pieces(dk),
       dv_pieces=C.dim_pieces(dv), scale=float(dk ** -0.5 if scale is None else scale))
-  per_group = lambda *shape: pl.BlockSpec((None, None, *shape),
-                                          lambda bb, kk, ss: (bb, kk) + (0,) * len(shape))
-  per_split = lambda *shape: pl.BlockSpec((None, None, None, *shape),
-                                          lambda bb, kk, ss: (bb, kk, ss) + (0,) * len(shape))
   C.log_once(("decode_sel_win", qg.shape, k.shape, k_win.shape, n, block_size, interpret),
              "decode selection + window: qg=%s k=%s k_win=%s blocks=%d splits=%d+%d interpret=%s",
              qg.shape, k.shape, k_win.shape, n, sel_splits, splits - sel_splits, interpret)
@@ -255,18 +275,13 @@ def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num
   scale = float(dk ** -0.5 if scale is None else scale)
   bk = block_k or min(64, block_size)
   splits = C.cdiv(n, bps)
-  m_rows = C.rows_of(g, 1)
+  m_rows, q_rows = pad_rows(qg)
   n_pad = C.next_pow2(n)
   idx = jnp.pad(idx, ((0, 0), (0, 0), (0, n_pad - n)))
   meta = jnp.stack([cnt, jnp.broadcast_to(jnp.asarray(t, jnp.int32), cnt.shape)], axis=-1)
-  q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
   kernel = functools.partial(
       _kernel, m_rows=m_rows, bps=bps, block_size=block_size, bk=bk,
       dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale)
-  per_group = lambda *shape: pl.BlockSpec((None, None, *shape),
-                                          lambda bb, kk, ss: (bb, kk) + (0,) * len(shape))
-  per_split = lambda *shape: pl.BlockSpec((None, None, None, *shape),
-                                          lambda bb, kk, ss: (bb, kk, ss) + (0,) * len(shape))
   out_specs = [per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)]
   out_shape = [jax.ShapeDtypeStruct((b, kh, splits, m_rows, dv), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32),

@@ -144,13 +144,9 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   if alignment not in st.ALIGN_OFFSET:
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")
   b, kh, g, _ = qg.shape
-  nb = k_cmp.shape[2] // SLOT_BLOCK
-  bps = blocks_per_split or da.default_blocks_per_split(b, kh, nb)
   t, nv = jnp.asarray(t, jnp.int32), jnp.asarray(nv, jnp.int32)
-  ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, kh, nb))
-  cnt = jnp.broadcast_to(jnp.clip((nv - 1) // SLOT_BLOCK + 1, 0, nb), (b, kh)).astype(jnp.int32)
-  acc, m, l, lg = da._call(qg, k_cmp, v_cmp, ids, cnt, nv - 1, SLOT_BLOCK, scale, bps, None, 4,
-                           cmp_num_stages, interpret, want_logits=True)
+  acc, m, l, lg = da.prefix_partials(qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split,
+                                     None, 4, cmp_num_stages, interpret, want_logits=True)
   o, lse = da.merge_splits(acc, m, l, qg.dtype)
   m_rows, splits, seg_len = lg.shape[3], lg.shape[2], lg.shape[4]
   r = sel_block // stride
@@ -162,15 +158,13 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
       _scores_kernel, g=g, m_rows=m_rows, seg_len=seg_len, r=r, c=block // stride, nsj=nsj,
       off=st.ALIGN_OFFSET[alignment](r), sel_block=sel_block, n_init=num_init,
       n_local=num_local)
-  per_group = lambda *shape: pl.BlockSpec((None, None, *shape),
-                                          lambda bb, kk, cc: (bb, kk) + (0,) * len(shape))
   C.log_once(("decode_scores", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
              "decode block scores: qg=%s k_cmp=%s selection blocks=%d chunks=%d interpret=%s",
              qg.shape, k_cmp.shape, num_sel_blocks, chunks, interpret)
   scores = pl.pallas_call(
       kernel,
       grid=(b, kh, chunks),
-      in_specs=[per_group(2), per_group(m_rows), per_group(splits, m_rows, seg_len)],
+      in_specs=[da.per_group(2), da.per_group(m_rows), da.per_group(splits, m_rows, seg_len)],
       out_specs=pl.BlockSpec((None, None, nsj), lambda bb, kk, cc: (bb, kk, cc)),
       # A power-of-two row for the top-n kernel's load; slots past Ns stay unwritten (masked).
       out_shape=jax.ShapeDtypeStruct((b, kh, C.next_pow2(chunks * nsj)), jnp.float32),
@@ -182,8 +176,8 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   idx = pl.pallas_call(
       functools.partial(_topn_kernel, ns=num_sel_blocks, n=min(num_selected, num_sel_blocks)),
       grid=(b, kh),
-      in_specs=[pl.BlockSpec((None, None, scores.shape[-1]), lambda bb, kk: (bb, kk, 0))],
-      out_specs=pl.BlockSpec((None, None, npad), lambda bb, kk: (bb, kk, 0)),
+      in_specs=[da.per_group(scores.shape[-1])],
+      out_specs=da.per_group(npad),
       out_shape=jax.ShapeDtypeStruct((b, kh, npad), jnp.int32),
       compiler_params=plgpu.CompilerParams(num_warps=topn_num_warps, num_stages=1),
       interpret=interpret,
