@@ -235,3 +235,8 @@ class ModelConfig:
   @property
   def attention_kinds(self) -> tuple[str, ...]:
     return self.layer_attention or (self.attention,) * self.n_layers
+
+  @property
+  def uses_aux_selector(self) -> bool:
+    """Some layer is NSA with the auxiliary-loss selector (training adds its loss)."""
+    return "nsa" in self.attention_kinds and self.nsa.selector == "aux"

@@ -31,25 +31,23 @@ class Block(nnx.Module):
 
   def __call__(self, x, segment_ids=None, positions=None, return_aux=False,
                return_selector_loss=False):
+    """x -> x, or (x, aux) with return_aux, or (x, selector loss [B, T] / None for a dense
+    layer) with return_selector_loss (training with selector="aux")."""
     h = self.attn_norm(x)
-    aux = None
-    if return_selector_loss:  # training with selector="aux": the layer's loss per token
-      if self.kind == "nsa":
-        y, sel = self.attn(h, segment_ids=segment_ids, positions=positions,
-                           return_selector_loss=True)
-      else:
-        y, sel = self.attn(h, segment_ids=segment_ids, positions=positions), None
-      x = constrain_rows(x + y)
-      x = constrain_rows(x + self.mlp(self.mlp_norm(x)))
-      return x, sel
-    if return_aux and self.kind == "nsa":
-      y, aux = self.attn(h, segment_ids=segment_ids, positions=positions, return_aux=True)
-      aux = {"block_idx": aux["block_idx"], "gates": aux["gates"]} if "block_idx" in aux else \
-          {"gates": aux["gates"]}
+    aux = sel = None
+    if self.kind == "nsa" and (return_aux or return_selector_loss):
+      y, *extra = self.attn(h, segment_ids=segment_ids, positions=positions,
+                            return_aux=return_aux, return_selector_loss=return_selector_loss)
+      if return_aux:
+        aux = {k: extra[0][k] for k in ("block_idx", "gates") if k in extra[0]}
+      if return_selector_loss:
+        sel = extra[-1]
     else:
       y = self.attn(h, segment_ids=segment_ids, positions=positions)
     x = constrain_rows(x + y)
     x = constrain_rows(x + self.mlp(self.mlp_norm(x)))
+    if return_selector_loss:
+      return x, sel
     return (x, aux) if return_aux else x
 
 
@@ -79,7 +77,7 @@ class TransformerLM(nnx.Module):
 
   @property
   def uses_aux_selector(self) -> bool:
-    return "nsa" in self.cfg.attention_kinds and self.cfg.nsa.selector == "aux"
+    return self.cfg.uses_aux_selector
 
   def __call__(self, tokens, segment_ids=None, positions=None, return_aux=False,
                return_selector_loss=False):
@@ -90,22 +88,19 @@ class TransformerLM(nnx.Module):
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")
     x = constrain_rows(self.embed(tokens))
     auxes, sel_losses = [], []
+    run = lambda blk, y: blk(y, segment_ids, positions, return_selector_loss=return_selector_loss)
     for block in self.blocks:
-      if return_selector_loss:
-        if self.cfg.remat:
-          x, sel = nnx.remat(lambda blk, y: blk(y, segment_ids, positions,
-                                                return_selector_loss=True))(block, x)
-        else:
-          x, sel = block(x, segment_ids, positions, return_selector_loss=True)
-        if sel is not None:
-          sel_losses.append(sel)
-      elif return_aux:
+      if return_aux and not return_selector_loss:
         x, aux = block(x, segment_ids, positions, return_aux=True)
         auxes.append(aux)
-      elif self.cfg.remat:
-        x = nnx.remat(lambda blk, y: blk(y, segment_ids, positions))(block, x)
+        continue
+      out = nnx.remat(run)(block, x) if self.cfg.remat else run(block, x)
+      if return_selector_loss:
+        x, sel = out
+        if sel is not None:
+          sel_losses.append(sel)
       else:
-        x = block(x, segment_ids, positions)
+        x = out
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
       logits = self.embed.attend(x)

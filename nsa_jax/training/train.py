@@ -204,7 +204,7 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
     metrics = {"loss": nll_sum / denom, "accuracy": correct / denom,
                "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                "lr": setup.schedule(state["step"])}
-    if setup.model_cfg.nsa.selector == "aux" and "nsa" in setup.model_cfg.attention_kinds:
+    if setup.model_cfg.uses_aux_selector:
       metrics["selector_loss"] = sel_sum / denom
     return new, metrics
 
