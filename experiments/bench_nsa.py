@@ -205,7 +205,7 @@ def bench_layer(bench, key, t, d_model=2560):
             dense_impl="DenseAttention/cudnn")
 
 
-def sweep(key, t, cfg):
+def sweep(key, t, cfg, parts=("cmp", "topn")):
   """Tiling variants of the compression and top-n kernels at one shape: [(name, fwd, fwd_bwd)]."""
   from pallas_kernels.compress_attention import CmpTiling
   args = make_inputs(key, t, cfg)
@@ -214,23 +214,28 @@ def sweep(key, t, cfg):
   ct = jax.random.normal(key, (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   bench = Bench("/tmp", 5, 1e9)
   out = []
-  for name, til in (("cmp rows64 bk64 bwd64/64 w8", CmpTiling()),
+  cmp_variants = (("cmp rows64 bk64 bwd64/64 w8", CmpTiling()),
                     ("cmp rows128 bk64 w8 | bwd bk64 rows128 w8", CmpTiling(rows=128, num_warps=8,
                                                                             bwd_rows=128)),
                     ("cmp rows64 bk128 w4 | bwd bk32 rows64 w4", CmpTiling(block_k=128,
                                                                            bwd_block_k=32,
-                                                                           bwd_num_warps=4))):
-    fn = lambda q, kc, vc, til=til: compress_attention(q, kc, vc, l, d, tiling=til)
+                                                                           bwd_num_warps=4)))
+  for name, til in cmp_variants if "cmp" in parts else ():
+    fn = lambda q, kc, vc, til=til: compress_attention(q, kc, vc, l, d, tiling=til,
+                                                       interpret=INTERPRET)
     r = bench.time_pair(fn, [q, kc, vc], ct)
     out.append((name, r["fwd"], r["fwd_bwd"]))
     print("SWEEP", out[-1], flush=True)
-  _, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, l, d))(q, kc, vc)
-  for rows, chunk, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 8), (128, 32, 8)):
-    fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps: (select_topn(
+  _, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, l, d,
+                                                        interpret=INTERPRET))(q, kc, vc)
+  topn_variants = ((64, 16, 4, "stream"), (64, 16, 4, "dense"), (64, 32, 4, "dense"),
+                   (64, 16, 8, "dense"), (128, 16, 8, "dense"))
+  for rows, chunk, warps, merge in topn_variants if "topn" in parts else ():
+    fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps, merge=merge: (select_topn(
         q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
-        rows=rows, sel_chunk=chunk, num_warps=warps),)
+        rows=rows, sel_chunk=chunk, num_warps=warps, merge=merge, interpret=INTERPRET),)
     r = bench.time_pair(fn, [q, kc, lse], None, with_bwd=False)
-    out.append((f"topn rows{rows} chunk{chunk} w{warps}", r["fwd"], None))
+    out.append((f"topn rows{rows} chunk{chunk} w{warps} {merge}", r["fwd"], None))
     print("SWEEP", out[-1], flush=True)
   return out
 
@@ -361,6 +366,7 @@ def main(argv=None):
   p.add_argument("--budget_s", type=float, default=1e9)
   p.add_argument("--check", action="store_true")
   p.add_argument("--sweep_T", type=int, default=0)
+  p.add_argument("--sweep_parts", default="cmp,topn", help="which kernels --sweep_T varies")
   p.add_argument("--plot", default="")
   p.add_argument("--out", default="benchmarks/results")
   a = p.parse_args(argv)
@@ -377,7 +383,7 @@ def main(argv=None):
     with open(os.path.join(a.out, "nsa_check.json"), "w") as f:
       json.dump(res, f, indent=1)
   if a.sweep_T:
-    res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128))
+    res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128), parts=a.sweep_parts.split(","))
     with open(os.path.join(a.out, "nsa_sweep.json"), "w") as f:
       json.dump(res, f, indent=1)
   plan = [(dims, t) for dims in a.dims.split(",") for t in ints(a.T)]
