@@ -132,6 +132,7 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   impl = (f"pallas-triton {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
           f"w{tiling.bwd_num_warps}s{tiling.bwd_num_stages} {'det' if deterministic else 'atomic'}"
+          + (f" fwd {tiling.blocks_per_step} blocks/step" if tiling.blocks_per_step > 1 else "")
           + impl_note)
   recs = []
   for pass_, ms, fl, base in (("fwd", fwd_ms, flops, cudnn and cudnn[0]),
@@ -233,6 +234,10 @@ def plan_jobs(name, ts, groups, patterns, block):
              (65536, 16, "clustered", r(d16, tokens_per_tile=4), True),
              (65536, 4, "clustered", r(d4, tokens_per_tile=16), True)]
     return jobs + [(t, 16, p, d16, True) for t in (8192, 16384, 32768, 131072) for p in patterns]
+  if name == "unroll":  # blocks folded per forward step, 64k, G=16 and G=4
+    r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
+    return ([(65536, 16, p, r(d16, blocks_per_step=k), True) for p in patterns for k in (1, 2, 4)]
+            + [(65536, 4, "random", r(d4, blocks_per_step=k), True) for k in (1, 2)])
   raise ValueError(f"--plan {name!r}")
 
 
@@ -241,7 +246,7 @@ def main(argv=None):
   p.add_argument("--T", default="8192,16384,32768,65536")
   p.add_argument("--groups", default="16,4", help="G = q heads / kv heads (64 q heads)")
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final")
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
   p.add_argument("--d", type=int, default=128)

@@ -63,6 +63,8 @@ class SelectTiling:
   block_k: keys per inner step (divides block_size).
   bwd_tokens: tokens gathered per dK/dV inner step (rows = bwd_tokens * G).
   chunk_entries: max (token, block) entries one dK/dV program handles (load balance vs. partials).
+  blocks_per_step: selected blocks the "union" forward folds into its softmax state per loop step
+    (one rescale for all of them; their loads are independent, so more of them are in flight).
   """
   tokens_per_tile: int = 1
   mode: str = "union"
@@ -73,6 +75,7 @@ class SelectTiling:
   chunk_entries: int = 512
   bwd_num_warps: int = 4
   bwd_num_stages: int = 2
+  blocks_per_step: int = 1
 
 
 def default_tiling(g, block_size):
@@ -263,11 +266,22 @@ def atomic_add_rows(ref, rows, off, val):
 def softmax_step(state, s, vs):
   """One online-softmax step (shared by every kernel): fold base-2 logits s [m, bk] (-inf where
   masked) and values vs into the state (running max, running sum, accumulators)."""
+  return softmax_steps(state, [(s, vs)])
+
+
+def softmax_steps(state, steps):
+  """Fold several (logits, values) pairs into the state with one shared rescale."""
   m_i, l_i, accs = state
-  m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+  m_new = m_i
+  for s, _ in steps:
+    m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked row so far: avoid inf - inf
   alpha = jnp.exp2(m_i - m_use)
-  p = jnp.exp2(s - m_use[:, None])
-  pv = p.astype(vs[0].dtype)
-  accs = tuple(a * alpha[:, None] + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
-  return m_new, l_i * alpha + jnp.sum(p, axis=1), accs
+  l_i = l_i * alpha
+  accs = tuple(a * alpha[:, None] for a in accs)
+  for s, vs in steps:
+    p = jnp.exp2(s - m_use[:, None])
+    pv = p.astype(vs[0].dtype)
+    accs = tuple(a + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
+    l_i = l_i + jnp.sum(p, axis=1)
+  return m_new, l_i, accs

@@ -57,7 +57,7 @@ def _kv_steps(blk, kk, k_ref, v_ref, seg_ref, *, bk, block_size, t, kh, dk_piece
 
 
 def _fwd_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                      tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces, scale, has_seg):
+                      tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces, scale, has_seg, bps):
   tile, kk = pl.program_id(0), pl.program_id(1)
   tok, pos, row = C.tile_rows(tile, kk, tq=tq, g=g, m=m, t=t, h=h)
   qs = C.load_pieces(q_ref, row, dk_pieces)
@@ -66,15 +66,25 @@ def _fwd_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, o
                          block_size=block_size, t=t, kh=kh, dk_pieces=dk_pieces,
                          dv_pieces=dv_pieces, has_seg=has_seg)
 
-  def body(u, state):
-    rows_on = ((bits_ref[u] >> tok) & 1) == 1  # this row's token picked the block
-    for kpos, ks, vs, seg_k in kv(ub_ref[u]):
-      s = C.dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
-      s = jnp.where(C.visible(rows_on, pos, kpos, seg_q, seg_k), s, -jnp.inf)
+  cnt, last = cnt_ref[0], ub_ref.shape[0] - 1
+
+  def body(i, state):
+    steps = []
+    for j in range(bps):  # bps blocks per step: one shared rescale, independent loads
+      u = jnp.minimum(i * bps + j, last)
+      rows_on = ((bits_ref[u] >> tok) & 1) == 1  # this row's token picked the block
+      if bps > 1:
+        rows_on = rows_on & (i * bps + j < cnt)
+      for kpos, ks, vs, seg_k in kv(ub_ref[u]):
+        s = C.dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
+        steps.append((jnp.where(C.visible(rows_on, pos, kpos, seg_q, seg_k), s, -jnp.inf), vs))
+    if bps > 1:
+      return C.softmax_steps(state, steps)
+    for s, vs in steps:  # one block: its key steps in turn
       state = C.softmax_step(state, s, vs)
     return state
 
-  state = lax.fori_loop(0, cnt_ref[0], body, _init_state(m, dv_pieces))
+  state = lax.fori_loop(0, (cnt + bps - 1) // bps, body, _init_state(m, dv_pieces))
   _store_state(state, row, o_ref, lse_ref, dv_pieces)
 
 
@@ -119,10 +129,11 @@ def forward(q, k, v, seg, maps, *, block_size, scale, tiling, has_seg, interpret
   g, tq = h // kh, tiling.tokens_per_tile
   shared = tiling.mode == "shared"
   m = C.rows_of(g, 1 if shared else tq)
+  extra = {} if shared else {"bps": tiling.blocks_per_step}
   kernel = functools.partial(
       _fwd_shared_kernel if shared else _fwd_union_kernel, tq=tq, g=g, m=m, t=t, h=h, kh=kh,
       block_size=block_size, bk=tiling.block_k, dk_pieces=C.dim_pieces(dk),
-      dv_pieces=C.dim_pieces(dv), scale=scale, has_seg=has_seg)
+      dv_pieces=C.dim_pieces(dv), scale=scale, has_seg=has_seg, **extra)
   whole = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, bb: (bb,) + (0,) * len(shape))
   o, lse = pl.pallas_call(
       kernel,
@@ -203,6 +214,11 @@ def _check_tiling(tiling, block_size, interpret):
                      ">= 16 (the matrix unit's minimum) when compiled")
   if not 1 <= tiling.tokens_per_tile <= 31:
     raise ValueError(f"tiling.tokens_per_tile={tiling.tokens_per_tile}: 1..31 (int32 token bits)")
+  if not 1 <= tiling.blocks_per_step <= 8:
+    raise ValueError(f"tiling.blocks_per_step={tiling.blocks_per_step}: expected 1..8")
+  if tiling.blocks_per_step > 1 and tiling.mode != "union":
+    raise ValueError("tiling.blocks_per_step > 1 needs mode='union' (the 'shared' forward walks "
+                     "one block per step)")
   if tiling.bwd_tokens < 1 or tiling.chunk_entries < 1:
     raise ValueError(f"tiling.bwd_tokens / chunk_entries must be >= 1, got {tiling}")
 
