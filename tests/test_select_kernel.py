@@ -144,6 +144,7 @@ LOWERINGS = [
     ("union4_atomic_192", 8, 2, 192, 128, C.SelectTiling(tokens_per_tile=4, block_k=32), False, True),
     ("shared4_det", 32, 2, 128, 64, C.SelectTiling(tokens_per_tile=4, mode="shared"), True, False),
     ("union16_G1_256", 4, 4, 256, 128, C.SelectTiling(tokens_per_tile=16, bwd_tokens=64), True, False),
+    ("union1_2blocks", 16, 1, 192, 128, C.SelectTiling(blocks_per_step=2), True, True),
 ]
 
 
