@@ -228,14 +228,12 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
     print("SWEEP", out[-1], flush=True)
   _, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, l, d,
                                                         interpret=INTERPRET))(q, kc, vc)
-  topn_variants = ((64, 16, 4, "stream"), (64, 16, 4, "dense"), (64, 32, 4, "dense"),
-                   (64, 16, 8, "dense"), (128, 16, 8, "dense"))
-  for rows, chunk, warps, merge in topn_variants if "topn" in parts else ():
-    fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps, merge=merge: (select_topn(
+  for rows, chunk, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 8), (128, 32, 8)):
+    fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps: (select_topn(
         q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
-        rows=rows, sel_chunk=chunk, num_warps=warps, merge=merge, interpret=INTERPRET),)
+        rows=rows, sel_chunk=chunk, num_warps=warps, interpret=INTERPRET),)
     r = bench.time_pair(fn, [q, kc, lse], None, with_bwd=False)
-    out.append((f"topn rows{rows} chunk{chunk} w{warps} {merge}", r["fwd"], None))
+    out.append((f"topn rows{rows} chunk{chunk} w{warps}", r["fwd"], None))
     print("SWEEP", out[-1], flush=True)
   return out
 

@@ -8,15 +8,9 @@ selection blocks in chunks of `sel_chunk` (= r * sel_chunk compressed blocks, r 
      a chunk of compressed blocks feeds its own selection blocks and the next chunk's, so the part
      for the next chunk is carried. p is split into three bfloat16 terms so that the matrix unit
      computes p @ W to float32 accuracy (W holds small integers, exact in bfloat16);
-  3. Eq. 10: sum over the group's heads (a reshape + sum over the tile rows of one token). Eq. 9
-     and 10 are linear, so the head sum runs first and step 2 works on [tq, r * sel_chunk]
-     per-token rows (G times less work than on the [tq * G, ...] tile): as the band matmul when the
-     tile has >= 16 tokens (small G), as a broadcast multiply-add on the CUDA cores otherwise;
-  4. Eq. 11: forced blocks get +inf, ineligible ones -inf. Two ways to pick the n best ("merge"):
-     "dense" keeps every selection block's score of the tile's tokens in registers ([tq, Ns],
-     while tq * Ns <= DENSE_LIMIT) and picks n times (max, lowest index) after the walk;
-     "stream" merges each chunk into a running top-n (replace-the-minimum while any candidate
-     beats the current n-th best), for long rows.
+  3. Eq. 10: sum over the group's heads (a reshape + sum over the tile rows of one token);
+  4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
+     top-n (replace-the-minimum while any candidate beats the current n-th best).
 Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
 to the lower block index (a later chunk never displaces an equal score; the evicted entry is the
 smallest score, highest index), output ascending, -1 in empty slots. Floating-point sums run in a
@@ -39,7 +33,6 @@ from pallas_kernels import compress_attention as ca
 LOG2E = math.log2(math.e)
 BIG = 2 ** 30
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
-DENSE_LIMIT = 8192  # most tq * Ns scores a program keeps for "dense" (64 registers a thread at 4 warps)
 
 
 def _band(u, k_base, r, c):
@@ -111,31 +104,9 @@ def _ascending(a_val, a_idx, *, n):
   return out
 
 
-def _band_sum(ph, w, tq):
-  """Eq. 9 on per-token rows: ph [tq, bkc] float32 @ w [bkc, nsj] (small integers), float32-exact."""
-  if tq >= 16:  # the matrix unit: three bfloat16 terms carry all 24 bits of ph
-    return _exact_dot(_split3(ph), w.astype(jnp.bfloat16))
-  return jnp.sum(ph[:, :, None] * w[None, :, :], axis=1)
-
-
-def _pick_dense(acc, col, *, n, npad):
-  """n rounds of (max, lowest index among equals) over acc [tq, C, nsj] -> (a_val, a_idx) [tq, NP]."""
-  slot = lax.broadcasted_iota(jnp.int32, (acc.shape[0], npad), 1)
-  a_val = jnp.full((acc.shape[0], npad), -jnp.inf, jnp.float32)
-  a_idx = jnp.full((acc.shape[0], npad), -1, jnp.int32)
-  for s_ in range(n):
-    mx = jnp.max(jnp.max(acc, axis=2), axis=1)
-    hit = acc == mx[:, None, None]
-    pick = jnp.min(jnp.min(jnp.where(hit, col, BIG), axis=2), axis=1)
-    a_val = jnp.where(slot == s_, mx[:, None], a_val)
-    a_idx = jnp.where(slot == s_, pick[:, None], a_idx)
-    acc = jnp.where(col == pick[:, None, None], -jnp.inf, acc)
-  return a_val, a_idx
-
-
 def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref, idx_ref, *, tq, g,
-                 gp, m, t, h, kh, nc, block, stride, sel_block, nsj, nchunk, n, npad, n_init,
-                 n_local, off, dk_pieces, scale, has_seg, dense):
+                 gp, m, t, h, kh, nc, block, stride, sel_block, nsj, n, npad, n_init, n_local, off,
+                 dk_pieces, scale, has_seg):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = ca.tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   # Only padded heads are dropped: tokens past T copy token T-1 whole, so they compute (and store)
@@ -152,16 +123,13 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   first = first_ref[tpos] if has_seg else jnp.zeros((tq,), jnp.int32)
   u = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 0)
   v = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 1)
-  w_own = _band(u, r * v + off, r, c)
-  w_next = _band(u, r * (nsj + v) + off, r, c)
+  w_own = _band(u, r * v + off, r, c).astype(jnp.bfloat16)
+  w_next = _band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   chunks = last // sel_block // nsj + 1
-  if dense:  # every block's score in registers: [tq, chunk, block of the chunk]
-    col = (lax.broadcasted_iota(jnp.int32, (tq, nchunk, nsj), 1) * nsj
-           + lax.broadcasted_iota(jnp.int32, (tq, nchunk, nsj), 2))
 
   def body(ci, st):
-    sel, carry = st
+    a_val, a_idx, carry = st
     start = pl.multiple_of(ci * bkc, bkc)
     kidx = start + lax.iota(jnp.int32, bkc)
     ks = ca.load_block(k_ref, start, bkc, dk_pieces)
@@ -170,26 +138,21 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     s = ca.dot_pieces(qs, ks) * (scale * LOG2E)
     vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
     p = jnp.where(vis & real_head[:, None], jnp.exp2(s - lse2[:, None]), 0.0)  # Eq. 8
-    ph = jnp.sum(p.reshape(tq, gp, bkc), axis=1)  # Eq. 10 first: [tq, bkc]
-    own = _band_sum(ph, w_own, tq) + carry  # Eq. 9 [tq, nsj]
-    carry = _band_sum(ph, w_next, tq)
+    parts = _split3(p)
+    own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
+    nxt = _exact_dot(parts, w_next)
+    own = jnp.sum(own.reshape(tq, gp, nsj), axis=1) + carry  # Eq. 10 [tq, nsj]
+    carry = jnp.sum(nxt.reshape(tq, gp, nsj), axis=1)
     j = ci * nsj + lax.broadcasted_iota(jnp.int32, (tq, nsj), 1)
     elig = (j <= cur[:, None]) & (j >= first[:, None])
     forced = elig & ((j < first[:, None] + n_init) | (j > cur[:, None] - n_local))
     cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
-    if dense:
-      in_chunk = lax.broadcasted_iota(jnp.int32, (tq, nchunk, nsj), 1) == ci
-      sel = jnp.where(in_chunk, cand[:, None, :], sel)
-    else:
-      sel = _merge(*sel, cand, j, n=n)
-    return sel, carry
+    a_val, a_idx = _merge(a_val, a_idx, cand, j, n=n)
+    return a_val, a_idx, carry
 
-  if dense:
-    sel0 = jnp.full((tq, nchunk, nsj), -jnp.inf, jnp.float32)
-  else:
-    sel0 = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32))
-  sel, _ = lax.fori_loop(0, chunks, body, (sel0, jnp.zeros((tq, nsj), jnp.float32)))
-  a_val, a_idx = _pick_dense(sel, col, n=n, npad=npad) if dense else sel
+  init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32),
+          jnp.zeros((tq, nsj), jnp.float32))
+  a_val, a_idx, _ = lax.fori_loop(0, chunks, body, init)
   ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
 
 
@@ -221,15 +184,12 @@ def document_first_block(seg, sel_block):
 
 def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_init=1, num_local=2,
                 alignment="overlap", segment_ids=None, scale=None, interpret=False, rows=64,
-                sel_chunk=16, num_warps=4, num_stages=2, merge="auto"):
+                sel_chunk=16, num_warps=4, num_stages=2):
   """Top-n selection blocks [B, T, K, n] int32 from q [B,T,H,Dk], k_cmp [B,Nc,K,Dk], lse [B,T,H]
-  (the compression softmax's log-sum-exp). Not differentiable (inputs are stop_gradient-ed).
-  merge: "dense", "stream" or "auto" (dense while tq * Ns <= DENSE_LIMIT); see the module docstring."""
+  (the compression softmax's log-sum-exp). Not differentiable (inputs are stop_gradient-ed)."""
   ok, why = supports(q.shape, k_cmp.shape, block, stride, sel_block, rows)
   if not ok:
     raise ValueError(f"select_topn does not support this call: {why}")
-  if merge not in ("auto", "dense", "stream"):
-    raise ValueError(f"merge={merge!r}: expected 'auto', 'dense' or 'stream'")
   if alignment not in ALIGN_OFFSET:
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(ALIGN_OFFSET)}")
   q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
@@ -252,14 +212,12 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
     bseg = bpure = jnp.zeros((b, ncp), jnp.int32)
     first = jnp.zeros((b, t), jnp.int32)
   npad = ca.next_pow2(num_selected)
-  nchunk = ca.cdiv(ns, nsj)
-  dense = merge == "dense" or (merge == "auto" and tq * nchunk * nsj <= DENSE_LIMIT)
   scale = float(dk ** -0.5 if scale is None else scale)
   kernel = functools.partial(
       _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
-      sel_block=sel_block, nsj=nsj, nchunk=nchunk, n=num_selected, npad=npad, n_init=num_init,
+      sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
-      has_seg=has_seg, dense=dense)
+      has_seg=has_seg)
   w = ca._whole
   idx = pl.pallas_call(
       kernel,
@@ -269,6 +227,6 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
       out_shape=jax.ShapeDtypeStruct((b, t * kh, npad), jnp.int32),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name="nsa_select_topn_" + ("dense" if dense else "stream"),
+      name="nsa_select_topn",
   )(seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
   return idx.reshape(b, t, kh, npad)[..., :num_selected]

@@ -75,14 +75,13 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg):
 
 # ----------------------------------------------------------------------------- top-n
 
-@pytest.mark.parametrize("merge", ["dense", "stream"])
 @pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg", [
-    (4, 2, 300, 16, 8, 32, 5, "overlap", False),   # 16 tokens a tile: Eq. 9 on the matrix unit
+    (4, 2, 300, 16, 8, 32, 5, "overlap", False),
     (1, 3, 200, 16, 8, 32, 4, "literal", True),
-    (16, 1, 260, 32, 16, 64, 3, "overlap", True),  # 4 tokens a tile: Eq. 9 on the CUDA cores
+    (16, 1, 260, 32, 16, 64, 3, "overlap", True),
     (8, 1, 333, 16, 8, 16, 6, "literal", False),
 ])
-def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, merge):
+def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg):
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 4)
   b, dk = 2, 32
@@ -96,7 +95,7 @@ def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, 
   want = reference.select_blocks(reference.selection_scores(p, kv, t, cfg), cfg, seg)
   got = jax.jit(lambda q, kc, lse, seg: select_topn(
       q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, alignment=align,
-      segment_ids=seg, interpret=True, merge=merge))(q, kc, lse, seg)
+      segment_ids=seg, interpret=True))(q, kc, lse, seg)
   bad = np.argwhere(np.asarray(want != got))
   assert got.shape == want.shape and got.dtype == jnp.int32
   assert bad.size == 0, (f"{len(bad)} slots differ, first at {bad[0]}: want "
