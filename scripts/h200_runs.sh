@@ -15,8 +15,10 @@
 #          GPU 1, then the needle grid at 2k-16k (heatmap PNG + JSON).
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
-# context  training throughput of NSA vs dense at 8k, 16k and 32k context (same tokens per step),
-#          20 steps each, NSA on GPU 0 and dense on GPU 1 at the same time.
+# context8, context16, context32
+#          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
+#          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time; one phase per call (all
+#          three in one call did not fit: on 2026-11-30 only the 8k pair finished in 10 minutes).
 #
 # Work directories (1.2 GB checkpoints) stay under /tmp/h200; the small results (metrics.jsonl,
 # config.json, loss.png, collectives.json, logs, tables, pictures) are packed into $OUT/<phase>.tgz.
@@ -92,11 +94,9 @@ context_pair() {  # context_pair <seq_len> <batch>
   keep "$T/context/dense_$1" "context_dense_$1"
 }
 
-context() {
-  context_pair 8192 8
-  context_pair 16384 4
-  context_pair 32768 2
-}
+context8() { context_pair 8192 8; }
+context16() { context_pair 16384 4; }
+context32() { context_pair 32768 2; }
 
 sweep_pair() {  # sweep_pair <sweep> <runs on GPU 0> <runs on GPU 1>: two runs each fit one call
   local a="--runs_root=$T/runs --out_dir=$R/${1}_gpu --reuse_from=docs/results/nsa_vs_dense_gpu.jsonl"
