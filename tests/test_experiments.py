@@ -349,6 +349,6 @@ def test_h200_runs_script_parses_and_defines_every_documented_phase():
   header = text.split("set -uo pipefail")[0]
   defined = set(re.findall(r"^([a-z_0-9]+)\(\)\s*\{", text, re.M))
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "branches", "design", "blocks",
-                "context"):
+                "context8", "context16", "context32"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
