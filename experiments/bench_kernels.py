@@ -238,6 +238,10 @@ def plan_jobs(name, ts, groups, patterns, block):
     r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
     return ([(65536, 16, p, r(d16, blocks_per_step=k), True) for p in patterns for k in (1, 2, 4)]
             + [(65536, 4, "random", r(d4, blocks_per_step=k), True) for k in (1, 2)])
+  if name == "union4":  # G=16 "clustered": 4 tokens x 16 heads = 64-row tiles over the union
+    r, d16 = dataclasses.replace, kc.default_tiling(16, block)
+    return [(65536, 16, p, r(d16, tokens_per_tile=4, blocks_per_step=k), True)
+            for p in patterns for k in (1, 2)]
   raise ValueError(f"--plan {name!r}")
 
 
@@ -246,7 +250,7 @@ def main(argv=None):
   p.add_argument("--T", default="8192,16384,32768,65536")
   p.add_argument("--groups", default="16,4", help="G = q heads / kv heads (64 q heads)")
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll")
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
   p.add_argument("--d", type=int, default=128)

@@ -65,6 +65,8 @@ CASES = [
     ("G1_union16_seg", 1, 30, 2, 2, 32, 16, 2, 16, True, None, True),
     ("G16_2blocks_a_step_odd_n", 1, 33, 16, 1, 32, 16, 3, 16, True,
      C.SelectTiling(block_k=16, blocks_per_step=2), True),
+    ("G16_union4_2blocks_a_step", 1, 19, 16, 1, 32, 16, 3, 16, False,
+     C.SelectTiling(tokens_per_tile=4, block_k=16, blocks_per_step=2), True),
     ("G4_union2_3blocks_a_step", 1, 29, 8, 2, 32, 16, 3, 16, False,
      C.SelectTiling(tokens_per_tile=2, block_k=16, blocks_per_step=3), True),
 ]
