@@ -15,6 +15,7 @@ d_k == d_v, so the paper's d_k=192/d_v=128 is compared with dense attention at 1
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -238,6 +239,30 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   return out
 
 
+def profile(key, t, cfg, out_dir):
+  """Device kernels (jax.profiler) of one forward and one forward+backward of the whole op at T=t:
+  where the time goes, XLA glue included. Saved as nsa_profile.json."""
+  args = make_inputs(key, t, cfg)
+  ct = jax.random.normal(jax.random.fold_in(key, 7), (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
+  fwd, fwd_bwd = compiled(fn, *args), compiled(with_grad(fn), args, ct)
+  res = dict(T=t, d_k=cfg.head_dim, d_v=cfg.dim_v, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+             hardware=bc.hardware(), command=bc.command_line(),
+             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             code_commit=bc.code_commit(),
+             fwd=bc.kernel_profile(fwd, args, os.path.join(out_dir, "trace_fwd")),
+             fwd_bwd=bc.kernel_profile(lambda a, c: fwd_bwd(a, c), [args, ct],
+                                       os.path.join(out_dir, "trace_fwd_bwd")))
+  for name in ("fwd", "fwd_bwd"):
+    total = sum(us for _, _, us in res[name])
+    print(f"PROFILE {name} T={t}: {total / 1e3:.2f} ms in the top {len(res[name])} kernels", flush=True)
+    for k, n, us in res[name][:12]:
+      print(f"  {us / 1e3:9.3f} ms  x{n:<4d} {k[:110]}", flush=True)
+  with open(os.path.join(out_dir, "nsa_profile.json"), "w") as f:
+    json.dump(res, f, indent=1)
+  return res
+
+
 def check(key, t, cfg):
   """Compiled kernels vs the plain-JAX path (bf16 inputs): errors and top-n agreement."""
   args = make_inputs(key, t, cfg)
@@ -366,6 +391,9 @@ def main(argv=None):
   p.add_argument("--sweep_T", type=int, default=0)
   p.add_argument("--sweep_parts", default="cmp,topn", help="which kernels --sweep_T varies")
   p.add_argument("--plot", default="")
+  p.add_argument("--profile_T", type=int, default=0,
+                 help="also save the device kernels of the whole op (fwd, fwd+bwd) at this T and "
+                      "the last --dims entry as nsa_profile.json (jax.profiler)")
   p.add_argument("--out", default="benchmarks/results")
   a = p.parse_args(argv)
   if a.plot:
@@ -380,6 +408,9 @@ def main(argv=None):
     print("CHECK", json.dumps(res), flush=True)
     with open(os.path.join(a.out, "nsa_check.json"), "w") as f:
       json.dump(res, f, indent=1)
+  if a.profile_T:
+    dk, dv = ints(a.dims.split(",")[-1].replace("/", ","))
+    profile(key, a.profile_T, paper_cfg(h, kh, dk, dv), a.out)
   if a.sweep_T:
     res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128), parts=a.sweep_parts.split(","))
     with open(os.path.join(a.out, "nsa_sweep.json"), "w") as f:
