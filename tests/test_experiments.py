@@ -352,3 +352,20 @@ def test_h200_runs_script_parses_and_defines_every_documented_phase():
                 "context8", "context16", "context32"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
+
+
+def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
+  """The GPU benchmark's code paths (whole op, branches, top-n sweep, profile) run interpreted on a
+  tiny shape, so a typo cannot cost a GPU call; the numbers themselves mean nothing here."""
+  from experiments import bench_nsa
+  bench_nsa.main(["--T", "128", "--breakdown_T", "128", "--sweep_T", "128", "--sweep_parts", "topn",
+                  "--profile_T", "128", "--heads", "4/1", "--dims", "32/16", "--iters", "1",
+                  "--out", str(tmp_path)])
+  recs = json.load(open(tmp_path / "nsa_h200.json"))
+  assert {(r["op"], r["pass"]) for r in recs} >= {("nsa", "fwd"), ("nsa", "bwd"), ("topn", "fwd"),
+                                                  ("select", "bwd"), ("compress", "bwd")}
+  assert all(r["ms"] > 0 and r["T"] == 128 for r in recs)
+  sweep = json.load(open(tmp_path / "nsa_sweep.json"))
+  assert [name.split()[0] for name, _, _ in sweep] == ["topn"] * 4
+  prof = json.load(open(tmp_path / "nsa_profile.json"))
+  assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
