@@ -132,7 +132,8 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   impl = (f"pallas-triton {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
           f"w{tiling.bwd_num_warps}s{tiling.bwd_num_stages} {'det' if deterministic else 'atomic'}"
-          + (f" fwd {tiling.blocks_per_step} blocks/step" if tiling.blocks_per_step > 1 else "")
+          + (f" fwd {tiling.blocks_per_step} blocks/step"
+             if tiling.blocks_per_step > 1 and tiling.mode == "union" else "")
           + impl_note)
   recs = []
   for pass_, ms, fl, base in (("fwd", fwd_ms, flops, cudnn and cudnn[0]),

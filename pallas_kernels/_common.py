@@ -65,6 +65,7 @@ class SelectTiling:
   chunk_entries: max (token, block) entries one dK/dV program handles (load balance vs. partials).
   blocks_per_step: selected blocks the "union" forward folds into its softmax state per loop step
     (one rescale for all of them; their loads are independent, so more of them are in flight).
+    The "shared" forward and the backward kernels walk one block a step whatever this says.
   """
   tokens_per_tile: int = 1
   mode: str = "union"

@@ -216,9 +216,6 @@ def _check_tiling(tiling, block_size, interpret):
     raise ValueError(f"tiling.tokens_per_tile={tiling.tokens_per_tile}: 1..31 (int32 token bits)")
   if not 1 <= tiling.blocks_per_step <= 8:
     raise ValueError(f"tiling.blocks_per_step={tiling.blocks_per_step}: expected 1..8")
-  if tiling.blocks_per_step > 1 and tiling.mode != "union":
-    raise ValueError("tiling.blocks_per_step > 1 needs mode='union' (the 'shared' forward walks "
-                     "one block per step)")
   if tiling.bwd_tokens < 1 or tiling.chunk_entries < 1:
     raise ValueError(f"tiling.bwd_tokens / chunk_entries must be >= 1, got {tiling}")
 
