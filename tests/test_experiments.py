@@ -369,3 +369,14 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   assert [name.split()[0] for name, _, _ in sweep] == ["topn"] * 4
   prof = json.load(open(tmp_path / "nsa_profile.json"))
   assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
+
+
+def test_h200_kernels_script_parses_and_defines_every_documented_phase():
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "h200_kernels.sh")
+  assert subprocess.run(["bash", "-n", script]).returncode == 0
+  text = open(script).read()
+  header = text.split("set -uo pipefail")[0]
+  documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
+  defined = set(re.findall(r"^([a-z_0-9]+)\(\)\s*\{", text, re.M))
+  assert documented == defined == {"union4", "profile", "nsa", "decode"}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Kernel measurements on one H200, one phase per device call (each fits in a few minutes).
+#
+#   bash scripts/h200_kernels.sh PHASE [PHASE ...]     (repository root; writes under $OUT)
+#
+# union4   selection kernel, G=16, 64k: 4-token "union" tiles (64 rows, wgmma-eligible) with 1 and
+#          2 blocks a step, "clustered" then "random" (issue 4's clustered 15x target); ~3 min.
+# profile  device kernels of the whole NSA op's forward and forward+backward at 64k, 192/128
+#          (jax.profiler; where the top-n and compression time goes, issue 5); ~2 min.
+# nsa      the whole op and its branches vs cuDNN, 8k-64k, both head dims (issue 5's table); ~4 min.
+# decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
+#
+# Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
+# copy's git metadata lags: correct code_commit in the records by hand when committing them.
+set -uo pipefail
+OUT=${OUT:-/tmp/h200_kernels_out}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+mkdir -p "$OUT"
+
+union4() {
+  timeout 200 python3 -m experiments.bench_kernels --plan union4 --patterns clustered,random \
+    --T 65536 --iters 5 --out "$OUT/union4" --tag union4
+}
+profile() {
+  timeout 150 python3 -m experiments.bench_nsa --profile_T 65536 --dims 192/128 --T '' \
+    --out "$OUT/profile"
+}
+nsa() {
+  timeout 330 python3 -m experiments.bench_nsa --check --T 65536,8192,16384,32768 \
+    --dims 192/128,128/128 --breakdown_T 65536 --iters 5 --budget_s 240 --out "$OUT/nsa"
+}
+decode() {
+  timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \
+    --max_seconds 330 --lengths 65536,8192,16384,32768,131072
+}
+
+nvidia-smi -L >> "$OUT/log.txt" 2>&1
+for phase in "$@"; do
+  mkdir -p "$OUT/$phase"
+  echo "=== $phase $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
+  "$phase" >> "$OUT/log.txt" 2>&1
+  echo "=== $phase done (rc $?) $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
+done
