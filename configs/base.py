@@ -110,4 +110,7 @@ def get_base_config() -> ConfigDict:
   c.checkpoint.max_to_keep = 3     # newest checkpoints kept
   c.checkpoint.async_save = True   # write in the background while training continues
   c.checkpoint.resume = True       # continue from the newest checkpoint in the workdir
+  c.checkpoint.init_from = ""      # warm start (e.g. context extension): a fresh run takes its
+                                   # parameters from the newest checkpoint of this other workdir
+                                   # (same model; optimizer, step and data start afresh)
   return c

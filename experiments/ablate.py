@@ -39,6 +39,8 @@ from ml_collections import ConfigDict, config_flags
 
 MATCH_PARAMS = "MATCH_PARAMS"
 _UI_FIELDS = ("train.progress_bar", "train.tensorboard", "train.plot")  # do not change the run
+_UNSET_FIELDS = ("checkpoint.init_from",)  # left out of the hash while empty (added later: keeps the
+                                           # hashes of the runs recorded before them)
 
 _CONFIG = None
 _RUN = None
@@ -158,6 +160,10 @@ def config_hash(config: ConfigDict) -> str:
   for dotted in _UI_FIELDS:
     group, leaf = dotted.split(".")
     d.get(group, {}).pop(leaf, None)
+  for dotted in _UNSET_FIELDS:
+    group, leaf = dotted.split(".")
+    if not d.get(group, {}).get(leaf):
+      d.get(group, {}).pop(leaf, None)
   return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -102,6 +102,12 @@ def test_config_hash_ignores_ui_fields_only():
   assert ablate.config_hash(a) == ablate.config_hash(b)
   b.model.nsa.num_selected = 4
   assert ablate.config_hash(a) != ablate.config_hash(b)
+  # checkpoint.init_from (added after runs were recorded) counts only when set
+  c = tiny_config(seed=1)
+  del c.checkpoint["init_from"]
+  assert ablate.config_hash(a) == ablate.config_hash(c)
+  c.checkpoint.init_from = "/some/run"
+  assert ablate.config_hash(a) != ablate.config_hash(c)
 
 
 def test_command_keeps_overrides_and_names_the_run():
@@ -348,8 +354,8 @@ def test_h200_runs_script_parses_and_defines_every_documented_phase():
   text = open(script).read()
   header = text.split("set -uo pipefail")[0]
   defined = set(re.findall(r"^([a-z_0-9]+)\(\)\s*\{", text, re.M))
-  for phase in ("pair", "layouts", "layouts_kv2", "passkey", "branches", "design", "blocks",
-                "context8", "context16", "context32"):
+  for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
+                "blocks", "context8", "context16", "context32"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
 

@@ -5,6 +5,7 @@ The 8-device test re-runs this file as a subprocess (`python tests/test_train.py
 XLA_FLAGS must be set before jax starts.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import pytest
 from configs.tiny_cpu import get_config as tiny_cpu_config
 from nsa_jax.training import sharding as shd
 from nsa_jax.training import train
-from nsa_jax.training.checkpointing import CheckpointError
+from nsa_jax.training.checkpointing import Checkpointer, CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = int.from_bytes(os.urandom(3), "little")  # fresh every run; printed in failure messages
@@ -141,6 +142,54 @@ def test_mismatched_checkpoint_is_refused_without_touching_it(full_run, tmp_path
   with pytest.raises(CheckpointError, match=r"ffn_dim: checkpoint has 128, config has 192"):
     train.train_and_evaluate(c, workdir)
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "6"]
+
+
+def test_warm_start_takes_the_parameters_only_and_trains_at_another_length(full_run, tmp_path):
+  src = full_run[0]
+  c = small_config(num_steps=2)
+  c.data.seq_len = 64  # context change between the runs: the parameters do not depend on it
+  c.checkpoint.init_from = src
+  setup = train.build_setup(c, shd.make_mesh(c.mesh))
+  meta = {"model": dataclasses.asdict(setup.model_cfg)}
+  state = train.warm_start(setup, meta, src)
+  ckpt = Checkpointer(os.path.join(src, "checkpoints"), async_save=False)
+  saved, _ = ckpt.restore(ckpt.latest_step(), setup.abstract_state, meta)
+  ckpt.close()
+  for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(saved["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(state["step"]) == 0
+  assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state["opt_state"]))  # fresh Adam
+  assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(saved["opt_state"]))
+
+  workdir = str(tmp_path / "warm")
+  train.train_and_evaluate(c, workdir)
+  cold = str(tmp_path / "cold")
+  c_cold = small_config(num_steps=2)
+  c_cold.data.seq_len = 64
+  train.train_and_evaluate(c_cold, cold)
+  # Six steps of pretraining show in the very first step's loss (same data, same seed).
+  assert train_losses(workdir)[1] < train_losses(cold)[1] - 0.05, (SEED, train_losses(workdir),
+                                                                    train_losses(cold))
+  # A warm-started run that saved resumes from its own checkpoint, not from init_from again.
+  c3 = small_config(num_steps=3)
+  c3.data.seq_len = 64
+  c3.checkpoint.init_from = os.path.join(str(tmp_path), "does_not_matter_any_more")
+  assert train.train_and_evaluate(c3, workdir)["step"] == 3
+
+
+def test_warm_start_errors_name_the_problem(full_run, tmp_path):
+  c = small_config(num_steps=2)
+  c.checkpoint.init_from = str(tmp_path / "nowhere")
+  with pytest.raises(CheckpointError, match=r"init_from=.*no .*checkpoints directory. Fix"):
+    train.train_and_evaluate(c, str(tmp_path / "a"))
+  (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+  c.checkpoint.init_from = str(tmp_path / "empty")
+  with pytest.raises(CheckpointError, match=r"holds no checkpoint. Fix"):
+    train.train_and_evaluate(c, str(tmp_path / "b"))
+  c.checkpoint.init_from = full_run[0]
+  c.model.ffn_dim = 192
+  with pytest.raises(CheckpointError, match=r"ffn_dim: checkpoint has 128, config has 192"):
+    train.train_and_evaluate(c, str(tmp_path / "c"))
 
 
 def test_flops_count_the_keys_each_attention_reads():

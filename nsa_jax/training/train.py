@@ -316,13 +316,37 @@ def _iterators(config, model_cfg, start_step=0):
   return train, [val.batch(i) for i in range(config.train.eval_batches)]
 
 
-def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool):
+def warm_start(setup, meta, init_from: str) -> dict:
+  """A fresh train state whose parameters (and other model state) come from the newest checkpoint
+  of the run in `init_from`; the optimizer state and the step start afresh."""
+  directory = os.path.join(init_from, "checkpoints")
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"config.checkpoint.init_from={init_from!r}: no {directory} directory. "
+                          "Fix: give the --workdir of a finished run")
+  src = Checkpointer(directory, async_save=False)
+  try:
+    latest = src.latest_step()
+    if latest is None:
+      raise CheckpointError(f"config.checkpoint.init_from={init_from!r} holds no checkpoint. Fix: "
+                            "give the --workdir of a run that saved one")
+    loaded, _ = src.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS)
+  finally:
+    src.close()
+  opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(
+      loaded["params"])
+  log.info("warm start: parameters from %s (step %d); optimizer and step start afresh",
+           src.step_dir(latest), latest)
+  return {"step": jnp.zeros((), jnp.int32), "params": loaded["params"], "opt_state": opt_state,
+          "rest": loaded["rest"]}
+
+
+def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool, init_from: str = ""):
   latest = ckpt.latest_step()
   if latest is not None and not resume:
     raise CheckpointError(f"{ckpt.directory} already holds checkpoints (newest: step {latest}) and "
                           "config.checkpoint.resume is False. Fix: use a fresh --workdir, or resume")
-  if latest is None:
-    return create_train_state(setup), 0
+  if latest is None:  # a fresh run (a warm-started run that saved once resumes from its own)
+    return (warm_start(setup, meta, init_from) if init_from else create_train_state(setup)), 0
   state, data_state = ckpt.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS)
   train_iter.restore(data_state)
   step = int(to_host(state["step"]))
@@ -345,7 +369,8 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
                       async_save=config.checkpoint.async_save)
   meta = {"model": dataclasses.asdict(setup.model_cfg)}
-  state, start = _restore_or_init(setup, ckpt, meta, train_iter, config.checkpoint.resume)
+  state, start = _restore_or_init(setup, ckpt, meta, train_iter, config.checkpoint.resume,
+                                 config.checkpoint.get("init_from", ""))
 
   seq, batch = config.data.seq_len, config.data.global_batch_size
   flops_tok = metrics_lib.train_flops_per_token(setup.model_cfg, setup.matmul_params, seq)
