@@ -36,8 +36,12 @@ decode() {
 
 nvidia-smi -L >> "$OUT/log.txt" 2>&1
 for phase in "$@"; do
+  declare -F "$phase" > /dev/null || { echo "unknown phase '$phase' (see the header)"; exit 2; }
+done
+for phase in "$@"; do
   mkdir -p "$OUT/$phase"
   echo "=== $phase $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
   "$phase" >> "$OUT/log.txt" 2>&1
   echo "=== $phase done (rc $?) $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
 done
+tail -n 40 "$OUT/log.txt"

@@ -13,9 +13,10 @@
 #          attention by KV group).
 # passkey  passkey retrieval trained at 4k (configs/sweep_needle.py:gpu), NSA on GPU 0 and dense on
 #          GPU 1, then the needle grid at 2k-16k (heatmap PNG + JSON).
-# passkey2 the same task with a curriculum: 1500 steps at 512 tokens, then 400 at 4k warm-started
+# passkey2 the same task with a curriculum: 1500 steps at 1024 tokens, then 400 at 4k warm-started
 #          from them (config.checkpoint.init_from); needle grid at 2k-8k. Estimated ~6 min (not
 #          run yet): the 4k-only run learned nothing in 800 steps (docs/RESULTS.md section 5).
+#          1024, not 512: NSA's window (512) would cover a 512-token stage whole.
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
 # context8, context16, context32
@@ -126,21 +127,22 @@ passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA
 
 passkey2() {
   local t="timeout -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  # 512 tokens: the same answer : context loss ratio as at 4k (25 : 0.08 x ~490)
-  local s1="--config.data.seq_len=512 --config.data.global_batch_size=64
-    --config.data.context_loss_weight=0.08 --config.train.num_steps=1500
+  # 1024 tokens: the same answer : context loss ratio as at 4k (25 : 0.04 x ~1000)
+  local s1="--config.data.seq_len=1024 --config.data.global_batch_size=32
+    --config.data.context_loss_weight=0.04 --config.train.num_steps=1500
     --config.train.eval_every=500 --config.checkpoint.every_steps=500"
-  CUDA_VISIBLE_DEVICES=0 $t $s1 --workdir=$T/pk2/nsa_512 > "$R/pk2_nsa_512.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$T/pk2/dense_512 --config.model.attention=dense \
-    > "$R/pk2_dense_512.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 $t $s1 --workdir=$T/pk2/nsa_1k > "$R/pk2_nsa_1k.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$T/pk2/dense_1k --config.model.attention=dense \
+    > "$R/pk2_dense_1k.log" 2>&1 &
   wait
+  grep -h "^done:\|stopped" "$R"/pk2_*_1k.log  # a stage cut by its timeout says so here
   local s2="--config.train.num_steps=400 --config.train.eval_every=200"
-  CUDA_VISIBLE_DEVICES=0 $t $s2 --workdir=$T/pk2/nsa --config.checkpoint.init_from=$T/pk2/nsa_512 \
+  CUDA_VISIBLE_DEVICES=0 $t $s2 --workdir=$T/pk2/nsa --config.checkpoint.init_from=$T/pk2/nsa_1k \
     > "$R/pk2_nsa.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 $t $s2 --workdir=$T/pk2/dense --config.model.attention=dense \
-    --config.checkpoint.init_from=$T/pk2/dense_512 > "$R/pk2_dense.log" 2>&1 &
+    --config.checkpoint.init_from=$T/pk2/dense_1k > "$R/pk2_dense.log" 2>&1 &
   wait
-  for r in nsa_512 dense_512 nsa dense; do keep "$T/pk2/$r" "pk2_$r"; done
+  for r in nsa_1k dense_1k nsa dense; do keep "$T/pk2/$r" "pk2_$r"; done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
     --workdirs=$T/pk2/nsa,$T/pk2/dense --labels=nsa,dense --lengths=2048,4096,8192 \
     --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu_pk2.png > "$R/needle_gpu_pk2.log" 2>&1

@@ -54,7 +54,7 @@ def _inputs(rng, b, t, h, kh, dk, dv, n, bs, seg, empty=True):
           sid, f(b, t, h, dv), f(b, t, h))
 
 
-# (name, b, t, h, kh, dk, dv, n, block, segments, tiling, deterministic)
+# (name, b, t, h, kh, dk, dv, n, block, segments, tiling, deterministic[, "full": no short lists])
 CASES = [
     ("G16_shared_dk!=dv_seg", 1, 27, 16, 1, 48, 32, 2, 16, True,
      C.SelectTiling(tokens_per_tile=4, mode="shared", block_k=16, bwd_tokens=2, chunk_entries=8), True),
@@ -63,20 +63,22 @@ CASES = [
     ("G2_padded_rows_bk8_seg", 1, 26, 4, 2, 16, 32, 2, 16, True,
      C.SelectTiling(tokens_per_tile=1, block_k=8, bwd_tokens=4, chunk_entries=16), True),
     ("G1_union16_seg", 1, 30, 2, 2, 32, 16, 2, 16, True, None, True),
-    ("G16_2blocks_a_step_odd_n", 1, 33, 16, 1, 32, 16, 3, 16, True,
-     C.SelectTiling(block_k=16, blocks_per_step=2), True),
-    ("G16_union4_2blocks_a_step", 1, 19, 16, 1, 32, 16, 3, 16, False,
+    # Several blocks a forward step: T=70 and n=5 give tokens several loop steps and an odd tail;
+    # with full lists, tokens 64-69 fill all 5 slots, so a missing tail mask counts slot 4 twice.
+    ("G16_2blocks_a_step_odd_n", 1, 70, 16, 1, 32, 16, 5, 16, True,
+     C.SelectTiling(block_k=16, blocks_per_step=2), True, "full"),
+    ("G16_union4_2blocks_a_step", 1, 70, 16, 1, 32, 16, 5, 16, False,
      C.SelectTiling(tokens_per_tile=4, block_k=16, blocks_per_step=2), True),
-    ("G4_union2_3blocks_a_step", 1, 29, 8, 2, 32, 16, 3, 16, False,
+    ("G4_union2_3blocks_a_step", 1, 70, 8, 2, 32, 16, 5, 16, False,
      C.SelectTiling(tokens_per_tile=2, block_k=16, blocks_per_step=3), True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_interpret_matches_reference(case):
-  _, b, t, h, kh, dk, dv, n, bs, seg, tiling, det = case
+  _, b, t, h, kh, dk, dv, n, bs, seg, tiling, det, *full = case
   rng = np.random.default_rng(_seed())
-  q, k, v, idx, sid, do, dl = _inputs(rng, b, t, h, kh, dk, dv, n, bs, seg)
+  q, k, v, idx, sid, do, dl = _inputs(rng, b, t, h, kh, dk, dv, n, bs, seg, empty=not full)
   if ON_GPU and tiling is not None and tiling.block_k < 16:
     tiling = dataclasses.replace(tiling, block_k=16)  # compiled dots need >= 16 keys per step
   q, k, v = (x.astype(DTYPE) for x in (q, k, v))
@@ -147,6 +149,8 @@ LOWERINGS = [
     ("shared4_det", 32, 2, 128, 64, C.SelectTiling(tokens_per_tile=4, mode="shared"), True, False),
     ("union16_G1_256", 4, 4, 256, 128, C.SelectTiling(tokens_per_tile=16, bwd_tokens=64), True, False),
     ("union1_2blocks", 16, 1, 192, 128, C.SelectTiling(blocks_per_step=2), True, True),
+    ("union4_2blocks", 16, 1, 128, 128, C.SelectTiling(tokens_per_tile=4, blocks_per_step=2), True,
+     False),
 ]
 
 

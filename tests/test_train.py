@@ -188,8 +188,11 @@ def test_warm_start_errors_name_the_problem(full_run, tmp_path):
     train.train_and_evaluate(c, str(tmp_path / "b"))
   c.checkpoint.init_from = full_run[0]
   c.model.ffn_dim = 192
-  with pytest.raises(CheckpointError, match=r"ffn_dim: checkpoint has 128, config has 192"):
+  with pytest.raises(CheckpointError, match=r"(?s)init_from=.*ffn_dim: checkpoint has 128, config "
+                                            r"has 192.*Fix: give init_from the workdir of a run of "
+                                            r"the same model") as err:
     train.train_and_evaluate(c, str(tmp_path / "c"))
+  assert "fresh --workdir" not in str(err.value)
 
 
 def test_flops_count_the_keys_each_attention_reads():

@@ -329,7 +329,13 @@ def warm_start(setup, meta, init_from: str) -> dict:
     if latest is None:
       raise CheckpointError(f"config.checkpoint.init_from={init_from!r} holds no checkpoint. Fix: "
                             "give the --workdir of a run that saved one")
-    loaded, _ = src.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS)
+    try:
+      loaded, _ = src.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS)
+    except CheckpointError as e:  # the resume message's fixes do not apply to a warm start
+      reason = str(e).split("\nFix:")[0].split(" Fix:")[0]
+      raise CheckpointError(f"config.checkpoint.init_from={init_from!r} cannot start this run: "
+                            f"{reason}\nFix: give init_from the workdir of a run of the same "
+                            "model (data settings may differ)") from e
   finally:
     src.close()
   opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(
@@ -384,6 +390,8 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
                 mesh=dict(mesh.shape), devices=jax.device_count(),
                 device_kind=jax.devices()[0].device_kind, flops_per_token=flops_tok,
                 attention=setup.model_cfg.attention_kinds)
+  if start == 0 and config.checkpoint.get("init_from", ""):
+    header["init_from"] = config.checkpoint.init_from
   writer.note(header)
   log.info("run: %s", json.dumps(header))
 
