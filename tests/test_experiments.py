@@ -370,7 +370,9 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   recs = json.load(open(tmp_path / "nsa_h200.json"))
   assert {(r["op"], r["pass"]) for r in recs} >= {("nsa", "fwd"), ("nsa", "bwd"), ("topn", "fwd"),
                                                   ("select", "bwd"), ("compress", "bwd")}
-  assert all(r["ms"] > 0 and r["T"] == 128 for r in recs)
+  # bwd = (fwd + bwd) - fwd: on a busy CPU at this size the difference can come out negative
+  assert all(r["T"] == 128 and math.isfinite(r["ms"]) for r in recs)
+  assert all(r["ms"] > 0 for r in recs if r["pass"] == "fwd")
   sweep = json.load(open(tmp_path / "nsa_sweep.json"))
   assert [name.split()[0] for name, _, _ in sweep] == ["topn"] * 4
   prof = json.load(open(tmp_path / "nsa_profile.json"))
