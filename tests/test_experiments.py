@@ -347,13 +347,17 @@ def test_compare_runs_table_scaling_and_loss_agreement(tmp_path):
     compare_runs.main([one, "--max_step=5"])
 
 
-def test_h200_runs_script_parses_and_defines_every_documented_phase():
+def _script_phases(name):
+  """(header comment, names of the shell functions) of scripts/<name>, after a syntax check."""
   script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                        "h200_runs.sh")
+                        name)
   assert subprocess.run(["bash", "-n", script]).returncode == 0
   text = open(script).read()
-  header = text.split("set -uo pipefail")[0]
-  defined = set(re.findall(r"^([a-z_0-9]+)\(\)\s*\{", text, re.M))
+  return text.split("set -uo pipefail")[0], set(re.findall(r"^([a-z_0-9]+)\(\)\s*\{", text, re.M))
+
+
+def test_h200_runs_script_parses_and_defines_every_documented_phase():
+  header, defined = _script_phases("h200_runs.sh")
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
                 "blocks", "context8", "context16", "context32"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
@@ -380,11 +384,6 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
 
 
 def test_h200_kernels_script_parses_and_defines_every_documented_phase():
-  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                        "h200_kernels.sh")
-  assert subprocess.run(["bash", "-n", script]).returncode == 0
-  text = open(script).read()
-  header = text.split("set -uo pipefail")[0]
+  header, defined = _script_phases("h200_kernels.sh")
   documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
-  defined = set(re.findall(r"^([a-z_0-9]+)\(\)\s*\{", text, re.M))
   assert documented == defined == {"union4", "profile", "nsa", "decode"}
