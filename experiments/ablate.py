@@ -157,12 +157,9 @@ def resolve_runs(module, base: ConfigDict) -> dict[str, tuple[dict, ConfigDict]]
 def config_hash(config: ConfigDict) -> str:
   """Identity of a run: its resolved config, minus fields that only change the UI."""
   d = json.loads(config.to_json_best_effort(sort_keys=True))
-  for dotted in _UI_FIELDS:
+  for dotted in _UI_FIELDS + _UNSET_FIELDS:
     group, leaf = dotted.split(".")
-    d.get(group, {}).pop(leaf, None)
-  for dotted in _UNSET_FIELDS:
-    group, leaf = dotted.split(".")
-    if not d.get(group, {}).get(leaf):
+    if dotted in _UI_FIELDS or not d.get(group, {}).get(leaf):
       d.get(group, {}).pop(leaf, None)
   return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

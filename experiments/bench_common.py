@@ -80,13 +80,22 @@ def code_commit():
     return None
 
 
+def utc_now():
+  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def provenance():
+  """hardware, date, command and code_commit: what every saved result carries."""
+  return dict(hardware=hardware(), date=utc_now(), command=command_line(),
+              code_commit=code_commit())
+
+
 def record(*, op, impl, pass_, t, batch, q_heads, kv_heads, d_k, d_v, ms, cudnn_ms, **extra):
   """One result row with the base fields filled in (hardware, date, command, speedup)."""
   rec = dict(op=op, impl=impl, T=t, batch=batch, q_heads=q_heads, kv_heads=kv_heads, d_k=d_k,
              d_v=d_v, ms=round(ms, 4), cudnn_ms=None if cudnn_ms is None else round(cudnn_ms, 4),
              speedup=None if not cudnn_ms else round(cudnn_ms / ms, 3), hardware=hardware(),
-             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             command=command_line())
+             date=utc_now(), command=command_line())
   rec["pass"] = pass_
   rec = {f: rec[f] for f in BASE_FIELDS}
   rec["code_commit"] = code_commit()

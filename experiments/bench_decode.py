@@ -216,8 +216,7 @@ def profile_step(t, out_dir, name, b=8, dk=192, dv=128):
       print(f"  {us:9.1f} us  {n:5d}x  {k[:140]}", flush=True)
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, name + "_profile.json"), "w") as f:
-    json.dump(dict(T=t, batch=b, d_k=dk, d_v=dv, command=bc.command_line(), hardware=bc.hardware(),
-                   per_impl=res), f, indent=1)
+    json.dump(dict(T=t, batch=b, d_k=dk, d_v=dv, **bc.provenance(), per_impl=res), f, indent=1)
 
 
 def plot(path):

@@ -15,7 +15,6 @@ d_k == d_v, so the paper's d_k=192/d_v=128 is compared with dense attention at 1
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -227,6 +226,8 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
     r = bench.time_pair(fn, [q, kc, vc], ct)
     out.append((name, r["fwd"], r["fwd_bwd"]))
     print("SWEEP", out[-1], flush=True)
+  if "topn" not in parts:
+    return out
   _, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, l, d,
                                                         interpret=INTERPRET))(q, kc, vc)
   for rows, chunk, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 8), (128, 32, 8)):
@@ -247,12 +248,9 @@ def profile(key, t, cfg, out_dir):
   fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
   fwd, fwd_bwd = compiled(fn, *args), compiled(with_grad(fn), args, ct)
   res = dict(T=t, d_k=cfg.head_dim, d_v=cfg.dim_v, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-             hardware=bc.hardware(), command=bc.command_line(),
-             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             code_commit=bc.code_commit(),
+             **bc.provenance(),
              fwd=bc.kernel_profile(fwd, args, os.path.join(out_dir, "trace_fwd")),
-             fwd_bwd=bc.kernel_profile(lambda a, c: fwd_bwd(a, c), [args, ct],
-                                       os.path.join(out_dir, "trace_fwd_bwd")))
+             fwd_bwd=bc.kernel_profile(fwd_bwd, [args, ct], os.path.join(out_dir, "trace_fwd_bwd")))
   for name in ("fwd", "fwd_bwd"):
     total = sum(us for _, _, us in res[name])
     print(f"PROFILE {name} T={t}: {total / 1e3:.2f} ms in the top {len(res[name])} kernels", flush=True)

@@ -16,7 +16,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from nsa_jax import reference, xla
+from nsa_jax import ops, reference, xla
 from nsa_jax.config import NSAConfig
 
 
@@ -167,9 +167,6 @@ def compressed_decode_with(prefix_fn, qg, k_cmp, v_cmp, t, cfg: NSAConfig, scale
   return o, lse, p
 
 
-_WARNED: set = set()
-
-
 def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig, scale=None):
   """(o_cmp, block_idx) from a fused compression + top-n kernel
   (pallas_kernels.decode_select.compressed_select_decode), or None where it does not support the
@@ -178,12 +175,9 @@ def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig,
   ok, why = decode_select.supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel, cfg.cmp_block,
                                    cfg.cmp_stride, cfg.sel_block)
   if not ok:  # a slower path: said once per shape, as a warning on a GPU
-    key = ("decode_select_fallback", qg.shape, k_cmp.shape, why)
-    if key not in _WARNED:
-      _WARNED.add(key)
-      level = logging.WARNING if jax.default_backend() == "gpu" else logging.INFO
-      logging.getLogger("nsa_jax").log(level, "fused decode scoring + top-n not used for "
-                                       "k_cmp%s (%s): plain-JAX scoring", tuple(k_cmp.shape), why)
+    ops.log_once(logging.WARNING if ops.on_gpu() else logging.INFO,
+                 f"fused decode scoring + top-n not used for k_cmp{tuple(k_cmp.shape)} ({why}): "
+                 "plain-JAX scoring")
     return None
   o, _, idx = cmp_select_fn(qg, k_cmp, v_cmp, t, num_visible_cmp(t, cfg), num_sel_blocks=num_sel,
                             block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,

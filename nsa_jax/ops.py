@@ -39,7 +39,8 @@ log = logging.getLogger("nsa_jax")
 
 
 @functools.lru_cache(maxsize=256)
-def _log_once(level, msg):
+def log_once(level, msg):
+  """Log msg at level once per distinct (level, msg): called at trace time, so once per shape."""
   log.log(level, msg)
 
 
@@ -81,10 +82,10 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
     if not ok:
       impl = "xla"
       level = logging.WARNING if on_gpu() or requested == "pallas" else logging.INFO
-      _log_once(level, f"NSA falls back to the plain-JAX path for {shape}: {why}")
+      log_once(level, f"NSA falls back to the plain-JAX path for {shape}: {why}")
   if impl not in ("pallas", "xla", "reference"):
     raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'xla' or 'reference'")
-  _log_once(logging.INFO,
+  log_once(logging.INFO,
             f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
   return impl
 
@@ -102,13 +103,13 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
     dim = max(dk, dv)
     scale = dk ** -0.5 if scale is None else scale
     pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
-    _log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}"
+    log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}"
               + (f" (head dims padded to {dim})" if dk != dv else ""))
     o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, is_causal=True,
                                      local_window_size=(window - 1, 0), implementation="cudnn")
     return o[..., :dv]
   if on_gpu():
-    _log_once(logging.WARNING, f"NSA window branch on GPU uses plain JAX for q{tuple(q.shape)} "
+    log_once(logging.WARNING, f"NSA window branch on GPU uses plain JAX for q{tuple(q.shape)} "
               "(segment ids or a dtype cuDNN does not take)")
   o, _ = xla.window_attention(q, k, v, window, segment_ids, scale)
   return o
@@ -119,7 +120,7 @@ def _pallas_indices(q, k_cmp, v_cmp, lse_cmp, k_slc, cfg: NSAConfig, segment_ids
   from nsa_jax import xla
   from pallas_kernels.select_topn import select_topn
   if cfg.selector == "quest":
-    _log_once(logging.INFO, "NSA selection indices: Quest scores in plain JAX")
+    log_once(logging.INFO, "NSA selection indices: Quest scores in plain JAX")
     return xla.compressed_attention_and_select(q, k_cmp, v_cmp, k_slc, cfg, segment_ids, scale)[2]
   return select_topn(q, k_cmp, lse_cmp, block=cfg.cmp_block, stride=cfg.cmp_stride,
                      sel_block=cfg.sel_block, num_selected=cfg.num_selected,
@@ -170,7 +171,7 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
     return None
   sizes = mesh.shape
   if not set(sizes) & {*BATCH_MESH_AXES, HEAD_MESH_AXIS}:
-    _log_once(logging.WARNING if on_gpu() else logging.INFO,
+    log_once(logging.WARNING if on_gpu() else logging.INFO,
               f"{what}: the mesh's axes {tuple(sizes)} are none of {BATCH_MESH_AXES + (HEAD_MESH_AXIS,)}"
               "; the op is left to XLA's partitioner (which gathers the inputs of Pallas kernels). "
               "Fix: name the mesh axes data / fsdp / tensor")
@@ -180,14 +181,14 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
   bax = tuple(a for a in BATCH_MESH_AXES if a in sizes)
   nb = math.prod(sizes[a] for a in bax)
   if batch % nb:
-    _log_once(logging.WARNING, f"{what}: batch {batch} is not divisible by mesh axes {bax} "
+    log_once(logging.WARNING, f"{what}: batch {batch} is not divisible by mesh axes {bax} "
               f"(size {nb}); rows stay whole and every device computes them all. Fix: make the "
               "per-step batch a multiple of data*fsdp")
     bax = tuple(a for a in bax if sizes[a] == 1)
   tp = sizes.get(HEAD_MESH_AXIS, 1)
   hax = HEAD_MESH_AXIS if HEAD_MESH_AXIS in sizes and kv_heads % tp == 0 else None
   if tp > 1 and hax is None:
-    _log_once(logging.WARNING, f"{what}: {kv_heads} KV head(s) cannot be split over tensor={tp}; "
+    log_once(logging.WARNING, f"{what}: {kv_heads} KV head(s) cannot be split over tensor={tp}; "
               "attention runs whole on each tensor-parallel device (query heads gathered). Fix: "
               "use n_kv_heads divisible by the tensor axis")
   # Even with nothing to split the op runs under shard_map: whole on every device, its inputs
@@ -201,7 +202,7 @@ def _sharded(fn, layout, n4d: int, has_seg: bool, what: str):
   mesh, bax, hax = layout
   spec4 = P(bax, None, hax, None)
   in_specs = (spec4,) * n4d + ((P(bax, None),) if has_seg else ())
-  _log_once(logging.INFO, f"{what}: per-device under shard_map, batch over {bax}, heads over {hax}"
+  log_once(logging.INFO, f"{what}: per-device under shard_map, batch over {bax}, heads over {hax}"
             f" (mesh {dict(mesh.shape)})")
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec4, check_vma=False)
 
@@ -279,7 +280,7 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
   if implementation == "auto":
     implementation = ("cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
                       and q.shape[-1] == v.shape[-1] else "xla")
-  _log_once(logging.INFO, f"dense attention implementation: {implementation} for q{tuple(q.shape)}")
+  log_once(logging.INFO, f"dense attention implementation: {implementation} for q{tuple(q.shape)}")
   if implementation == "reference":
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
   if implementation == "xla" and q.shape[-1] != v.shape[-1]:

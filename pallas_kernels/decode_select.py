@@ -93,11 +93,9 @@ def _topn_kernel(sc_ref, idx_ref, *, ns, n):
   idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
 
 
-def chunk_blocks(r):
-  """Selection blocks per score program: 16, the matrix unit's minimum width of the band dot
-  (its r * 16 >= 16 rows then follow for any r >= 1)."""
-  del r
-  return 16
+# Selection blocks per score program: the matrix unit's minimum width of the band dot (its
+# r * 16 >= 16 rows then follow for any r = l'/d >= 1).
+CHUNK_BLOCKS = 16
 
 
 def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_block,
@@ -112,7 +110,7 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
     return False, f"l'/d = {sel_block}/{stride} must be a power of two"
   if block % stride or block > sel_block:
     return False, f"l={block} must be a multiple of d={stride} and at most l'={sel_block}"
-  nsj = chunk_blocks(r)
+  nsj = CHUNK_BLOCKS
   nb = kc_shape[2] // SLOT_BLOCK
   bps = blocks_per_split or da.default_blocks_per_split(b, kh, nb)
   seg_len, bkc = bps * SLOT_BLOCK, r * nsj
@@ -150,7 +148,7 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   o, lse = da.merge_splits(acc, m, l, qg.dtype)
   m_rows, splits, seg_len = lg.shape[3], lg.shape[2], lg.shape[4]
   r = sel_block // stride
-  nsj = chunk_blocks(r)
+  nsj = CHUNK_BLOCKS
   chunks = C.cdiv(num_sel_blocks, nsj)
   meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
   lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)

@@ -375,8 +375,9 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
                       async_save=config.checkpoint.async_save)
   meta = {"model": dataclasses.asdict(setup.model_cfg)}
+  init_from = config.checkpoint.get("init_from", "")
   state, start = _restore_or_init(setup, ckpt, meta, train_iter, config.checkpoint.resume,
-                                 config.checkpoint.get("init_from", ""))
+                                 init_from)
 
   seq, batch = config.data.seq_len, config.data.global_batch_size
   flops_tok = metrics_lib.train_flops_per_token(setup.model_cfg, setup.matmul_params, seq)
@@ -390,8 +391,8 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
                 mesh=dict(mesh.shape), devices=jax.device_count(),
                 device_kind=jax.devices()[0].device_kind, flops_per_token=flops_tok,
                 attention=setup.model_cfg.attention_kinds)
-  if start == 0 and config.checkpoint.get("init_from", ""):
-    header["init_from"] = config.checkpoint.init_from
+  if start == 0 and init_from:
+    header["init_from"] = init_from
   writer.note(header)
   log.info("run: %s", json.dumps(header))
 
