@@ -103,11 +103,14 @@ def unique_bytes(b, t, h, kh, dk, dv, n, pass_):
 
 # ----------------------------------------------------------------------------- timed ops
 
-def time_fwd_bwd(f, q, k, v, do, iters=10):
-  """(fwd ms, bwd ms) of o = f(q, k, v); bwd = the VJP alone (residuals precomputed)."""
+def time_fwd_bwd(f, q, k, v, do, *extra, iters=10):
+  """(fwd ms, bwd ms) of o = f(q, k, v, *extra); bwd = the VJP in q, k, v alone (residuals
+  precomputed). `extra` (block indices) are arguments, not closure constants: XLA would constant-fold
+  the index preprocessing (a sort over [T/tq, K, union] took 2 minutes to fold on 2026-11-30)."""
   fwd = jax.jit(f)
-  fwd_ms = bc.time_ms(fwd, q, k, v, iters=iters)
-  vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1])(q, k, v)  # residuals computed once
+  fwd_ms = bc.time_ms(fwd, q, k, v, *extra, iters=iters)
+  vjp = jax.jit(lambda q, k, v, *e: jax.vjp(lambda q, k, v: f(q, k, v, *e), q, k, v)[1])(
+      q, k, v, *extra)  # residuals computed once
   bwd = jax.jit(lambda fn, ct: fn(ct))
   bwd_ms = bc.time_ms(bwd, vjp, do, iters=iters)
   return fwd_ms, bwd_ms
@@ -126,8 +129,9 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
   g = h // kh
   tiling = tiling or kc.default_tiling(g, bs)
-  f = lambda q, k, v: select_attention(q, k, v, idx, bs, tiling=tiling, deterministic=deterministic)[0]
-  fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, iters=iters)
+  f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=tiling,
+                                            deterministic=deterministic)[0]
+  fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-triton {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "

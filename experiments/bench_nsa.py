@@ -214,12 +214,8 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   ct = jax.random.normal(key, (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   bench = Bench("/tmp", 5, 1e9)
   out = []
-  cmp_variants = (("cmp rows64 bk64 bwd64/64 w8", CmpTiling()),
-                    ("cmp rows128 bk64 w8 | bwd bk64 rows128 w8", CmpTiling(rows=128, num_warps=8,
-                                                                            bwd_rows=128)),
-                    ("cmp rows64 bk128 w4 | bwd bk32 rows64 w4", CmpTiling(block_k=128,
-                                                                           bwd_block_k=32,
-                                                                           bwd_num_warps=4)))
+  # dK/dV programs per key tile (the 2026-11-29 sweep of rows / block sizes chose the rest).
+  cmp_variants = tuple((f"cmp dkv splits {k}", CmpTiling(bwd_splits=k)) for k in (8, 1, 4, 16))
   for name, til in cmp_variants if "cmp" in parts else ():
     fn = lambda q, kc, vc, til=til: compress_attention(q, kc, vc, l, d, tiling=til,
                                                        interpret=INTERPRET)

@@ -48,6 +48,10 @@ class CmpTiling:
   block_k: compressed keys per inner step of the forward and dq kernels.
   bwd_block_k: compressed keys owned by one dK/dV program.
   bwd_rows: query rows per dq program and per inner step of the dK/dV kernel.
+  bwd_splits: programs per tile of compressed keys in the dK/dV kernel; each walks an equal share
+    of the query tiles that see the keys and writes float32 partial sums, added in XLA in a fixed
+    order (deterministic). With one program per key tile the low key tiles (seen by every later
+    query) ran far longer than the rest: 256 programs at T=65536, the longest 64x the shortest.
   Defaults from a sweep on the H200 at T=65536, 64/4 heads, 192/128 (benchmarks/results/
   nsa_sweep.json): 128-row backward tiles with 8 warps took the fwd+bwd from 122 to 83 ms.
   """
@@ -59,6 +63,7 @@ class CmpTiling:
   bwd_rows: int = 128
   bwd_num_warps: int = 8
   bwd_num_stages: int = 2
+  bwd_splits: int = 8
 
 
 def tile_shape(g, rows):
@@ -95,6 +100,15 @@ def num_visible(pos, block, stride, nc):
   """How many compressed blocks position `pos` sees (blocks 0 .. i with i*d + l - 1 <= pos)."""
   n = jnp.where(pos >= block - 1, (jnp.maximum(pos - block + 1, 0)) // stride + 1, 0)
   return jnp.minimum(n, nc)
+
+
+def full_chunks(first_pos, bk, steps, *, block, stride, nc, has_seg):
+  """How many leading key chunks of `bk` compressed blocks every row of a tile sees (the tile's
+  earliest position is first_pos): those skip the visibility mask. None with segments (a document
+  start can fall anywhere)."""
+  if has_seg:
+    return 0
+  return jnp.minimum(num_visible(first_pos, block, stride, nc) // bk, steps)
 
 
 def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc):
@@ -139,22 +153,25 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
+  n_full = full_chunks(tile * tq, bk, steps, block=block, stride=stride, nc=nc, has_seg=has_seg)
 
-  def body(i, carry):
+  def body(i, carry, masked):
     m_i, l_i, accs = carry
     start = pl.multiple_of(i * bk, bk)
     kidx = start + lax.iota(jnp.int32, bk)
     ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
-    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
-    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
-    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-    s = jnp.where(vis, s, -jnp.inf)
+    if masked:
+      bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
+      bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+      vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+      s = jnp.where(vis, s, -jnp.inf)
     return softmax_step((m_i, l_i, accs), s, vs)
 
   init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
-  m_i, l_i, accs = lax.fori_loop(0, steps, body, init)
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
+  m_i, l_i, accs = lax.fori_loop(n_full, steps, functools.partial(body, masked=True), carry)
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   for (off, _), a in zip(dv_pieces, accs):
@@ -202,21 +219,25 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
+  n_full = full_chunks(tile * tq, bk, steps, block=block, stride=stride, nc=nc, has_seg=has_seg)
 
-  def body(i, accs):
+  def body(i, accs, masked):
     start = pl.multiple_of(i * bk, bk)
     kidx = start + lax.iota(jnp.int32, bk)
     ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
-    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
-    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)
-    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-    p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
+    p = jnp.exp2(s - lse2[:, None])
+    if masked:
+      bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
+      bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+      vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+      p = jnp.where(vis, p, 0.0)
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
     return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
-  accs = lax.fori_loop(0, steps, body, init)
+  accs = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
+  accs = lax.fori_loop(n_full, steps, functools.partial(body, masked=True), accs)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
@@ -224,28 +245,43 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
 # ----------------------------------------------------------------------------- backward: dK, dV
 
 def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces,
-                scale, has_seg):
-  j, kk = pl.program_id(0), pl.program_id(1)
+                dk_ref, dv_ref, *, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces,
+                dv_pieces, scale, has_seg, splits):
+  pid, kk = pl.program_id(0), pl.program_id(1)
+  j, part = pid // splits, pid % splits
   start = pl.multiple_of(j * bk, bk)
   kidx = start + lax.iota(jnp.int32, bk)
   ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
   bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
   bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+  nt = cdiv(t, tq)
   first_tile = jnp.minimum(start * stride + block - 1, t) // tq  # first query that sees key `start`
+  # This program's share of the query tiles [first_tile, nt).
+  share = cdiv(nt - first_tile, splits)
+  lo = jnp.minimum(first_tile + part * share, nt)
+  hi = jnp.minimum(lo + share, nt)
+  # Tiles [full_lo, full_hi) see every key of the tile and hold only real rows: no mask there.
+  if has_seg or g != gp:
+    full_lo = full_hi = lo
+  else:
+    full_lo = jnp.clip(cdiv((start + bk - 1) * stride + block - 1, tq), lo, hi)
+    full_lo = jnp.where(start + bk <= nc, full_lo, hi)
+    full_hi = jnp.clip(t // tq, full_lo, hi)
 
-  def body(i, accs):
+  def body(i, accs, masked):
     dk_accs, dv_accs = accs
     pos, row, valid = tile_rows(i, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
     qs, dos = load_rows(q_ref, row, dk_pieces), load_rows(do_ref, row, dv_pieces)
     lse = lse_ref[row]
     lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
     delta = delta_ref[row]
-    seg_q = seg_ref[pos] if has_seg else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)
-    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-    vis = vis & valid[:, None]  # copied rows must not count twice
-    p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
+    p = jnp.exp2(s - lse2[:, None])
+    if masked:
+      seg_q = seg_ref[pos] if has_seg else None
+      vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+      vis = vis & valid[:, None]  # copied rows must not count twice
+      p = jnp.where(vis, p, 0.0)
     pt = p.astype(dos[0].dtype)
     dv_accs = tuple(a + plgpu.dot(pt, dp, trans_a=True) for a, dp in zip(dv_accs, dos))
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(qs[0].dtype)
@@ -254,11 +290,14 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 
   init = (tuple(jnp.zeros((bk, size), jnp.float32) for _, size in dk_pieces),
           tuple(jnp.zeros((bk, size), jnp.float32) for _, size in dv_pieces))
-  dk_accs, dv_accs = lax.fori_loop(first_tile, cdiv(t, tq), body, init)
+  accs = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
+  accs = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), accs)
+  dk_accs, dv_accs = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), accs)
+  out = pl.multiple_of(part * ncp + start, bk)  # this program's float32 partial sums
   for (off, size), a in zip(dk_pieces, dk_accs):
-    dk_ref[pl.ds(start, bk), pl.ds(off, size)] = (a * scale).astype(dk_ref.dtype)
+    dk_ref[pl.ds(out, bk), pl.ds(off, size)] = a * scale
   for (off, size), a in zip(dv_pieces, dv_accs):
-    dv_ref[pl.ds(start, bk), pl.ds(off, size)] = a.astype(dv_ref.dtype)
+    dv_ref[pl.ds(out, bk), pl.ds(off, size)] = a
 
 
 def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, stride, scale, tiling,
@@ -292,18 +331,22 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
 
   tq, gp, m = tile_shape(g, tiling.bwd_rows)
   bk = tiling.bwd_block_k
+  splits = max(1, tiling.bwd_splits)
   dkc, dvc = pl.pallas_call(
-      functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, **common),
-      grid=(ncp // bk, kh, b),  # low key tiles (seen by the most queries) start first
+      functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits, **common),
+      grid=(ncp // bk * splits, kh, b),  # low key tiles (seen by the most queries) start first
       in_specs=ins,
-      out_specs=[_group(ncp, dk), _group(ncp, dv)],
-      out_shape=[jax.ShapeDtypeStruct((b, kh, ncp, dk), kc.dtype),
-                 jax.ShapeDtypeStruct((b, kh, ncp, dv), vc.dtype)],
+      out_specs=[_group(splits * ncp, dk), _group(splits * ncp, dv)],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, splits * ncp, dk), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, splits * ncp, dv), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
                                            num_stages=tiling.bwd_num_stages),
       interpret=interpret,
       name="nsa_cmp_dkv",
   )(*args)
+  # Partial sums added in a fixed order: deterministic.
+  dkc = jnp.sum(dkc.reshape(b, kh, splits, ncp, dk), axis=2).astype(kc.dtype)
+  dvc = jnp.sum(dvc.reshape(b, kh, splits, ncp, dv), axis=2).astype(vc.dtype)
   return dq.reshape(b, t, h, dk), dkc, dvc
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from nsa_jax import ops, reference
 from nsa_jax.config import NSAConfig
-from pallas_kernels.compress_attention import compress_attention
+from pallas_kernels.compress_attention import CmpTiling, compress_attention
 from pallas_kernels.select_topn import select_topn
 
 jax.config.update("jax_default_matmul_precision", "highest")  # f32 reference on CPU, no bf16 passes
@@ -43,8 +43,18 @@ def _close(a, b, tol, what, seed):
 
 # ----------------------------------------------------------------------------- compression
 
-@pytest.mark.parametrize("g,kv,t,use_seg", [(1, 2, 70, True), (4, 2, 90, False), (16, 1, 61, True)])
-def test_compress_attention_fwd_and_grads(g, kv, t, use_seg):
+# Small key tiles so that T of a few hundred has chunks every row of a tile sees whole (the kernels
+# skip the mask there) and key tiles whose dK/dV is split over several programs.
+SMALL = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=32, bwd_splits=3)
+
+
+@pytest.mark.parametrize("g,kv,t,use_seg,tiling", [
+    (1, 2, 70, True, None), (4, 2, 90, False, None), (16, 1, 61, True, None),
+    (4, 2, 300, False, SMALL), (16, 1, 260, False, SMALL), (3, 1, 200, False, SMALL),
+    (2, 2, 240, True, SMALL), (4, 1, 301, False, CmpTiling(block_k=16, bwd_block_k=16,
+                                                            bwd_splits=1)),
+])
+def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 7)
   b, dk, dv, l, d = 1, 32, 16, 16, 8
@@ -56,7 +66,7 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg):
   w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
   w_l = jax.random.normal(ks[5], (b, t, g * kv))
 
-  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=True)
+  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=True, tiling=tiling)
   ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
 
   @jax.jit  # one compiled program: interpreted kernels run eagerly are much slower
@@ -80,6 +90,7 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg):
     (1, 3, 200, 16, 8, 32, 4, "literal", True),
     (16, 1, 260, 32, 16, 64, 3, "overlap", True),
     (8, 1, 333, 16, 8, 16, 6, "literal", False),
+    (16, 1, 400, 16, 8, 16, 4, "overlap", False),  # tiles past T=272 skip the mask on early chunks
 ])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg):
   seed = _seed()
