@@ -216,6 +216,7 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   out = []
   # dK/dV programs per key tile (the 2026-11-29 sweep of rows / block sizes chose the rest).
   cmp_variants = tuple((f"cmp dkv splits {k}", CmpTiling(bwd_splits=k)) for k in (8, 1, 4, 16))
+  cmp_variants += (("cmp dkv splits 8, every tile masked", CmpTiling(bwd_unmasked_tiles=False)),)
   for name, til in cmp_variants if "cmp" in parts else ():
     fn = lambda q, kc, vc, til=til: compress_attention(q, kc, vc, l, d, tiling=til,
                                                        interpret=INTERPRET)

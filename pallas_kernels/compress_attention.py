@@ -52,6 +52,8 @@ class CmpTiling:
     of the query tiles that see the keys and writes float32 partial sums, added in XLA in a fixed
     order (deterministic). With one program per key tile the low key tiles (seen by every later
     query) ran far longer than the rest: 256 programs at T=65536, the longest 64x the shortest.
+  bwd_unmasked_tiles: the dK/dV kernel skips the visibility mask on query tiles that see the whole
+    key tile (no segments, G a power of two). Same values either way.
   Defaults from a sweep on the H200 at T=65536, 64/4 heads, 192/128 (benchmarks/results/
   nsa_sweep.json): 128-row backward tiles with 8 warps took the fwd+bwd from 122 to 83 ms.
   """
@@ -64,6 +66,7 @@ class CmpTiling:
   bwd_num_warps: int = 8
   bwd_num_stages: int = 2
   bwd_splits: int = 8
+  bwd_unmasked_tiles: bool = True
 
 
 def tile_shape(g, rows):
@@ -100,15 +103,6 @@ def num_visible(pos, block, stride, nc):
   """How many compressed blocks position `pos` sees (blocks 0 .. i with i*d + l - 1 <= pos)."""
   n = jnp.where(pos >= block - 1, (jnp.maximum(pos - block + 1, 0)) // stride + 1, 0)
   return jnp.minimum(n, nc)
-
-
-def full_chunks(first_pos, bk, steps, *, block, stride, nc, has_seg):
-  """How many leading key chunks of `bk` compressed blocks every row of a tile sees (the tile's
-  earliest position is first_pos): those skip the visibility mask. None with segments (a document
-  start can fall anywhere)."""
-  if has_seg:
-    return 0
-  return jnp.minimum(num_visible(first_pos, block, stride, nc) // bk, steps)
 
 
 def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc):
@@ -153,25 +147,24 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
-  n_full = full_chunks(tile * tq, bk, steps, block=block, stride=stride, nc=nc, has_seg=has_seg)
 
-  def body(i, carry, masked):
+  def body(i, carry):
     m_i, l_i, accs = carry
     start = pl.multiple_of(i * bk, bk)
     kidx = start + lax.iota(jnp.int32, bk)
     ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
+    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
+    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
-    if masked:
-      bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
-      bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
-      vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-      s = jnp.where(vis, s, -jnp.inf)
+    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    s = jnp.where(vis, s, -jnp.inf)
     return softmax_step((m_i, l_i, accs), s, vs)
 
   init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
-  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
-  m_i, l_i, accs = lax.fori_loop(n_full, steps, functools.partial(body, masked=True), carry)
+  # One masked loop: a mask-free loop over the leading chunks (tried 2026-11-30) was no faster here
+  # and 13% slower in the dq kernel (nsa_h200_profile_3511786.json).
+  m_i, l_i, accs = lax.fori_loop(0, steps, body, init)
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   for (off, _), a in zip(dv_pieces, accs):
@@ -219,25 +212,21 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
-  n_full = full_chunks(tile * tq, bk, steps, block=block, stride=stride, nc=nc, has_seg=has_seg)
 
-  def body(i, accs, masked):
+  def body(i, accs):
     start = pl.multiple_of(i * bk, bk)
     kidx = start + lax.iota(jnp.int32, bk)
     ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
+    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
+    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)
-    p = jnp.exp2(s - lse2[:, None])
-    if masked:
-      bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
-      bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
-      vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-      p = jnp.where(vis, p, 0.0)
+    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
     return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
-  accs = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
-  accs = lax.fori_loop(n_full, steps, functools.partial(body, masked=True), accs)
+  accs = lax.fori_loop(0, steps, body, init)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
@@ -246,7 +235,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
 
 def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref, *, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces,
-                dv_pieces, scale, has_seg, splits):
+                dv_pieces, scale, has_seg, splits, unmasked_tiles):
   pid, kk = pl.program_id(0), pl.program_id(1)
   j, part = pid // splits, pid % splits
   start = pl.multiple_of(j * bk, bk)
@@ -261,7 +250,7 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   lo = jnp.minimum(first_tile + part * share, nt)
   hi = jnp.minimum(lo + share, nt)
   # Tiles [full_lo, full_hi) see every key of the tile and hold only real rows: no mask there.
-  if has_seg or g != gp:
+  if has_seg or g != gp or not unmasked_tiles:
     full_lo = full_hi = lo
   else:
     full_lo = jnp.clip(cdiv((start + bk - 1) * stride + block - 1, tq), lo, hi)
@@ -333,7 +322,8 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
   dkc, dvc = pl.pallas_call(
-      functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits, **common),
+      functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits,
+                        unmasked_tiles=tiling.bwd_unmasked_tiles, **common),
       grid=(ncp // bk * splits, kh, b),  # low key tiles (seen by the most queries) start first
       in_specs=ins,
       out_specs=[_group(splits * ncp, dk), _group(splits * ncp, dv)],

@@ -127,22 +127,17 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   w_next = _band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   chunks = last // sel_block // nsj + 1
-  # Leading chunks that every row sees whole skip the visibility mask (not with padded heads).
-  n_full = (ca.full_chunks(tile * tq, bkc, chunks, block=block, stride=stride, nc=nc,
-                           has_seg=has_seg) if g == gp else 0)
 
-  def body(ci, st, masked):
+  def body(ci, st):
     a_val, a_idx, carry = st
     start = pl.multiple_of(ci * bkc, bkc)
     kidx = start + lax.iota(jnp.int32, bkc)
     ks = ca.load_block(k_ref, start, bkc, dk_pieces)
+    bseg = bseg_ref[pl.ds(start, bkc)] if has_seg else None
+    bpure = bpure_ref[pl.ds(start, bkc)] if has_seg else None
     s = ca.dot_pieces(qs, ks) * (scale * LOG2E)
-    p = jnp.exp2(s - lse2[:, None])  # Eq. 8
-    if masked:
-      bseg = bseg_ref[pl.ds(start, bkc)] if has_seg else None
-      bpure = bpure_ref[pl.ds(start, bkc)] if has_seg else None
-      vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-      p = jnp.where(vis & real_head[:, None], p, 0.0)
+    vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    p = jnp.where(vis & real_head[:, None], jnp.exp2(s - lse2[:, None]), 0.0)  # Eq. 8
     parts = _split3(p)
     own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
     nxt = _exact_dot(parts, w_next)
@@ -157,8 +152,7 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
 
   init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32),
           jnp.zeros((tq, nsj), jnp.float32))
-  st = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
-  a_val, a_idx, _ = lax.fori_loop(n_full, chunks, functools.partial(body, masked=True), st)
+  a_val, a_idx, _ = lax.fori_loop(0, chunks, body, init)
   ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
 
 

@@ -7,7 +7,7 @@
 #          2 blocks a step, "clustered" then "random" (issue 4's clustered 15x target); ~3 min.
 # profile  device kernels of the whole NSA op's forward and forward+backward at 64k, 192/128
 #          (jax.profiler; where the top-n and compression time goes, issue 5); ~2 min.
-# cmpsplit  compression kernels at 64k, 192/128, 1, 4, 8 or 16 dK/dV programs a key tile; ~2 min.
+# cmpsplit  compression kernels at 64k, 192/128: 1, 4, 8 or 16 dK/dV programs a key tile, mask skip; ~2 min.
 # nsa      the whole op and its branches vs cuDNN, 8k-64k, both head dims (issue 5's table); ~4 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
