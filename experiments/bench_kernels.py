@@ -128,8 +128,14 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   q, k, v, do = make_qkv(jax.random.key(2), b, t, h, kh, dk, dv)
   idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
   g = h // kh
-  tiling = tiling or kc.default_tiling(g, bs)
-  f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=tiling,
+  auto, union = tiling is None, kc.clustered_tiling(g, bs)
+  mean_union = float(kc.mean_union(idx, kc.UNION_TOKENS))
+  if auto and union is not None and mean_union <= kc.UNION_SWITCH * n:  # what the call will run
+    tiling, impl_note = union, impl_note + f" (auto: mean union {mean_union:.1f})"
+  elif auto:
+    tiling = kc.default_tiling(g, bs)
+    impl_note += f" (auto: mean union {mean_union:.1f})" if union is not None else ""
+  f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=None if auto else tiling,
                                             deterministic=deterministic)[0]
   fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
@@ -145,6 +151,7 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
     floor = bc.floor_ms(fl, unique_bytes(b, t, h, kh, dk, dv, n, pass_), peaks) if peaks else None
     recs.append(bc.record(op="select", impl=impl, pass_=pass_, t=t, batch=b, q_heads=h, kv_heads=kh,
                           d_k=dk, d_v=dv, ms=ms, cudnn_ms=base, pattern=pattern, n=n, block=bs,
+                          auto=auto, mean_union4=round(mean_union, 2),
                           tflops=round(fl / ms / 1e9, 1),
                           floor_ms=None if floor is None else round(floor, 3),
                           floor_ratio=None if floor is None else round(ms / floor, 2)))
@@ -167,12 +174,15 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
   from nsa_jax import reference as ref
   ok_all = True
   for b, t, h, kh, dk, dv, n in cases:
-    for tq_mode in ("default",):
+    # The explicit per-token default, then no tiling (G=16 picks from the lists: "clustered" takes
+    # the 4-token union tile, "random" the per-token one).
+    for pattern, auto in (("random", False), ("clustered", True), ("random", True)):
       g = h // kh
-      tiling = dataclasses.replace(kc.default_tiling(g, 64), chunk_entries=256)
+      tiling = None if auto else dataclasses.replace(kc.default_tiling(g, 64), chunk_entries=256)
+      tq_mode = f"{pattern} {'auto' if auto else 'default'}"
       key = jax.random.key(t + h)
       q, k, v, do = make_qkv(key, b, t, h, kh, dk, dv)
-      idx = index_pattern(jax.random.key(5), b, t, kh, min(n, 16), 64, "random")
+      idx = index_pattern(jax.random.key(5), b, t, kh, min(n, 16), 64, pattern)
       seg = jnp.asarray(np.sort(np.random.default_rng(t).integers(0, 3, (b, t)), 1), jnp.int32)
 
       def loss(fn):
@@ -227,18 +237,18 @@ def _show(recs):
 
 def plan_jobs(name, ts, groups, patterns, block):
   """[(T, G, pattern, tiling, deterministic)] in run order (most important first)."""
-  if name == "default":
-    return [(t, g, p, kc.default_tiling(g, block), True) for t in ts for g in groups for p in patterns]
+  if name == "default":  # what a call without a tiling runs (G >= 16 picks its tile from the lists)
+    return [(t, g, p, None, True) for t in ts for g in groups for p in patterns]
   if name == "sweep":
     return [(t, g, p, tl, det) for t in ts for g in groups for p in patterns
             for tl, det in sweep_variants(g, p)]
   if name == "final":  # the issue's target shapes with the defaults, the tiling candidates, other T
     r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
-    jobs = [(65536, g, p, kc.default_tiling(g, block), True) for g in (16, 4) for p in patterns]
+    jobs = [(65536, g, p, None, True) for g in (16, 4) for p in patterns]
     jobs += [(65536, 16, "clustered", r(d16, tokens_per_tile=4, mode="shared"), True),
              (65536, 16, "clustered", r(d16, tokens_per_tile=4), True),
              (65536, 4, "clustered", r(d4, tokens_per_tile=16), True)]
-    return jobs + [(t, 16, p, d16, True) for t in (8192, 16384, 32768, 131072) for p in patterns]
+    return jobs + [(t, 16, p, None, True) for t in (8192, 16384, 32768, 131072) for p in patterns]
   if name == "unroll":  # blocks folded per forward step, 64k, G=16 and G=4
     r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
     return ([(65536, 16, p, r(d16, blocks_per_step=k), True) for p in patterns for k in (1, 2, 4)]

@@ -27,6 +27,7 @@ import numpy as np
 from experiments import bench_common as bc
 from nsa_jax import ops, xla
 from nsa_jax.config import NSAConfig
+from pallas_kernels import _common as C
 from pallas_kernels.compress_attention import compress_attention
 from pallas_kernels.select_attention import select_attention
 from pallas_kernels.select_topn import select_topn
@@ -181,7 +182,7 @@ def bench_branches(bench, key, t, cfg, dense, args):
   sel = lambda q, k, v, idx: select_attention(q, k, v, jax.lax.stop_gradient(idx), lp,
                                               interpret=INTERPRET)
   bench.add("select", "pallas", t, cfg, bench.time_pair(sel, [q, ks_, vs_, idx], ct), dense,
-            pattern="nsa-topn")
+            pattern="nsa-topn", mean_union4=round(float(C.mean_union(idx, C.UNION_TOKENS)), 2))
   win = lambda q, k, v: (ops.window_attention(q, k, v, w),)
   impl = "cudnn-window" if ON_GPU else "xla"
   bench.add("window", impl, t, cfg, bench.time_pair(win, [q, kw, vw], ct), dense)

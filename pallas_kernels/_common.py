@@ -96,6 +96,39 @@ def default_tiling(g, block_size):
                       blocks_per_step=bps)
 
 
+# Mean distinct blocks of a 4-token tile at or below which G >= 16 uses the 4-token "union" tile
+# (per slot of the block list). H200, T=64k, G=16, n=16 (select_h200_union4.md): the union tile
+# takes 8.5 / 22.4 ms (fwd / bwd) at ~19 distinct blocks a tile ("clustered") and 20.2 / 34.6 ms at
+# ~55 ("random"); the per-token tile 16.4 / 26.6-31.4 ms on both. Linear in between, the two cross
+# near 38-45 distinct blocks: switch at 2.25 n = 36.
+UNION_SWITCH = 2.25
+UNION_TOKENS = 4
+
+
+def clustered_tiling(g, block_size):
+  """The tiling G >= 16 switches to when a call's neighbouring tokens share most blocks (None for
+  G < 16, whose default already stacks tokens)."""
+  if g < 16 or block_size < 16:
+    return None
+  return dataclasses.replace(default_tiling(g, block_size), tokens_per_tile=UNION_TOKENS,
+                             blocks_per_step=1)
+
+
+def mean_union(block_idx, tq, max_tiles=512):
+  """Mean number of distinct blocks in the lists of tq consecutive tokens (one KV group), estimated
+  on at most ~max_tiles evenly spaced tiles per batch row and group (one small sort)."""
+  b, t, kh, n = block_idx.shape
+  nt = t // tq
+  if nt == 0:
+    return jnp.float32(n)
+  step = max(1, nt // max_tiles)
+  x = block_idx[:, :nt * tq].reshape(b, nt, tq, kh, n)[:, ::step]
+  x = x.transpose(0, 1, 3, 2, 4).reshape(b, -1, kh, tq * n)
+  s = jnp.sort(jnp.where(x < 0, BIG, x), axis=-1)
+  new = jnp.concatenate([s[..., :1] < BIG, (s[..., 1:] != s[..., :-1]) & (s[..., 1:] < BIG)], -1)
+  return jnp.mean(jnp.sum(new, axis=-1).astype(jnp.float32))
+
+
 def rows_of(g, tq):
   """Rows of a query tile: tq tokens x g heads, padded up to a power of two >= 16."""
   return max(16, next_pow2(g * tq))

@@ -232,13 +232,27 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     raise ValueError(f"block_idx {block_idx.shape} must be [B, T, K, n] = {k.shape[:3]} + (n,)")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}): cast them to one")
+  # No tiling given, G >= 16: the call picks, from the block lists themselves, the 4-token union
+  # tile when neighbouring tokens share most blocks and the per-token tile otherwise (lax.cond; both
+  # are exact, C.UNION_SWITCH says where they cross on the H200).
+  union = C.clustered_tiling(g, block_size) if tiling is None and backend == "triton" else None
   tiling = tiling or C.default_tiling(g, block_size)
-  _check_tiling(tiling, block_size, interpret)
+  for til in (tiling, union) if union else (tiling,):
+    _check_tiling(til, block_size, interpret)
   scale = float(dk ** -0.5 if scale is None else scale)
   has_seg = segment_ids is not None
   seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
-  C.log_once((backend, q.shape, k.shape, v.shape, block_idx.shape, block_size, tiling, interpret),
-             "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s interpret=%s",
-             backend, q.shape, k.shape, v.shape, block_idx.shape[-1], block_size, tiling, interpret)
-  return BACKENDS[backend](q, k, v, block_idx.astype(jnp.int32), seg, block_size, scale, tiling,
-                           has_seg, interpret, deterministic)
+  idx = block_idx.astype(jnp.int32)
+  n = block_idx.shape[-1]
+  C.log_once((backend, q.shape, k.shape, v.shape, block_idx.shape, block_size, tiling, union,
+              interpret),
+             "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s%s interpret=%s",
+             backend, q.shape, k.shape, v.shape, n, block_size, tiling,
+             "" if union is None else (f"; when 4-token tiles average <= {C.UNION_SWITCH * n:g} "
+                                       f"distinct blocks: {union}"), interpret)
+  run = lambda til: BACKENDS[backend](q, k, v, idx, seg, block_size, scale, til, has_seg,
+                                      interpret, deterministic)
+  if union is None:
+    return run(tiling)
+  shared_most = C.mean_union(idx, union.tokens_per_tile) <= C.UNION_SWITCH * n
+  return lax.cond(shared_most, lambda: run(union), lambda: run(tiling))

@@ -5,6 +5,8 @@
 #
 # union4   selection kernel, G=16, 64k: 4-token "union" tiles (64 rows, wgmma-eligible) with 1 and
 #          2 blocks a step, "clustered" then "random" (issue 4's clustered 15x target); ~3 min.
+# auto     selection kernel check (compiled vs reference) and 64k table, G=16 and 4, both patterns,
+#          without a tiling (G=16 picks its tile from the block lists); ~3 min.
 # profile  device kernels of the whole NSA op's forward and forward+backward at 64k, 192/128
 #          (jax.profiler; where the top-n and compression time goes, issue 5); ~2 min.
 # cmpsplit  compression kernels at 64k, 192/128: 1, 4, 8 or 16 dK/dV programs a key tile, mask skip; ~2 min.
@@ -21,6 +23,10 @@ mkdir -p "$OUT"
 union4() {
   timeout 200 python3 -m experiments.bench_kernels --plan union4 --patterns clustered,random \
     --T 65536 --iters 5 --out "$OUT/union4" --tag union4
+}
+auto() {
+  timeout 240 python3 -m experiments.bench_kernels --check --T 65536 --groups 16,4 --iters 5 \
+    --out "$OUT/auto" --tag h200_auto
 }
 profile() {
   timeout 150 python3 -m experiments.bench_nsa --profile_T 65536 --dims 192/128 --T '' \

@@ -386,4 +386,4 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
 def test_h200_kernels_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_kernels.sh")
   documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
-  assert documented == defined == {"union4", "profile", "cmpsplit", "nsa", "decode"}
+  assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode"}

@@ -195,3 +195,44 @@ def test_supports_and_errors():
     select_attention(q, q, q, idx, 16, tiling=C.SelectTiling(block_k=8))  # compiled: >= 16 keys
   with pytest.raises(ValueError, match="mode"):
     select_attention(q, q, q, idx, 16, interpret=True, tiling=C.SelectTiling(mode="bogus"))
+
+
+def test_mean_union_matches_brute_force():
+  rng = np.random.default_rng(_seed())
+  b, t, kh, n, bs = 2, 57, 2, 5, 8
+  idx = _block_idx(rng, b, t, kh, n, bs, empty=True)
+  x = np.asarray(idx)
+  sizes = [len({int(v) for i in range(4) for v in x[bb, 4 * it + i, k] if v >= 0})
+           for bb in range(b) for it in range(t // 4) for k in range(kh)]
+  np.testing.assert_allclose(float(C.mean_union(idx, 4)), np.mean(sizes), rtol=1e-6)
+  # Subsampled estimate: 14 tiles, at most ~4 wanted -> every 14 // 4 = 3rd tile.
+  sub = [len({int(v) for i in range(4) for v in x[bb, 4 * it + i, k] if v >= 0})
+         for bb in range(b) for it in range(0, t // 4, 3) for k in range(kh)]
+  np.testing.assert_allclose(float(C.mean_union(idx, 4, max_tiles=4)), np.mean(sub), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_default_tiling_switches_on_shared_blocks(shared, monkeypatch):
+  """G=16, no tiling given: the 4-token union tile runs when neighbouring tokens share their lists,
+  the per-token tile otherwise; both match the reference, forward and gradients."""
+  rng = np.random.default_rng(_seed())
+  b, t, h, kh, dk, dv, n, bs = 1, 72, 16, 1, 32, 16, 3, 16
+  q, k, v, idx, _, do, dl = _inputs(rng, b, t, h, kh, dk, dv, n, bs, False, empty=False)
+  if shared:  # every token of a 4-token tile uses the list of the tile's first token (causal)
+    idx = jnp.repeat(idx[:, ::4], 4, axis=1)[:, :t]
+  else:  # T=72 has only 5 blocks, so random lists overlap a lot: lower the switch below them
+    monkeypatch.setattr(C, "UNION_SWITCH", 0.5)
+  picked = float(C.mean_union(idx, 4)) <= C.UNION_SWITCH * n
+  assert picked == shared, float(C.mean_union(idx, 4))
+  assert C.clustered_tiling(16, bs).tokens_per_tile == 4 and C.clustered_tiling(8, bs) is None
+  q, k, v = (x.astype(DTYPE) for x in (q, k, v))
+  f32 = lambda x: x.astype(jnp.float32)
+  ker = lambda q, k, v: select_attention(q, k, v, idx, bs, interpret=not ON_GPU)
+  rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, bs)
+  loss = lambda fn: lambda q, k, v: jnp.sum(f32(fn(q, k, v)[0]) * do)
+  assert "cond" in str(jax.make_jaxpr(ker)(q, k, v))
+  np.testing.assert_allclose(f32(ker(q, k, v)[0]), rf(q, k, v)[0], atol=TOL, rtol=TOL)
+  for name, a, c in zip("qkv", jax.grad(loss(ker), (0, 1, 2))(q, k, v),
+                        jax.grad(loss(rf), (0, 1, 2))(q, k, v)):
+    scale = float(jnp.max(jnp.abs(c))) + 1e-6
+    np.testing.assert_allclose(f32(a) / scale, f32(c) / scale, atol=TOL, rtol=0, err_msg=f"d{name}")
