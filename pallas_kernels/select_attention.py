@@ -178,6 +178,46 @@ def _select_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, re
 _select.defvjp(_select_fwd, _select_bwd)
 
 
+# The automatic choice (no tiling given, G >= 16): `tilings` = (per-token, 4-token union). The
+# choice is made once in the forward (lax.cond on the lists' mean 4-token union) and saved as a
+# residual; the backward takes the same branch. Inside one custom VJP the residuals are those of a
+# single call (a lax.cond around two _select calls kept both branches' o and lse alive: +1 GB at
+# T=64k, measured), and the index maps are rebuilt in the backward rather than saved.
+
+def _use_union(block_idx):
+  return C.mean_union(block_idx, C.UNION_TOKENS) <= C.UNION_SWITCH * block_idx.shape[-1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _select_auto(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
+                 deterministic):
+  return _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
+                          deterministic)[0]
+
+
+def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
+                     deterministic):
+  del deterministic
+  use_union = _use_union(block_idx)
+  run = lambda til: forward(q, k, v, seg, C.tile_maps(block_idx, til), block_size=block_size,
+                            scale=scale, tiling=til, has_seg=has_seg, interpret=interpret)
+  o, lse = lax.cond(use_union, lambda: run(tilings[1]), lambda: run(tilings[0]))
+  return (o, lse), (q, k, v, block_idx, seg, o, lse, use_union)
+
+
+def _select_auto_bwd(block_size, scale, tilings, has_seg, interpret, deterministic, res, cts):
+  q, k, v, block_idx, seg, o, lse, use_union = res
+  do, dlse = cts
+  run = lambda til: bwd.backward(q, k, v, block_idx, seg, C.tile_maps(block_idx, til), o, lse, do,
+                                 dlse, block_size=block_size, scale=scale, tiling=til,
+                                 has_seg=has_seg, interpret=interpret, deterministic=deterministic)
+  dq, dk, dv = lax.cond(use_union, lambda: run(tilings[1]), lambda: run(tilings[0]))
+  return dq, dk, dv, None, None
+
+
+_select_auto.defvjp(_select_auto_fwd, _select_auto_bwd)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
@@ -234,7 +274,7 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     raise ValueError(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}): cast them to one")
   # No tiling given, G >= 16: the call picks, from the block lists themselves, the 4-token union
   # tile when neighbouring tokens share most blocks and the per-token tile otherwise (lax.cond; both
-  # are exact, C.UNION_SWITCH says where they cross on the H200).
+  # are exact, C.UNION_SWITCH says where they cross on the H200; see _select_auto).
   union = C.clustered_tiling(g, block_size) if tiling is None and backend == "triton" else None
   tiling = tiling or C.default_tiling(g, block_size)
   for til in (tiling, union) if union else (tiling,):
@@ -250,9 +290,8 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
              backend, q.shape, k.shape, v.shape, n, block_size, tiling,
              "" if union is None else (f"; when 4-token tiles average <= {C.UNION_SWITCH * n:g} "
                                        f"distinct blocks: {union}"), interpret)
-  run = lambda til: BACKENDS[backend](q, k, v, idx, seg, block_size, scale, til, has_seg,
-                                      interpret, deterministic)
   if union is None:
-    return run(tiling)
-  shared_most = C.mean_union(idx, union.tokens_per_tile) <= C.UNION_SWITCH * n
-  return lax.cond(shared_most, lambda: run(union), lambda: run(tiling))
+    return BACKENDS[backend](q, k, v, idx, seg, block_size, scale, tiling, has_seg, interpret,
+                             deterministic)
+  return _select_auto(q, k, v, idx, seg, block_size, scale, (tiling, union), has_seg, interpret,
+                      deterministic)
