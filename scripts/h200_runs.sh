@@ -89,9 +89,11 @@ layouts_kv2() {
 context_pair() {  # context_pair <seq_len> <batch>
   local f="--config.data.seq_len=$1 --config.model.max_seq_len=$1 --config.data.global_batch_size=$2
     --config.train.stop_after=20 --config.train.log_every=5 --config.train.eval_every=100000"
-  CUDA_VISIBLE_DEVICES=0 timeout -s TERM 200 python3 -m experiments.train --config=$SWEEP \
+  # USR1 at 200 s dumps the threads' stacks (2026-11-30: both 16k runs finished their 20 steps by
+  # 03:09:40 but the phase only ended at 03:16:35, so a process sat after "done:"); KILL 20 s later.
+  CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s USR1 200 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout -s TERM 200 python3 -m experiments.train --config=$SWEEP \
+  CUDA_VISIBLE_DEVICES=1 timeout -k 20 -s USR1 200 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/context/dense_$1 --config.model.attention=dense $f > "$R/context_dense_$1.log" 2>&1 &
   wait
   keep "$T/context/nsa_$1" "context_nsa_$1"
