@@ -5,9 +5,7 @@ Overrides: --config.model.n_layers=4 (any field). Multi-process launches (SLURM,
 (the run saved and stopped); 1 with a one-line reason for bad configs, checkpoints or NaNs.
 """
 
-import faulthandler
 import logging
-import signal
 import sys
 
 from absl import app, flags
@@ -26,9 +24,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  # `kill -USR1 <pid>` prints every thread's stack to stderr (a GPU run once sat minutes after
-  # "done:" before exiting; scripts/h200_runs.sh sends USR1 before its KILL to show where).
-  faulthandler.register(signal.SIGUSR1, all_threads=True)
   from nsa_jax.training import train  # after flag parsing: --help stays fast
   # Our own INFO lines (run header, which NSA implementation ran); others' only from WARNING up:
   # jax and orbax narrate every backend probe and every save at INFO.

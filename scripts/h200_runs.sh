@@ -21,8 +21,8 @@
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
-#          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time; one phase per call (all
-#          three in one call did not fit: on 2026-11-30 only the 8k pair finished in 10 minutes).
+#          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (16k: ~2.5 min of runs);
+#          several lengths per call should fit now that phases do not wait for the watchdog.
 #
 # Work directories (1.2 GB checkpoints) stay under /tmp/h200; the small results (metrics.jsonl,
 # config.json, loss.png, collectives.json, logs, tables, pictures) are packed into $OUT/<phase>.tgz.
@@ -39,6 +39,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 SWEEP=${SWEEP:-configs/sweep_nsa_vs_dense.py:gpu}  # the CPU scale (no suffix) for a smoke test
 
+wait_runs() {  # wait for this phase's runs, not for the packing watchdog (a bare `wait` would:
+  # on 2026-11-30 every phase that waited on its runs lasted the watchdog's full 540 s)
+  local p
+  for p in $(jobs -p); do
+    [ "$p" = "${WATCHDOG:-}" ] || wait "$p"
+  done
+}
+
 keep() {  # keep <workdir> <name>: copy a run's small files into the results
   mkdir -p "$R/$2"
   for f in metrics.jsonl config.json loss.png collectives.json; do
@@ -52,7 +60,7 @@ pair() {
     > "$R/pair_gpu0.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=$SWEEP --run=dense,dense_pmatch $a \
     > "$R/pair_gpu1.log" 2>&1 &
-  wait
+  wait_runs
   python3 -m experiments.ablate --config=$SWEEP --report_only $a >> "$R/pair_gpu0.log" 2>&1
   local w="$R/nsa_vs_dense_gpu"
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=position \
@@ -60,14 +68,14 @@ pair() {
     --out=$R/position_loss_gpu.png > "$R/position.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 python3 -m experiments.visualize_selection --workdir=$w:nsa \
     --out=$R/selection_gpu.png > "$R/selection.log" 2>&1 &
-  wait
+  wait_runs
   for d in "$T"/runs/*/; do keep "$d" "pair_$(basename "$d")"; done
 }
 
 layout_run() {  # layout_run <name> <devices> <extra flags...>
   local name=$1 dev=$2
   shift 2
-  CUDA_VISIBLE_DEVICES=$dev timeout -s TERM 170 python3 -m experiments.train --config=$SWEEP \
+  CUDA_VISIBLE_DEVICES=$dev timeout -k 60 -s TERM 170 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/layouts/$name --config.train.stop_after=40 --config.train.hlo_report=True "$@" \
     > "$R/layout_$name.log" 2>&1
   echo "layout $name: exit $?"
@@ -89,13 +97,11 @@ layouts_kv2() {
 context_pair() {  # context_pair <seq_len> <batch>
   local f="--config.data.seq_len=$1 --config.model.max_seq_len=$1 --config.data.global_batch_size=$2
     --config.train.stop_after=20 --config.train.log_every=5 --config.train.eval_every=100000"
-  # USR1 at 200 s dumps the threads' stacks (2026-11-30: both 16k runs finished their 20 steps by
-  # 03:09:40 but the phase only ended at 03:16:35, so a process sat after "done:"); KILL 20 s later.
-  CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s USR1 200 python3 -m experiments.train --config=$SWEEP \
+  CUDA_VISIBLE_DEVICES=0 timeout -k 60 -s TERM 200 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout -k 20 -s USR1 200 python3 -m experiments.train --config=$SWEEP \
+  CUDA_VISIBLE_DEVICES=1 timeout -k 60 -s TERM 200 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/context/dense_$1 --config.model.attention=dense $f > "$R/context_dense_$1.log" 2>&1 &
-  wait
+  wait_runs
   keep "$T/context/nsa_$1" "context_nsa_$1"
   keep "$T/context/dense_$1" "context_dense_$1"
 }
@@ -110,16 +116,16 @@ sweep_pair() {  # sweep_pair <sweep> <runs on GPU 0> <runs on GPU 1>: two runs e
     > "$R/${1}_gpu0.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --run=$3 $a \
     > "$R/${1}_gpu1.log" 2>&1 &
-  wait
+  wait_runs
   python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --report_only $a >> "$R/${1}_gpu0.log" 2>&1
 }
 
 passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA and dense at once
-  local t="timeout -s TERM 300 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  local t="timeout -k 60 -s TERM 300 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
   CUDA_VISIBLE_DEVICES=0 $t --workdir=$T/passkey/nsa > "$R/passkey_nsa.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 $t --workdir=$T/passkey/dense --config.model.attention=dense \
     > "$R/passkey_dense.log" 2>&1 &
-  wait
+  wait_runs
   keep "$T/passkey/nsa" passkey_nsa
   keep "$T/passkey/dense" passkey_dense
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
@@ -128,7 +134,7 @@ passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA
 }
 
 passkey2() {
-  local t="timeout -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  local t="timeout -k 60 -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
   # 1024 tokens: the same answer : context loss ratio as at 4k (25 : 0.04 x ~1000)
   local s1="--config.data.seq_len=1024 --config.data.global_batch_size=32
     --config.data.context_loss_weight=0.04 --config.train.num_steps=1500
@@ -136,14 +142,14 @@ passkey2() {
   CUDA_VISIBLE_DEVICES=0 $t $s1 --workdir=$T/pk2/nsa_1k > "$R/pk2_nsa_1k.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$T/pk2/dense_1k --config.model.attention=dense \
     > "$R/pk2_dense_1k.log" 2>&1 &
-  wait
+  wait_runs
   grep -h "^done:\|stopped" "$R"/pk2_*_1k.log  # a stage cut by its timeout says so here
   local s2="--config.train.num_steps=400 --config.train.eval_every=200"
   CUDA_VISIBLE_DEVICES=0 $t $s2 --workdir=$T/pk2/nsa --config.checkpoint.init_from=$T/pk2/nsa_1k \
     > "$R/pk2_nsa.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 $t $s2 --workdir=$T/pk2/dense --config.model.attention=dense \
     --config.checkpoint.init_from=$T/pk2/dense_1k > "$R/pk2_dense.log" 2>&1 &
-  wait
+  wait_runs
   for r in nsa_1k dense_1k nsa dense; do keep "$T/pk2/$r" "pk2_$r"; done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
     --workdirs=$T/pk2/nsa,$T/pk2/dense --labels=nsa,dense --lengths=2048,4096,8192 \
