@@ -41,7 +41,9 @@ def define_flags():
   (tests, other scripts) never defines absl flags twice."""
   global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES
   global _VAL_SEED, _OUT
-  _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position"], "what to evaluate")
+  _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position", "blocks"],
+                            "what to evaluate (blocks: per needle cell, how often each NSA layer's "
+                            "selection holds every block the key spans at the answer queries)")
   _WORKDIRS = flags.DEFINE_list("workdirs", [], "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
   _LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
   _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512"], "needle: context lengths")
@@ -113,6 +115,43 @@ def needle_grid(logits_fn, lengths, depths, samples, seed) -> dict:
       exact[i, j], digits[i, j] = ok.mean(), dig.mean()
   return {"lengths": list(lengths), "depths": list(depths), "exact": exact.tolist(),
           "digits": digits.tolist(), "samples": samples, "seed": seed}
+
+
+def key_blocks(cut: int, sel_block: int) -> list[int]:
+  """Selection blocks holding the key's digits when the fact starts at token `cut`."""
+  first = cut + len("The pass key is ")
+  return sorted({(first + i) // sel_block for i in range(ANSWER_DIGITS)})
+
+
+def key_coverage(block_idx: np.ndarray, blocks: list[int], queries: list[int]) -> float:
+  """Fraction of `queries` whose selected blocks (any KV group) include every one of `blocks`.
+  block_idx [T, K, n] of one sequence and layer."""
+  hit = [all(np.any(block_idx[q] == b) for b in blocks) for q in queries]
+  return float(np.mean(hit))
+
+
+def block_grid(model, sel_block, lengths, depths, samples, seed) -> dict:
+  """Per cell: exact accuracy, share of examples whose key straddles a selection-block boundary,
+  and per NSA layer the mean key_coverage over the answer queries."""
+  import jax.numpy as jnp
+  from experiments.trained_model import forward_with_aux
+  cells = []
+  for length in lengths:
+    for i, depth in enumerate(depths):
+      rows = [passkey_example(length, depth, np.random.Generator(np.random.PCG64(
+          [seed, length, i, s]))) for s in range(samples)]
+      tokens = np.stack([r[0] for r in rows])
+      logits, auxes = forward_with_aux(model, jnp.asarray(tokens[:, :-1]))
+      ok, _ = score_answers(np.asarray(logits), tokens)
+      spans = [key_blocks(r[2], sel_block) for r in rows]
+      answers = list(range(length - ANSWER_DIGITS, length))  # inputs predicting the digits
+      cover = [float(np.mean([key_coverage(np.asarray(aux["block_idx"])[s], spans[s], answers)
+                              for s in range(samples)]))
+               for aux in auxes if aux is not None and "block_idx" in aux]
+      cells.append(dict(length=length, depth=depth, exact=float(ok.mean()),
+                        straddling=float(np.mean([len(b) > 1 for b in spans])),
+                        key_blocks=spans[0], coverage_by_layer=cover))
+  return {"cells": cells, "samples": samples, "seed": seed, "sel_block": sel_block}
 
 
 def plot_needle(grids: list[dict], labels: list[str], out: str, trained_on: list[str | None]):
@@ -221,6 +260,22 @@ def main(argv):
       for d, row in zip(depths, grid["exact"]):
         print(f"  depth {d:4.2f}: " + "  ".join(f"{100 * v:5.1f}" for v in row))
     plot_needle(grids, labels, _OUT.value, trained)
+  elif _MODE.value == "blocks":
+    lengths = [int(x) for x in _LENGTHS.value]
+    depths = [float(x) for x in _DEPTHS.value]
+    for (workdir, _), label in zip(specs, labels):
+      model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths))
+      if "nsa" not in (model_cfg.layer_attention or (model_cfg.attention,)):
+        raise app.UsageError(f"{workdir}: --mode=blocks needs a model with NSA layers")
+      grid = block_grid(model, model_cfg.nsa.sel_block, lengths, depths, _SAMPLES.value,
+                        _SEED.value)
+      results[label] = dict(grid, workdir=workdir, num_selected=model_cfg.nsa.num_selected)
+      print(f"{label}: n={model_cfg.nsa.num_selected}, l'={model_cfg.nsa.sel_block}; per cell: "
+            "exact, straddling share, key blocks (first example), coverage by layer")
+      for c in grid["cells"]:
+        print(f"  {c['length']:5d} {c['depth']:4.2f}: exact {c['exact']:.3f} straddling "
+              f"{c['straddling']:.2f} blocks {c['key_blocks']} coverage "
+              + " ".join(f"{v:.2f}" for v in c["coverage_by_layer"]))
   else:
     curves = []
     for (workdir, _), label in zip(specs, labels):

@@ -387,3 +387,19 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_kernels.sh")
   documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
   assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode"}
+
+
+def test_needle_key_blocks_and_coverage():
+  # "The pass key is " is 16 tokens: a fact at 44 puts the digits at 60-64, across blocks 1 and 2.
+  assert needle_eval.key_blocks(44, 32) == [1, 2]
+  assert needle_eval.key_blocks(88, 32) == [3]
+  tokens, key, cut = needle_eval.passkey_example(256, 0.25, np.random.default_rng(SEED))
+  first = cut + len("The pass key is ")
+  assert bytes(tokens[first:first + 5].astype(np.uint8)).decode() == key
+  idx = np.full((8, 2, 3), -1, np.int32)  # [T, K, n]
+  idx[5, 0] = [0, 1, 2]      # query 5: both key blocks in group 0
+  idx[6, 0, :2] = [0, 1]     # query 6: block 1 in group 0 ...
+  idx[6, 1, :2] = [2, 3]     # ... and block 2 in group 1: covered across groups
+  idx[7, 0, :2] = [1, 3]     # query 7: block 2 missing
+  assert needle_eval.key_coverage(idx, [1, 2], [5, 6, 7]) == pytest.approx(2 / 3)
+  assert needle_eval.key_coverage(idx, [1], [5, 6, 7]) == 1.0
