@@ -7,6 +7,10 @@
   python -m experiments.needle_eval --mode=position \
       --workdirs=runs/ablate/nsa_vs_dense:nsa,runs/ablate/nsa_vs_dense:dense \
       --bucket=64 --batches=8 --out=docs/figures/position_loss.png
+  python -m experiments.needle_eval --mode=blocks --workdirs=runs/ablate/needle:nsa_passkey \
+      --lengths=128,256 --samples=16 --out=docs/figures/needle_blocks.json
+      (NSA models: per cell, the blocks the key spans and how often each layer selects them all
+      at the answer queries; JSON and a printed table, no picture)
 
 A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl).
 Passkey examples are a pure function of (seed, length, depth index, sample): the same text every
