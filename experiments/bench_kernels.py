@@ -173,40 +173,52 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
   """Compiled kernels (bf16) vs the f32 reference: forward, grads, and bitwise-repeatable grads."""
   from nsa_jax import reference as ref
   ok_all = True
-  for b, t, h, kh, dk, dv, n in cases:
-    # The explicit per-token default, then no tiling (G=16 picks from the lists: "clustered" takes
-    # the 4-token union tile, "random" the per-token one).
-    for pattern, auto in (("random", False), ("clustered", True), ("random", True)):
-      g = h // kh
-      tiling = None if auto else dataclasses.replace(kc.default_tiling(g, 64), chunk_entries=256)
-      tq_mode = f"{pattern} {'auto' if auto else 'default'}"
-      key = jax.random.key(t + h)
-      q, k, v, do = make_qkv(key, b, t, h, kh, dk, dv)
-      idx = index_pattern(jax.random.key(5), b, t, kh, min(n, 16), 64, pattern)
-      seg = jnp.asarray(np.sort(np.random.default_rng(t).integers(0, 3, (b, t)), 1), jnp.int32)
+  default_switch = kc.UNION_SWITCH
+  try:
+    for b, t, h, kh, dk, dv, n in cases:
+      # The explicit per-token default, then no tiling: G=16 picks from the lists. At these short T
+      # both patterns select nearly every block (few distinct blocks a 4-token tile), so the second
+      # automatic case lowers the switch to 0 to compile and check the per-token branch too.
+      for pattern, auto, switch in (("random", False, default_switch),
+                                    ("clustered", True, default_switch), ("random", True, 0.0)):
+        kc.UNION_SWITCH = switch
+        g = h // kh
+        tiling = None if auto else dataclasses.replace(kc.default_tiling(g, 64), chunk_entries=256)
+        key = jax.random.key(t + h)
+        q, k, v, do = make_qkv(key, b, t, h, kh, dk, dv)
+        idx = index_pattern(jax.random.key(5), b, t, kh, min(n, 16), 64, pattern)
+        if kc.clustered_tiling(g, 64) is None:
+          picked = "G<16 default"
+        else:
+          union = float(kc.mean_union(idx, kc.UNION_TOKENS)) <= switch * idx.shape[-1]
+          picked = "union tile" if union else "per-token tile"
+        tq_mode = f"{pattern} " + (f"auto ({picked})" if auto else "default")
+        seg = jnp.asarray(np.sort(np.random.default_rng(t).integers(0, 3, (b, t)), 1), jnp.int32)
 
-      def loss(fn):
-        def inner(q, k, v):
-          o, lse = fn(q, k, v)
-          return jnp.sum(o.astype(jnp.float32) * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
-        return inner
-      f32 = lambda x: x.astype(jnp.float32)
-      rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, 64, seg)
-      kf = lambda q, k, v: select_attention(q, k, v, idx, 64, seg, tiling=tiling)
-      (o1, l1), (o2, l2) = rf(q, k, v), jax.jit(kf)(q, k, v)
-      g1 = jax.grad(loss(rf), (0, 1, 2))(q, k, v)
-      gk = jax.jit(jax.grad(loss(kf), (0, 1, 2)))
-      g2, g3 = gk(q, k, v), gk(q, k, v)
-      errs = [float(jnp.max(jnp.abs(f32(o2) - o1)))]
-      errs += [float(jnp.max(jnp.abs(f32(a) - c)) / (jnp.max(jnp.abs(c)) + 1e-6)) for a, c in zip(g2, g1)]
-      fin = bool(jnp.all(jnp.isfinite(l1) == jnp.isfinite(l2)))
-      lerr = float(jnp.max(jnp.where(jnp.isfinite(l1), jnp.abs(l2 - l1), 0)))
-      same = all(bool(jnp.array_equal(a, c)) for a, c in zip(g2, g3))
-      ok = errs[0] < 3e-2 and max(errs[1:]) < 3e-2 and fin and lerr < 1e-2 and same
-      ok_all &= ok
-      print(f"check b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {tq_mode}: o_err={errs[0]:.2e} "
-            f"lse_err={lerr:.2e} grad_rel_err={max(errs[1:]):.2e} bitwise_repeat={same} "
-            f"{'OK' if ok else 'FAIL'}", flush=True)
+        def loss(fn):
+          def inner(q, k, v):
+            o, lse = fn(q, k, v)
+            return jnp.sum(o.astype(jnp.float32) * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+          return inner
+        f32 = lambda x: x.astype(jnp.float32)
+        rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, 64, seg)
+        kf = lambda q, k, v: select_attention(q, k, v, idx, 64, seg, tiling=tiling)
+        (o1, l1), (o2, l2) = rf(q, k, v), jax.jit(kf)(q, k, v)
+        g1 = jax.grad(loss(rf), (0, 1, 2))(q, k, v)
+        gk = jax.jit(jax.grad(loss(kf), (0, 1, 2)))
+        g2, g3 = gk(q, k, v), gk(q, k, v)
+        errs = [float(jnp.max(jnp.abs(f32(o2) - o1)))]
+        errs += [float(jnp.max(jnp.abs(f32(a) - c)) / (jnp.max(jnp.abs(c)) + 1e-6)) for a, c in zip(g2, g1)]
+        fin = bool(jnp.all(jnp.isfinite(l1) == jnp.isfinite(l2)))
+        lerr = float(jnp.max(jnp.where(jnp.isfinite(l1), jnp.abs(l2 - l1), 0)))
+        same = all(bool(jnp.array_equal(a, c)) for a, c in zip(g2, g3))
+        ok = errs[0] < 3e-2 and max(errs[1:]) < 3e-2 and fin and lerr < 1e-2 and same
+        ok_all &= ok
+        print(f"check b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {tq_mode}: o_err={errs[0]:.2e} "
+              f"lse_err={lerr:.2e} grad_rel_err={max(errs[1:]):.2e} bitwise_repeat={same} "
+              f"{'OK' if ok else 'FAIL'}", flush=True)
+  finally:
+    kc.UNION_SWITCH = default_switch
   return ok_all
 
 

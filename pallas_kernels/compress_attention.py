@@ -53,7 +53,7 @@ class CmpTiling:
     order (deterministic). With one program per key tile the low key tiles (seen by every later
     query) ran far longer than the rest: 256 programs at T=65536, the longest 64x the shortest.
   bwd_unmasked_tiles: the dK/dV kernel skips the visibility mask on query tiles that see the whole
-    key tile (no segments, G a power of two). Same values either way.
+    key tile (no segments, G a power of two, >= 16 rows without wrapped copies). Same values.
   Defaults from a sweep on the H200 at T=65536, 64/4 heads, 192/128 (benchmarks/results/
   nsa_sweep.json): 128-row backward tiles with 8 warps took the fwd+bwd from 122 to 83 ms.
   """
@@ -250,7 +250,7 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   lo = jnp.minimum(first_tile + part * share, nt)
   hi = jnp.minimum(lo + share, nt)
   # Tiles [full_lo, full_hi) see every key of the tile and hold only real rows: no mask there.
-  if has_seg or g != gp or not unmasked_tiles:
+  if has_seg or g != gp or m != tq * gp or not unmasked_tiles:  # m > tq*gp: wrapped copy rows
     full_lo = full_hi = lo
   else:
     full_lo = jnp.clip(cdiv((start + bk - 1) * stride + block - 1, tq), lo, hi)

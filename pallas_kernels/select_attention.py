@@ -181,9 +181,9 @@ _select.defvjp(_select_fwd, _select_bwd)
 # The automatic choice (no tiling given, G >= 16): `tilings` = (per-token, 4-token union). The
 # choice is made once in the forward (lax.cond on the lists' mean 4-token union) and saved as a
 # residual; the backward takes the same branch, rebuilding its index maps rather than saving them.
-# Cost, H200, T=64k, 192/128: the selection's fwd+bwd temporaries are 1.45 GB against 0.44 GB with
-# a fixed tile (1.47 GB with the lax.cond around two _select calls instead): the compiled program
-# keeps buffers for both branches' kernels.
+# Cost, H200, T=64k, 192/128: the selection's fwd+bwd temporaries are 1.45 GiB against 0.44 GiB
+# with a fixed tile (1.47 GiB with the lax.cond around two _select calls instead): the compiled
+# program keeps buffers for both branches' kernels.
 
 def _use_union(block_idx):
   return C.mean_union(block_idx, C.UNION_TOKENS) <= C.UNION_SWITCH * block_idx.shape[-1]

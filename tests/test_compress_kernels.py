@@ -53,6 +53,8 @@ SMALL = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=32, bwd_splits=3)
     (4, 2, 300, False, SMALL), (16, 1, 260, False, SMALL), (3, 1, 200, False, SMALL),
     (2, 2, 240, True, SMALL), (4, 1, 301, False, CmpTiling(block_k=16, bwd_block_k=16, bwd_splits=1,
                                                             bwd_unmasked_tiles=False)),
+    # 8 rows (G=1): the tile wraps copies of its rows up to 16, which only the mask drops.
+    (1, 2, 160, False, CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=8, bwd_splits=2)),
 ])
 def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
   seed = _seed()

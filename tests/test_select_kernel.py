@@ -236,3 +236,26 @@ def test_default_tiling_switches_on_shared_blocks(shared, monkeypatch):
                         jax.grad(loss(rf), (0, 1, 2))(q, k, v)):
     scale = float(jnp.max(jnp.abs(c))) + 1e-6
     np.testing.assert_allclose(f32(a) / scale, f32(c) / scale, atol=TOL, rtol=0, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_automatic_choice_runs_the_tile_it_picked(shared, monkeypatch):
+  """Both tiles are exact, so a swapped lax.cond would pass the test above: mark the union tile's
+  forward output and check that exactly the calls whose predicate says "union" carry the mark."""
+  from pallas_kernels import select_attention as sa
+  rng = np.random.default_rng(_seed())
+  b, t, h, kh, dk, dv, n, bs = 1, 72, 16, 1, 16, 16, 3, 16
+  q, k, v, idx, _, _, _ = _inputs(rng, b, t, h, kh, dk, dv, n, bs, False, empty=False)
+  if shared:
+    idx = jnp.repeat(idx[:, ::4], 4, axis=1)[:, :t]
+  else:
+    monkeypatch.setattr(C, "UNION_SWITCH", 0.5)
+  real_forward = sa.forward
+
+  def marked(*args, tiling, **kw):
+    o, lse = real_forward(*args, tiling=tiling, **kw)
+    return (o + 1000.0 if tiling.tokens_per_tile == C.UNION_TOKENS else o), lse
+
+  monkeypatch.setattr(sa, "forward", marked)
+  o, _ = select_attention(q, k, v, idx, bs, interpret=True)
+  assert bool(jnp.all(o > 500.0)) == shared and bool(jnp.all(o < 500.0)) != shared
