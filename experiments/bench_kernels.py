@@ -130,7 +130,7 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   g = h // kh
   auto, union = tiling is None, kc.clustered_tiling(g, bs)
   mean_union = float(kc.mean_union(idx, kc.UNION_TOKENS))
-  if auto and union is not None and mean_union <= kc.UNION_SWITCH * n:  # what the call will run
+  if auto and union is not None and bool(kc.use_union(idx)):  # what the call will run
     tiling, impl_note = union, impl_note + f" (auto: mean union {mean_union:.1f})"
   elif auto:
     tiling = kc.default_tiling(g, bs)
@@ -190,8 +190,7 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
         if kc.clustered_tiling(g, 64) is None:
           picked = "G<16 default"
         else:
-          union = float(kc.mean_union(idx, kc.UNION_TOKENS)) <= switch * idx.shape[-1]
-          picked = "union tile" if union else "per-token tile"
+          picked = "union tile" if bool(kc.use_union(idx)) else "per-token tile"
         tq_mode = f"{pattern} " + (f"auto ({picked})" if auto else "default")
         seg = jnp.asarray(np.sort(np.random.default_rng(t).integers(0, 3, (b, t)), 1), jnp.int32)
 

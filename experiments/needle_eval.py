@@ -71,6 +71,9 @@ def _filler_sentences():
   return _FILLER
 
 
+FACT_PREFIX = "The pass key is "  # the fact's text before the key's digits
+
+
 def passkey_example(length: int, depth: float, rng: np.random.Generator):
   """One passkey sequence of length + 1 tokens with the fact at `depth` of the filler.
 
@@ -80,7 +83,7 @@ def passkey_example(length: int, depth: float, rng: np.random.Generator):
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f"depth={depth}: must be a fraction in [0, 1]")
   key = f"{int(rng.integers(0, 10 ** ANSWER_DIGITS)):0{ANSWER_DIGITS}d}"
-  fact = f"The pass key is {key}. Remember it. ".encode()
+  fact = f"{FACT_PREFIX}{key}. Remember it. ".encode()
   question = f" What is the pass key? The pass key is {key}".encode()
   room = length + 1 - len(fact) - len(question)
   if room < 0:
@@ -93,11 +96,15 @@ def passkey_example(length: int, depth: float, rng: np.random.Generator):
   return np.frombuffer(text, np.uint8).astype(np.int32), key, cut
 
 
+def passkey_examples(length: int, depth_index: int, depth: float, samples: int, seed: int):
+  """The passkey_example tuples of one heatmap cell; deterministic in its arguments."""
+  return [passkey_example(length, depth, np.random.Generator(
+      np.random.PCG64([seed, length, depth_index, s]))) for s in range(samples)]
+
+
 def passkey_batch(length: int, depth_index: int, depth: float, samples: int, seed: int):
   """[samples, length + 1] tokens for one heatmap cell; deterministic in its arguments."""
-  rows = [passkey_example(length, depth, np.random.Generator(
-      np.random.PCG64([seed, length, depth_index, s])))[0] for s in range(samples)]
-  return np.stack(rows)
+  return np.stack([r[0] for r in passkey_examples(length, depth_index, depth, samples, seed)])
 
 
 def score_answers(logits: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +130,7 @@ def needle_grid(logits_fn, lengths, depths, samples, seed) -> dict:
 
 def key_blocks(cut: int, sel_block: int) -> list[int]:
   """Selection blocks holding the key's digits when the fact starts at token `cut`."""
-  first = cut + len("The pass key is ")
+  first = cut + len(FACT_PREFIX)
   return sorted({(first + i) // sel_block for i in range(ANSWER_DIGITS)})
 
 
@@ -142,8 +149,7 @@ def block_grid(model, sel_block, lengths, depths, samples, seed) -> dict:
   cells = []
   for length in lengths:
     for i, depth in enumerate(depths):
-      rows = [passkey_example(length, depth, np.random.Generator(np.random.PCG64(
-          [seed, length, i, s]))) for s in range(samples)]
+      rows = passkey_examples(length, i, depth, samples, seed)
       tokens = np.stack([r[0] for r in rows])
       logits, auxes = forward_with_aux(model, jnp.asarray(tokens[:, :-1]))
       ok, _ = score_answers(np.asarray(logits), tokens)

@@ -86,7 +86,7 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
   if impl not in ("pallas", "xla", "reference"):
     raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'xla' or 'reference'")
   log_once(logging.INFO,
-            f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
+           f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
   return impl
 
 
@@ -104,13 +104,13 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
     scale = dk ** -0.5 if scale is None else scale
     pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
     log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}"
-              + (f" (head dims padded to {dim})" if dk != dv else ""))
+             + (f" (head dims padded to {dim})" if dk != dv else ""))
     o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, is_causal=True,
                                      local_window_size=(window - 1, 0), implementation="cudnn")
     return o[..., :dv]
   if on_gpu():
     log_once(logging.WARNING, f"NSA window branch on GPU uses plain JAX for q{tuple(q.shape)} "
-              "(segment ids or a dtype cuDNN does not take)")
+             "(segment ids or a dtype cuDNN does not take)")
   o, _ = xla.window_attention(q, k, v, window, segment_ids, scale)
   return o
 
@@ -172,9 +172,9 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
   sizes = mesh.shape
   if not set(sizes) & {*BATCH_MESH_AXES, HEAD_MESH_AXIS}:
     log_once(logging.WARNING if on_gpu() else logging.INFO,
-              f"{what}: the mesh's axes {tuple(sizes)} are none of {BATCH_MESH_AXES + (HEAD_MESH_AXIS,)}"
-              "; the op is left to XLA's partitioner (which gathers the inputs of Pallas kernels). "
-              "Fix: name the mesh axes data / fsdp / tensor")
+             f"{what}: the mesh's axes {tuple(sizes)} are none of {BATCH_MESH_AXES + (HEAD_MESH_AXIS,)}"
+             "; the op is left to XLA's partitioner (which gathers the inputs of Pallas kernels). "
+             "Fix: name the mesh axes data / fsdp / tensor")
     return None
   # Size-1 axes are named too: an axis a spec leaves out is one the backward pass sums over
   # (a psum, an all-reduce in the HLO, even over one device).
@@ -182,15 +182,15 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
   nb = math.prod(sizes[a] for a in bax)
   if batch % nb:
     log_once(logging.WARNING, f"{what}: batch {batch} is not divisible by mesh axes {bax} "
-              f"(size {nb}); rows stay whole and every device computes them all. Fix: make the "
-              "per-step batch a multiple of data*fsdp")
+             f"(size {nb}); rows stay whole and every device computes them all. Fix: make the "
+             "per-step batch a multiple of data*fsdp")
     bax = tuple(a for a in bax if sizes[a] == 1)
   tp = sizes.get(HEAD_MESH_AXIS, 1)
   hax = HEAD_MESH_AXIS if HEAD_MESH_AXIS in sizes and kv_heads % tp == 0 else None
   if tp > 1 and hax is None:
     log_once(logging.WARNING, f"{what}: {kv_heads} KV head(s) cannot be split over tensor={tp}; "
-              "attention runs whole on each tensor-parallel device (query heads gathered). Fix: "
-              "use n_kv_heads divisible by the tensor axis")
+             "attention runs whole on each tensor-parallel device (query heads gathered). Fix: "
+             "use n_kv_heads divisible by the tensor axis")
   # Even with nothing to split the op runs under shard_map: whole on every device, its inputs
   # gathered once at the boundary, instead of XLA partitioning (or refusing to partition) the
   # kernels' custom calls.
@@ -203,7 +203,7 @@ def _sharded(fn, layout, n4d: int, has_seg: bool, what: str):
   spec4 = P(bax, None, hax, None)
   in_specs = (spec4,) * n4d + ((P(bax, None),) if has_seg else ())
   log_once(logging.INFO, f"{what}: per-device under shard_map, batch over {bax}, heads over {hax}"
-            f" (mesh {dict(mesh.shape)})")
+           f" (mesh {dict(mesh.shape)})")
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec4, check_vma=False)
 
 

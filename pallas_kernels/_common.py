@@ -129,6 +129,12 @@ def mean_union(block_idx, tq, max_tiles=512):
   return jnp.mean(jnp.sum(new, axis=-1).astype(jnp.float32))
 
 
+def use_union(block_idx):
+  """The automatic choice for G >= 16 (a traced bool): whether these block lists [B, T, K, n] get the
+  4-token union tile (`clustered_tiling`) rather than the per-token one."""
+  return mean_union(block_idx, UNION_TOKENS) <= UNION_SWITCH * block_idx.shape[-1]
+
+
 def rows_of(g, tq):
   """Rows of a query tile: tq tokens x g heads, padded up to a power of two >= 16."""
   return max(16, next_pow2(g * tq))

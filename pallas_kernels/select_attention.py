@@ -185,10 +185,6 @@ _select.defvjp(_select_fwd, _select_bwd)
 # with a fixed tile (1.47 GiB with the lax.cond around two _select calls instead): the compiled
 # program keeps buffers for both branches' kernels.
 
-def _use_union(block_idx):
-  return C.mean_union(block_idx, C.UNION_TOKENS) <= C.UNION_SWITCH * block_idx.shape[-1]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _select_auto(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
                  deterministic):
@@ -199,7 +195,7 @@ def _select_auto(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, i
 def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
                      deterministic):
   del deterministic
-  use_union = _use_union(block_idx)
+  use_union = C.use_union(block_idx)
   run = lambda til: forward(q, k, v, seg, C.tile_maps(block_idx, til), block_size=block_size,
                             scale=scale, tiling=til, has_seg=has_seg, interpret=interpret)
   o, lse = lax.cond(use_union, lambda: run(tilings[1]), lambda: run(tilings[0]))
