@@ -21,8 +21,8 @@
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
-#          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (16k: ~2.5 min of runs);
-#          several lengths per call should fit now that phases do not wait for the watchdog.
+#          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
+#          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample.
 #
 # Work directories (1.2 GB checkpoints) stay under /tmp/h200; the small results (metrics.jsonl,
 # config.json, loss.png, collectives.json, logs, tables, pictures) are packed into $OUT/<phase>.tgz.
@@ -96,10 +96,11 @@ layouts_kv2() {
 
 context_pair() {  # context_pair <seq_len> <batch>
   local f="--config.data.seq_len=$1 --config.model.max_seq_len=$1 --config.data.global_batch_size=$2
-    --config.train.stop_after=20 --config.train.log_every=5 --config.train.eval_every=100000"
-  CUDA_VISIBLE_DEVICES=0 timeout -k 60 -s TERM 200 python3 -m experiments.train --config=$SWEEP \
+    --config.train.stop_after=${CTX_STEPS:-20} --config.train.log_every=${CTX_LOG:-5}
+    --config.train.eval_every=100000"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout -k 60 -s TERM 200 python3 -m experiments.train --config=$SWEEP \
+  CUDA_VISIBLE_DEVICES=1 timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/context/dense_$1 --config.model.attention=dense $f > "$R/context_dense_$1.log" 2>&1 &
   wait_runs
   keep "$T/context/nsa_$1" "context_nsa_$1"
@@ -163,7 +164,9 @@ blocks() { sweep_pair blocks finer,coarser n_forced_only,n_x2; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
 # A device call is killed at its limit with nothing packed: pack what exists before that.
-( sleep "${PACK_AT:-540}"; tar czf "$OUT/partial.tgz" -C "$R" . ) &
+# Its output goes to /dev/null and its sleep is killed with it at the end: a sleep left holding the
+# call's stdout kept the 2026-11-30 context8+context32 call open until 540 s (its phases ended at 300 s).
+( sleep "${PACK_AT:-540}"; tar czf "$OUT/partial.tgz" -C "$R" . ) > /dev/null 2>&1 &
 WATCHDOG=$!
 for phase in "$@"; do
   echo "=== $phase $(date -u +%H:%M:%S)"
@@ -171,5 +174,5 @@ for phase in "$@"; do
   echo "=== $phase done $(date -u +%H:%M:%S)"
   tar czf "$OUT/$phase.tgz" -C "$R" . && ls -la "$OUT/$phase.tgz"
 done
-kill $WATCHDOG 2>/dev/null
+pkill -P "$WATCHDOG" 2>/dev/null; kill "$WATCHDOG" 2>/dev/null
 tail -n 3 "$R"/*.log
