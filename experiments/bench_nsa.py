@@ -36,6 +36,7 @@ START = time.time()
 CMP_TILING = "v2: bwd 128-row tiles, 8 warps"  # v1 (first H200 run): 64-row dq / dK-dV tiles
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
+BATCH = 1  # --batch: sequences per call (the layer rows stay at 1)
 
 
 def paper_cfg(h, kh, dk, dv):
@@ -45,7 +46,7 @@ def paper_cfg(h, kh, dk, dv):
 
 def make_inputs(key, t, cfg):
   """q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win (bf16, N(0,1)) and gates (f32 in (0, 1))."""
-  b, h, kh, dk, dv = 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
+  b, h, kh, dk, dv = BATCH, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
   nc = cfg.num_cmp_blocks(t)
   shapes = [(b, t, h, dk), (b, nc, kh, dk), (b, nc, kh, dv), (b, t, kh, dk), (b, t, kh, dv),
             (b, t, kh, dk), (b, t, kh, dv)]
@@ -105,7 +106,7 @@ class Bench:
     return res
 
   def add(self, op, impl, t, cfg, res, dense, **extra):
-    base = dict(t=t, batch=1, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, d_k=cfg.head_dim,
+    base = dict(t=t, batch=BATCH, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, d_k=cfg.head_dim,
                 d_v=cfg.dim_v)
     for pass_ in ("fwd", "bwd"):
       if pass_ == "fwd":
@@ -148,10 +149,10 @@ def bench_dense(bench, key, t, cfg):
   dd = max(cfg.head_dim, cfg.dim_v)
   ks = jax.random.split(key, 4)
   h, kh = cfg.num_heads, cfg.num_kv_heads
-  args = [jax.random.normal(ks[0], (1, t, h, dd), jnp.bfloat16),
-          jax.random.normal(ks[1], (1, t, kh, dd), jnp.bfloat16),
-          jax.random.normal(ks[2], (1, t, kh, dd), jnp.bfloat16)]
-  ct = jax.random.normal(ks[3], (1, t, h, dd), jnp.bfloat16)
+  args = [jax.random.normal(ks[0], (BATCH, t, h, dd), jnp.bfloat16),
+          jax.random.normal(ks[1], (BATCH, t, kh, dd), jnp.bfloat16),
+          jax.random.normal(ks[2], (BATCH, t, kh, dd), jnp.bfloat16)]
+  ct = jax.random.normal(ks[3], (BATCH, t, h, dd), jnp.bfloat16)
   res = bench.time_pair(dense_fn(dd), args, ct)
   res["dd"] = dd
   return res
@@ -159,7 +160,7 @@ def bench_dense(bench, key, t, cfg):
 
 def bench_whole(bench, key, t, cfg, dense):
   args = make_inputs(key, t, cfg)
-  ct = jax.random.normal(jax.random.fold_in(key, 7), (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  ct = jax.random.normal(jax.random.fold_in(key, 7), (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
   res = bench.time_pair(fn, args, ct)
   bench.add("nsa", "pallas", t, cfg, res, dense, dense_dim=dense["dd"])
@@ -170,7 +171,7 @@ def bench_branches(bench, key, t, cfg, dense, args):
   """compress (fwd, bwd), topn (fwd), select (fwd, bwd), window (fwd, bwd) on the op's inputs."""
   q, kc, vc, ks_, vs_, kw, vw, _ = args
   l, d, lp, w = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.window
-  ct = jax.random.normal(jax.random.fold_in(key, 9), (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  ct = jax.random.normal(jax.random.fold_in(key, 9), (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   cmp = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, interpret=INTERPRET)
   bench.add("compress", "pallas", t, cfg, bench.time_pair(cmp, [q, kc, vc], ct), dense)
   _, lse = jax.jit(cmp)(q, kc, vc)
@@ -212,7 +213,7 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   args = make_inputs(key, t, cfg)
   q, kc, vc = args[:3]
   l, d = cfg.cmp_block, cfg.cmp_stride
-  ct = jax.random.normal(key, (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  ct = jax.random.normal(key, (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   bench = Bench("/tmp", 5, 1e9)
   out = []
   # dK/dV programs per key tile (the 2026-11-29 sweep of rows / block sizes chose the rest).
@@ -242,7 +243,7 @@ def profile(key, t, cfg, out_dir):
   """Device kernels (jax.profiler) of one forward and one forward+backward of the whole op at T=t:
   where the time goes, XLA glue included. Saved as nsa_profile.json."""
   args = make_inputs(key, t, cfg)
-  ct = jax.random.normal(jax.random.fold_in(key, 7), (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  ct = jax.random.normal(jax.random.fold_in(key, 7), (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
   fwd, fwd_bwd = compiled(fn, *args), compiled(with_grad(fn), args, ct)
   res = dict(T=t, d_k=cfg.head_dim, d_v=cfg.dim_v, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
@@ -276,7 +277,7 @@ def check(key, t, cfg):
              lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(lse) == fin)),
              topn_slots_equal_frac=float(jnp.mean(idx == xidx)),
              topn_rows_equal_frac=float(jnp.mean(jnp.all(idx == xidx, axis=-1))))
-  ct = jax.random.normal(key, (1, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
+  ct = jax.random.normal(key, (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   op = lambda impl: (lambda *a: (ops.nsa_attention(*a, cfg, implementation=impl),))
   for name, impl in (("pallas", "pallas"), ("xla", "xla")):
     out[name] = (jax.jit(op(impl))(*args)[0].astype(jnp.float32),
@@ -344,7 +345,8 @@ def plot(path):
       "# NSA whole op and branches vs cuDNN dense causal attention",
       "", f"Hardware: {r0.get('hardware')}. Date: {r0.get('date')}.",
       f"Command: `{r0.get('command')}`",
-      "", "Paper settings: bf16, B=1, 64 query heads, 4 KV heads, l=32, d=16, l'=64, n=16, w=512.",
+      "", f"Paper block settings: bf16, B={r0.get('batch', 1)}, {r0.get('q_heads', 64)} query heads, "
+      f"{r0.get('kv_heads', 4)} KV heads, l=32, d=16, l'=64, n=16, w=512.",
       "cuDNN needs d_k == d_v: the 192/128 rows are compared with dense attention at 192/192.",
       "`bwd` = (forward + backward) - forward for both sides; `fwd_bwd_ms` holds the sum.",
       "Branch rows (compress, topn, select, window) carry the dense time of the same pass,",
@@ -378,6 +380,9 @@ def main(argv=None):
   p.add_argument("--T", default="8192,16384,32768,65536")
   p.add_argument("--dims", default="128/128,192/128")
   p.add_argument("--heads", default="64/4")
+  p.add_argument("--batch", type=int, default=1,
+                 help="batch size of every op and cuDNN call (e.g. 8 with --heads 16/1 --dims 64/64 "
+                      "--T 8192: one layer of configs/small_gpu_nsa.py's training step)")
   p.add_argument("--breakdown_T", default="65536")
   p.add_argument("--long_T", default="")
   p.add_argument("--layer_T", default="")
@@ -395,6 +400,10 @@ def main(argv=None):
   if a.plot:
     return plot(a.plot)
   ints = lambda s: [int(x) for x in s.split(",") if x]
+  global BATCH
+  if a.batch < 1:
+    raise SystemExit(f"--batch={a.batch}: needs a positive batch size")
+  BATCH = a.batch
   h, kh = ints(a.heads.replace("/", ","))
   bench = Bench(a.out, a.iters, a.budget_s)
   key = jax.random.key(int.from_bytes(os.urandom(4), "little"))

@@ -11,6 +11,9 @@
 #          (jax.profiler; where the top-n and compression time goes, issue 5); ~2 min.
 # cmpsplit  compression kernels at 64k, 192/128: 1, 4, 8 or 16 dK/dV programs a key tile, mask skip; ~2 min.
 # nsa      the whole op and its branches vs cuDNN, 8k-64k, both head dims (issue 5's table); ~4 min.
+# train8k  the whole op, its branches and a kernel profile at one layer of the 8k training model
+#          (configs/small_gpu_nsa.py: 16 query heads, 1 KV group, 64/64, batch 8 x 8192; issue 7's
+#          8k throughput gap); ~2 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -39,6 +42,10 @@ cmpsplit() {
 nsa() {
   timeout 330 python3 -m experiments.bench_nsa --check --T 65536,8192,16384,32768 \
     --dims 192/128,128/128 --breakdown_T 65536 --iters 5 --budget_s 240 --out "$OUT/nsa"
+}
+train8k() {
+  timeout 200 python3 -m experiments.bench_nsa --heads 16/1 --dims 64/64 --batch 8 --T 8192 \
+    --breakdown_T 8192 --profile_T 8192 --iters 10 --out "$OUT/train8k"
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \
