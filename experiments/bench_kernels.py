@@ -264,6 +264,13 @@ def plan_jobs(name, ts, groups, patterns, block):
     r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
     return ([(65536, 16, p, r(d16, blocks_per_step=k), True) for p in patterns for k in (1, 2, 4)]
             + [(65536, 4, "random", r(d4, blocks_per_step=k), True) for k in (1, 2)])
+  if name == "train8k":  # the 8k training model's layer (run with --heads 16 --d 64 --batch 8)
+    r, d16 = dataclasses.replace, kc.default_tiling(16, block)
+    u4 = kc.clustered_tiling(16, block)
+    variants = [None, d16, u4, r(u4, blocks_per_step=2), r(u4, tokens_per_tile=8),
+                r(u4, num_stages=3), r(u4, num_warps=8), r(u4, bwd_tokens=8),
+                r(u4, bwd_num_warps=8), r(u4, bwd_num_stages=3)]
+    return [(t, g, p, tl, True) for t in ts for g in groups for p in patterns for tl in variants]
   if name == "union4":  # G=16 "clustered": 4 tokens x 16 heads = 64-row tiles over the union
     r, d16 = dataclasses.replace, kc.default_tiling(16, block)
     return [(65536, 16, p, r(d16, tokens_per_tile=4, blocks_per_step=k), True)
@@ -274,9 +281,11 @@ def plan_jobs(name, ts, groups, patterns, block):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--T", default="8192,16384,32768,65536")
-  p.add_argument("--groups", default="16,4", help="G = q heads / kv heads (64 q heads)")
+  p.add_argument("--groups", default="16,4", help="G = q heads / kv heads")
+  p.add_argument("--heads", type=int, default=64, help="query heads")
+  p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4")
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
   p.add_argument("--d", type=int, default=128)
@@ -296,16 +305,16 @@ def main(argv=None):
   print(f"peaks: matmul {peaks[0] / 1e12:.0f} TFLOP/s, copy {peaks[1] / 1e12:.2f} TB/s", flush=True)
   pre = (f"# Selection kernel vs cuDNN dense causal ({bc.hardware()})\n\nCommand: `{bc.command_line()}`\n"
          f"Measured peaks: bf16 matmul {peaks[0] / 1e12:.0f} TFLOP/s, HBM copy {peaks[1] / 1e12:.2f} TB/s.")
-  recs, h, cudnn = [], 64, {}
+  recs, h, b, cudnn = [], a.heads, a.batch, {}
   jobs = plan_jobs(a.plan, [int(x) for x in a.T.split(",")], [int(x) for x in a.groups.split(",")],
                    a.patterns.split(","), a.block)
   for t, g, pat, tiling, det in jobs:
     if (t, g) not in cudnn:
-      cudnn[t, g] = bench_cudnn(t, h, h // g, a.d, iters=a.iters)
+      cudnn[t, g] = bench_cudnn(t, h, h // g, a.d, b=b, iters=a.iters)
       print(f"T={t} G={g} cudnn fwd {cudnn[t, g][0]:.2f} ms bwd {cudnn[t, g][1]:.2f} ms", flush=True)
     try:
       r = bench_select(t, h, h // g, a.d, a.d, a.n, a.block, pat, tiling=tiling, deterministic=det,
-                       cudnn=cudnn[t, g], peaks=peaks, iters=a.iters)
+                       b=b, cudnn=cudnn[t, g], peaks=peaks, iters=a.iters)
     except Exception as e:  # keep going: one tiling failing to compile is a finding, not a crash
       print(f"FAILED T={t} G={g} {pat} {tiling} det={det}: {type(e).__name__}: {str(e)[:400]}", flush=True)
       continue

@@ -14,6 +14,7 @@
 # train8k  the whole op, its branches and a kernel profile at one layer of the 8k training model
 #          (configs/small_gpu_nsa.py: 16 query heads, 1 KV group, 64/64, batch 8 x 8192; issue 7's
 #          8k throughput gap); ~2 min.
+# sel8k    selection tilings at that layer shape (bench_kernels --plan train8k), both patterns; ~3 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -46,6 +47,10 @@ nsa() {
 train8k() {
   timeout 200 python3 -m experiments.bench_nsa --heads 16/1 --dims 64/64 --batch 8 --T 8192 \
     --breakdown_T 8192 --profile_T 8192 --iters 10 --out "$OUT/train8k"
+}
+sel8k() {
+  timeout 280 python3 -m experiments.bench_kernels --plan train8k --T 8192 --heads 16 --groups 16 \
+    --d 64 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/sel8k" --tag h200_train8k
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \
