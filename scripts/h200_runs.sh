@@ -13,10 +13,10 @@
 #          attention by KV group).
 # passkey  passkey retrieval trained at 4k (configs/sweep_needle.py:gpu), NSA on GPU 0 and dense on
 #          GPU 1, then the needle grid at 2k-16k (heatmap PNG + JSON).
-# passkey2 the same task with a curriculum: 1500 steps at 1024 tokens, then 400 at 4k warm-started
-#          from them (config.checkpoint.init_from); needle grid at 2k-8k. Estimated ~6 min (not
-#          run yet): the 4k-only run learned nothing in 800 steps (docs/RESULTS.md section 5).
-#          1024, not 512: NSA's window (512) would cover a 512-token stage whole.
+# passkey2 the same task with a curriculum: 1500 steps at PK_LEN1 tokens (default 1024), then 400 at
+#          4k warm-started from them (config.checkpoint.init_from); needle grid at 2k-8k. ~5 min of
+#          runs. At 1024 NSA's window + 16 blocks of 64 cover the whole sequence, so selection
+#          learns nothing there (2026-11-30: NSA then failed every middle depth at 4k): PK_LEN1=2048.
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
 # context8, context16, context32
@@ -134,27 +134,28 @@ passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA
     --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu.png > "$R/needle_gpu.log" 2>&1
 }
 
-passkey2() {
-  local t="timeout -k 60 -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  # 1024 tokens: the same answer : context loss ratio as at 4k (25 : 0.04 x ~1000)
-  local s1="--config.data.seq_len=1024 --config.data.global_batch_size=32
-    --config.data.context_loss_weight=0.04 --config.train.num_steps=1500
+passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per step stay 32k
+  local len1=${PK_LEN1:-1024} t="timeout -k 60 -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  local d=$T/pk2_$len1 tag=pk2_$len1
+  # the same answer : context loss ratio as at 4k (25 : 0.01 x ~4000 = 0.04 x ~1000 = 0.02 x ~2000)
+  local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
+    --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=1500
     --config.train.eval_every=500 --config.checkpoint.every_steps=500"
-  CUDA_VISIBLE_DEVICES=0 $t $s1 --workdir=$T/pk2/nsa_1k > "$R/pk2_nsa_1k.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$T/pk2/dense_1k --config.model.attention=dense \
-    > "$R/pk2_dense_1k.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 $t $s1 --workdir=$d/nsa_s1 > "$R/${tag}_nsa_s1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$d/dense_s1 --config.model.attention=dense \
+    > "$R/${tag}_dense_s1.log" 2>&1 &
   wait_runs
-  grep -h "^done:\|stopped" "$R"/pk2_*_1k.log  # a stage cut by its timeout says so here
+  grep -h "^done:\|stopped" "$R"/${tag}_*_s1.log  # a stage cut by its timeout says so here
   local s2="--config.train.num_steps=400 --config.train.eval_every=200"
-  CUDA_VISIBLE_DEVICES=0 $t $s2 --workdir=$T/pk2/nsa --config.checkpoint.init_from=$T/pk2/nsa_1k \
-    > "$R/pk2_nsa.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 $t $s2 --workdir=$T/pk2/dense --config.model.attention=dense \
-    --config.checkpoint.init_from=$T/pk2/dense_1k > "$R/pk2_dense.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 $t $s2 --workdir=$d/nsa --config.checkpoint.init_from=$d/nsa_s1 \
+    > "$R/${tag}_nsa.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 $t $s2 --workdir=$d/dense --config.model.attention=dense \
+    --config.checkpoint.init_from=$d/dense_s1 > "$R/${tag}_dense.log" 2>&1 &
   wait_runs
-  for r in nsa_1k dense_1k nsa dense; do keep "$T/pk2/$r" "pk2_$r"; done
+  for r in nsa_s1 dense_s1 nsa dense; do keep "$d/$r" "${tag}_$r"; done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
-    --workdirs=$T/pk2/nsa,$T/pk2/dense --labels=nsa,dense --lengths=2048,4096,8192 \
-    --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu_pk2.png > "$R/needle_gpu_pk2.log" 2>&1
+    --workdirs=$d/nsa,$d/dense --labels=nsa,dense --lengths=2048,4096,8192 \
+    --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu_$tag.png > "$R/needle_gpu_$tag.log" 2>&1
 }
 
 # Paper ablations at GPU scale (each ~8 min on 2 GPUs; nsa itself is reused from pair's record).
