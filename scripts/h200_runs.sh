@@ -134,14 +134,17 @@ passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA
     --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu.png > "$R/needle_gpu.log" 2>&1
 }
 
-passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per step stay 32k
+passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per step stay 32k.
+  # PK_N1: NSA's n in the first stage only (the 4k stage keeps the paper's 16): with 8 at 1024
+  # tokens the selection must choose 5 of 13 free blocks instead of taking them all.
   local len1=${PK_LEN1:-1024} t="timeout -k 60 -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  local d=$T/pk2_$len1 tag=pk2_$len1
+  local d=$T/pk2_$len1${PK_N1:+_n$PK_N1} tag=pk2_$len1${PK_N1:+_n$PK_N1}
+  local n1=${PK_N1:+--config.model.nsa.num_selected=$PK_N1}
   # the same answer : context loss ratio as at 4k (25 : 0.01 x ~4000 = 0.04 x ~1000 = 0.02 x ~2000)
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
     --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=1500
     --config.train.eval_every=500 --config.checkpoint.every_steps=500"
-  CUDA_VISIBLE_DEVICES=0 $t $s1 --workdir=$d/nsa_s1 > "$R/${tag}_nsa_s1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 $t $s1 $n1 --workdir=$d/nsa_s1 > "$R/${tag}_nsa_s1.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$d/dense_s1 --config.model.attention=dense \
     > "$R/${tag}_dense_s1.log" 2>&1 &
   wait_runs

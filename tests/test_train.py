@@ -148,12 +148,17 @@ def test_warm_start_takes_the_parameters_only_and_trains_at_another_length(full_
   src = full_run[0]
   c = small_config(num_steps=2)
   c.data.seq_len = 64  # context change between the runs: the parameters do not depend on it
+  c.model.nsa.num_selected = 4  # nor on n and w (a resume would refuse these two)
+  c.model.nsa.window = 16
   c.checkpoint.init_from = src
   setup = train.build_setup(c, shd.make_mesh(c.mesh))
   meta = {"model": dataclasses.asdict(setup.model_cfg)}
   state = train.warm_start(setup, meta, src)
   ckpt = Checkpointer(os.path.join(src, "checkpoints"), async_save=False)
-  saved, _ = ckpt.restore(ckpt.latest_step(), setup.abstract_state, meta)
+  with pytest.raises(CheckpointError, match=r"num_selected: checkpoint has 3, config has 4"):
+    ckpt.restore(ckpt.latest_step(), setup.abstract_state, meta)  # resume semantics: refused
+  saved, _ = ckpt.restore(ckpt.latest_step(), setup.abstract_state, meta,
+                          ignore=train.WARM_START_FREE_FIELDS)
   ckpt.close()
   for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(saved["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -166,6 +171,7 @@ def test_warm_start_takes_the_parameters_only_and_trains_at_another_length(full_
   cold = str(tmp_path / "cold")
   c_cold = small_config(num_steps=2)
   c_cold.data.seq_len = 64
+  c_cold.model.nsa.num_selected, c_cold.model.nsa.window = 4, 16
   train.train_and_evaluate(c_cold, cold)
   # Six steps of pretraining show in the very first step's loss (same data, same seed).
   assert train_losses(workdir)[1] < train_losses(cold)[1] - 0.05, (SEED, train_losses(workdir),
@@ -173,6 +179,7 @@ def test_warm_start_takes_the_parameters_only_and_trains_at_another_length(full_
   # A warm-started run that saved resumes from its own checkpoint, not from init_from again.
   c3 = small_config(num_steps=3)
   c3.data.seq_len = 64
+  c3.model.nsa.num_selected, c3.model.nsa.window = 4, 16
   c3.checkpoint.init_from = os.path.join(str(tmp_path), "does_not_matter_any_more")
   assert train.train_and_evaluate(c3, workdir)["step"] == 3
 

@@ -37,6 +37,9 @@ log = logging.getLogger("nsa_jax.training")
 # (e.g. turn on remat after an OOM, or switch the NSA implementation). Array shapes are still
 # checked by the restore itself.
 RESUMABLE_MODEL_FIELDS = ("remat", "dtype", "max_seq_len", "nsa.implementation", "nsa.query_chunk")
+# A warm start (config.checkpoint.init_from) may also change what NSA attends to with the same
+# parameters: n and w (e.g. a curriculum whose short first stage selects fewer blocks).
+WARM_START_FREE_FIELDS = RESUMABLE_MODEL_FIELDS + ("nsa.num_selected", "nsa.window")
 
 
 class NonFiniteError(FloatingPointError):
@@ -330,7 +333,7 @@ def warm_start(setup, meta, init_from: str) -> dict:
       raise CheckpointError(f"config.checkpoint.init_from={init_from!r} holds no checkpoint. Fix: "
                             "give the --workdir of a run that saved one")
     try:
-      loaded, _ = src.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS)
+      loaded, _ = src.restore(latest, setup.abstract_state, meta, ignore=WARM_START_FREE_FIELDS)
     except CheckpointError as e:  # the resume message's fixes do not apply to a warm start
       reason = str(e).split("\nFix:")[0].split(" Fix:")[0]
       raise CheckpointError(f"config.checkpoint.init_from={init_from!r} cannot start this run: "
