@@ -24,6 +24,7 @@ import numpy as np
 
 from experiments import bench_common as bc
 from pallas_kernels import _common as kc
+from pallas_kernels import select_attention_mgpu
 from pallas_kernels.select_attention import select_attention
 
 BIG = 2 ** 30
@@ -128,6 +129,9 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   q, k, v, do = make_qkv(jax.random.key(2), b, t, h, kh, dk, dv)
   idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
   g = h // kh
+  backend = "triton"
+  if tiling == "mosaic":  # the experimental Mosaic GPU forward (+ Triton backward), 64-row union
+    backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
   auto, union = tiling is None, kc.clustered_tiling(g, bs)
   mean_union = float(kc.mean_union(idx, kc.UNION_TOKENS))
   if auto and union is not None and bool(kc.use_union(idx)):  # what the call will run
@@ -136,10 +140,10 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
     tiling = kc.default_tiling(g, bs)
     impl_note += f" (auto: mean union {mean_union:.1f})" if union is not None else ""
   f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=None if auto else tiling,
-                                            deterministic=deterministic)[0]
+                                            deterministic=deterministic, backend=backend)[0]
   fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
-  impl = (f"pallas-triton {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
+  impl = (f"pallas-{'mosaic-gpu fwd' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
           f"w{tiling.bwd_num_warps}s{tiling.bwd_num_stages} {'det' if deterministic else 'atomic'}"
           + (f" fwd {tiling.blocks_per_step} blocks/step"
@@ -221,6 +225,39 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
   return ok_all
 
 
+def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128, 16),
+                        (1, 900, 16, 4, 64, 64, 16))):
+  """The compiled Mosaic GPU forward (+ Triton backward) vs the f32 reference (no segment ids)."""
+  from nsa_jax import reference as ref
+  f32 = lambda x: x.astype(jnp.float32)
+  ok_all = True
+  for b, t, h, kh, dk, dv, n in cases:
+    for pattern in ("random", "clustered"):
+      q, k, v, do = make_qkv(jax.random.key(t + h), b, t, h, kh, dk, dv)
+      idx = index_pattern(jax.random.key(5), b, t, kh, n, 64, pattern)
+
+      def loss(fn):
+        def inner(q, k, v):
+          o, lse = fn(q, k, v)
+          return jnp.sum(f32(o) * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+        return inner
+      rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
+      kf = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic")
+      (o1, l1), (o2, l2) = rf(q, k, v), jax.jit(kf)(q, k, v)
+      g1 = jax.grad(loss(rf), (0, 1, 2))(q, k, v)
+      g2 = jax.jit(jax.grad(loss(kf), (0, 1, 2)))(q, k, v)
+      o_err = float(jnp.max(jnp.abs(f32(o2) - o1)))
+      g_err = max(float(jnp.max(jnp.abs(f32(a) - c)) / (jnp.max(jnp.abs(c)) + 1e-6))
+                  for a, c in zip(g2, g1))
+      fin = bool(jnp.all(jnp.isfinite(l1) == jnp.isfinite(l2)))
+      lerr = float(jnp.max(jnp.where(jnp.isfinite(l1), jnp.abs(l2 - l1), 0)))
+      ok = o_err < 3e-2 and g_err < 3e-2 and fin and lerr < 1e-2
+      ok_all &= ok
+      print(f"check mosaic b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {pattern}: o_err={o_err:.2e} "
+            f"lse_err={lerr:.2e} grad_rel_err={g_err:.2e} {'OK' if ok else 'FAIL'}", flush=True)
+  return ok_all
+
+
 # ----------------------------------------------------------------------------- main
 
 def sweep_variants(g, pattern):
@@ -271,6 +308,10 @@ def plan_jobs(name, ts, groups, patterns, block):
                 r(u4, num_stages=3), r(u4, num_warps=8), r(u4, bwd_tokens=8),
                 r(u4, bwd_num_warps=8), r(u4, bwd_num_stages=3)]
     return [(t, g, p, tl, True) for t in ts for g in groups for p in patterns for tl in variants]
+  if name == "mosaic":  # the Mosaic GPU forward against the Triton tiles it would replace
+    u4 = kc.clustered_tiling(16, block)
+    return ([(t, 16, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", u4, None)]
+            + [(t, 4, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", None)])
   if name == "union4":  # G=16 "clustered": 4 tokens x 16 heads = 64-row tiles over the union
     r, d16 = dataclasses.replace, kc.default_tiling(16, block)
     return [(65536, 16, p, r(d16, tokens_per_tile=4, blocks_per_step=k), True)
@@ -285,7 +326,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k")
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
   p.add_argument("--d", type=int, default=128)
@@ -297,7 +338,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
-  if a.check and not check_compiled():
+  if a.check and not (check_mosaic() if a.plan == "mosaic" else check_compiled()):
     print("CHECK FAILED", flush=True)
   if a.no_bench:
     return

@@ -36,7 +36,7 @@ START = time.time()
 CMP_TILING = "v2: bwd 128-row tiles, 8 warps"  # v1 (first H200 run): 64-row dq / dK-dV tiles
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
-BATCH = 1  # --batch: sequences per call (the layer rows stay at 1)
+BATCH = 1  # --batch: sequences per call (every op, cuDNN and layer call)
 
 
 def paper_cfg(h, kh, dk, dv):
@@ -194,8 +194,8 @@ def bench_layer(bench, key, t, d_model=2560):
   from flax import nnx
   from nsa_jax.attention import DenseAttention, NSAAttention
   cfg = paper_cfg(64, 4, 128, 128)
-  x = jax.random.normal(key, (1, t, d_model), jnp.bfloat16)
-  ct = jax.random.normal(jax.random.fold_in(key, 1), (1, t, d_model), jnp.bfloat16)
+  x = jax.random.normal(key, (BATCH, t, d_model), jnp.bfloat16)
+  ct = jax.random.normal(jax.random.fold_in(key, 1), (BATCH, t, d_model), jnp.bfloat16)
   res = {}
   for name, make in (("nsa", lambda r: NSAAttention(d_model, cfg, dtype="bfloat16", rngs=r)),
                      ("dense", lambda r: DenseAttention(d_model, 64, 4, 128, dtype="bfloat16",
@@ -246,8 +246,8 @@ def profile(key, t, cfg, out_dir):
   ct = jax.random.normal(jax.random.fold_in(key, 7), (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
   fwd, fwd_bwd = compiled(fn, *args), compiled(with_grad(fn), args, ct)
-  res = dict(T=t, d_k=cfg.head_dim, d_v=cfg.dim_v, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-             **bc.provenance(),
+  res = dict(T=t, batch=BATCH, d_k=cfg.head_dim, d_v=cfg.dim_v, q_heads=cfg.num_heads,
+             kv_heads=cfg.num_kv_heads, **bc.provenance(),
              fwd=bc.kernel_profile(fwd, args, os.path.join(out_dir, "trace_fwd")),
              fwd_bwd=bc.kernel_profile(fwd_bwd, [args, ct], os.path.join(out_dir, "trace_fwd_bwd")))
   for name in ("fwd", "fwd_bwd"):
@@ -272,7 +272,7 @@ def check(key, t, cfg):
       num_selected=cfg.num_selected, interpret=INTERPRET))(q, kc, xlse)
   fin = jnp.isfinite(xlse)
   f32 = lambda x: x.astype(jnp.float32)
-  out = dict(T=t, cmp_o_maxerr=float(jnp.max(jnp.abs(f32(o) - f32(xo)))),
+  out = dict(T=t, batch=BATCH, cmp_o_maxerr=float(jnp.max(jnp.abs(f32(o) - f32(xo)))),
              cmp_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(lse - xlse), 0.0))),
              lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(lse) == fin)),
              topn_slots_equal_frac=float(jnp.mean(idx == xidx)),
@@ -336,7 +336,9 @@ def plot(path):
   ax.set_xscale("log", base=2)
   ax.set_xlabel("sequence length T")
   ax.set_ylabel("speed-up over cuDNN dense causal")
-  ax.set_title("NSA (Pallas) vs cuDNN, H200, bf16, 64 q / 4 KV heads")
+  r0 = records[0] if records else {}
+  ax.set_title(f"NSA (Pallas) vs cuDNN, H200, bf16, B={r0.get('batch', 1)}, "
+               f"{r0.get('q_heads', 64)} q / {r0.get('kv_heads', 4)} KV heads")
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(stem + ".png", dpi=120)

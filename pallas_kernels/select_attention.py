@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
 from pallas_kernels import select_attention_bwd as bwd
+from pallas_kernels import select_attention_mgpu as mgpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -178,6 +179,27 @@ def _select_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, re
 _select.defvjp(_select_fwd, _select_bwd)
 
 
+# Experimental: the Mosaic GPU (TMA + wgmma) forward with the Triton backward on the same union tile
+# maps (select_attention_mgpu.py; speed on the H200 not measured yet, so only an explicit
+# backend="mosaic" runs it).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _select_mosaic(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
+                   deterministic):
+  return _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
+                            deterministic)[0]
+
+
+def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
+                       deterministic):
+  del deterministic, has_seg  # segment ids are refused before this point
+  maps = C.tile_maps(block_idx, tiling)
+  o, lse = mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale, interpret=interpret)
+  return (o, lse), (q, k, v, block_idx, seg, maps, o, lse)
+
+
+_select_mosaic.defvjp(_select_mosaic_fwd, _select_bwd)
+
+
 # The automatic choice (no tiling given, G >= 16): `tilings` = (per-token, 4-token union). The
 # choice is made once in the forward (lax.cond on the lists' mean 4-token union) and saved as a
 # residual; the backward takes the same branch, rebuilding its index maps rather than saving them.
@@ -240,7 +262,9 @@ def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
   return True, "ok"
 
 
-BACKENDS = {"triton": _select}  # name -> differentiable implementation (a Mosaic GPU one: not yet)
+# name -> differentiable implementation. "mosaic": experimental Mosaic GPU forward (Hopper), see
+# select_attention_mgpu.py; not chosen automatically until measured faster on the H200.
+BACKENDS = {"triton": _select, "mosaic": _select_mosaic}
 
 
 def _check_tiling(tiling, block_size, interpret):
@@ -273,6 +297,16 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   # tile when neighbouring tokens share most blocks and the per-token tile otherwise (lax.cond; both
   # are exact, C.UNION_SWITCH says where they cross on the H200; see _select_auto).
   union = C.clustered_tiling(g, block_size) if tiling is None and backend == "triton" else None
+  if backend == "mosaic":
+    ok, why = mgpu.supports(q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype)
+    if not ok:
+      raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
+    want = mgpu.tiling_for(g, block_size)
+    if tiling is not None and (tiling.mode, tiling.tokens_per_tile) != ("union", want.tokens_per_tile):
+      raise ValueError(f"select_attention[mosaic] runs 64-row union tiles: tiling must have "
+                       f"mode='union', tokens_per_tile={want.tokens_per_tile} (got {tiling.mode!r}, "
+                       f"{tiling.tokens_per_tile}); pass tiling=None")
+    tiling = tiling or want
   tiling = tiling or C.default_tiling(g, block_size)
   for til in (tiling, union) if union else (tiling,):
     _check_tiling(til, block_size, interpret)

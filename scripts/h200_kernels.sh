@@ -13,8 +13,13 @@
 # nsa      the whole op and its branches vs cuDNN, 8k-64k, both head dims (issue 5's table); ~4 min.
 # train8k  the whole op, its branches and a kernel profile at one layer of the 8k training model
 #          (configs/small_gpu_nsa.py: 16 query heads, 1 KV group, 64/64, batch 8 x 8192; issue 7's
-#          8k throughput gap); ~2 min.
-# sel8k    selection tilings at that layer shape (bench_kernels --plan train8k), both patterns; ~3 min.
+#          8k throughput gap); 34 s measured.
+# sel8k    selection tilings at that layer shape (bench_kernels --plan train8k), both patterns;
+#          69 s measured.
+# mosaic   the experimental Mosaic GPU selection forward (select_attention(backend="mosaic")):
+#          compiled check against the reference, then 64k, G=16 and G=4, both patterns, against the
+#          Triton tiles (not run yet; estimated ~5 min).
+# mosaic8k  the same at the 8k training layer shape (16/1 heads, 64/64, batch 8); ~2 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -51,6 +56,14 @@ train8k() {
 sel8k() {
   timeout 280 python3 -m experiments.bench_kernels --plan train8k --T 8192 --heads 16 --groups 16 \
     --d 64 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/sel8k" --tag h200_train8k
+}
+mosaic() {
+  timeout 420 python3 -m experiments.bench_kernels --check --plan mosaic --T 65536 \
+    --patterns clustered,random --iters 5 --out "$OUT/mosaic" --tag h200_mosaic
+}
+mosaic8k() {
+  timeout 240 python3 -m experiments.bench_kernels --plan mosaic --T 8192 --heads 16 --d 64 \
+    --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaic8k" --tag h200_mosaic8k
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \

@@ -15,8 +15,11 @@
 #          GPU 1, then the needle grid at 2k-16k (heatmap PNG + JSON).
 # passkey2 the same task with a curriculum: 1500 steps at PK_LEN1 tokens (default 1024), then 400 at
 #          4k warm-started from them (config.checkpoint.init_from); needle grid at 2k-8k. ~5 min of
-#          runs. At 1024 NSA's window + 16 blocks of 64 cover the whole sequence, so selection
-#          learns nothing there (2026-11-30: NSA then failed every middle depth at 4k): PK_LEN1=2048.
+#          runs. At 1024 NSA's window + 16 blocks of 64 cover the whole sequence, so nothing asks
+#          its block scores to rank the key's block first (2026-11-30: NSA then failed every middle
+#          depth at 4k). PK_N1=8 makes the 1024 stage choose (5 of 13 free blocks); PK_LEN1=2048
+#          did not get past the plateau in 1500 steps (PK_STEPS1 raises them; the stage's timeout
+#          grows with it).
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
 # context8, context16, context32
@@ -137,12 +140,16 @@ passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA
 passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per step stay 32k.
   # PK_N1: NSA's n in the first stage only (the 4k stage keeps the paper's 16): with 8 at 1024
   # tokens the selection must choose 5 of 13 free blocks instead of taking them all.
-  local len1=${PK_LEN1:-1024} t="timeout -k 60 -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  local d=$T/pk2_$len1${PK_N1:+_n$PK_N1} tag=pk2_$len1${PK_N1:+_n$PK_N1}
+  local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500}
+  if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
+  local t="timeout -k 60 -s TERM $((240 * steps1 / 1500)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  local t2="timeout -k 60 -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  local tag=pk2_$len1${PK_N1:+_n$PK_N1}${PK_STEPS1:+_s$PK_STEPS1}
+  local d=$T/$tag
   local n1=${PK_N1:+--config.model.nsa.num_selected=$PK_N1}
   # the same answer : context loss ratio as at 4k (25 : 0.01 x ~4000 = 0.04 x ~1000 = 0.02 x ~2000)
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
-    --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=1500
+    --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=$steps1
     --config.train.eval_every=500 --config.checkpoint.every_steps=500"
   CUDA_VISIBLE_DEVICES=0 $t $s1 $n1 --workdir=$d/nsa_s1 > "$R/${tag}_nsa_s1.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$d/dense_s1 --config.model.attention=dense \
@@ -150,9 +157,9 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   wait_runs
   grep -h "^done:\|stopped" "$R"/${tag}_*_s1.log  # a stage cut by its timeout says so here
   local s2="--config.train.num_steps=400 --config.train.eval_every=200"
-  CUDA_VISIBLE_DEVICES=0 $t $s2 --workdir=$d/nsa --config.checkpoint.init_from=$d/nsa_s1 \
+  CUDA_VISIBLE_DEVICES=0 $t2 $s2 --workdir=$d/nsa --config.checkpoint.init_from=$d/nsa_s1 \
     > "$R/${tag}_nsa.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 $t $s2 --workdir=$d/dense --config.model.attention=dense \
+  CUDA_VISIBLE_DEVICES=1 $t2 $s2 --workdir=$d/dense --config.model.attention=dense \
     --config.checkpoint.init_from=$d/dense_s1 > "$R/${tag}_dense.log" 2>&1 &
   wait_runs
   for r in nsa_s1 dense_s1 nsa dense; do keep "$d/$r" "${tag}_$r"; done
@@ -170,7 +177,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
 # A device call is killed at its limit with nothing packed: pack what exists before that.
 # Its output goes to /dev/null and its sleep is killed with it at the end: a sleep left holding the
 # call's stdout kept the 2026-11-30 context8+context32 call open until 540 s (its phases ended at 300 s).
-( sleep "${PACK_AT:-540}"; tar czf "$OUT/partial.tgz" -C "$R" . ) > /dev/null 2>&1 &
+# `&&`: the killed sleep exits non-zero, so no half-written partial.tgz is left at the end.
+( sleep "${PACK_AT:-540}" && tar czf "$OUT/partial.tgz" -C "$R" . ) > /dev/null 2>&1 &
 WATCHDOG=$!
 for phase in "$@"; do
   echo "=== $phase $(date -u +%H:%M:%S)"

@@ -368,9 +368,15 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   """The GPU benchmark's code paths (whole op, branches, top-n sweep, profile) run interpreted on a
   tiny shape, so a typo cannot cost a GPU call; the numbers themselves mean nothing here."""
   from experiments import bench_nsa
-  bench_nsa.main(["--T", "128", "--breakdown_T", "128", "--sweep_T", "128", "--sweep_parts", "topn",
-                  "--profile_T", "128", "--heads", "4/1", "--dims", "32/16", "--iters", "1",
-                  "--batch", "2", "--out", str(tmp_path)])
+  try:
+    bench_nsa.main(["--T", "128", "--breakdown_T", "128", "--sweep_T", "128", "--sweep_parts",
+                    "topn", "--profile_T", "128", "--heads", "4/1", "--dims", "32/16", "--iters", "1",
+                    "--batch", "2", "--out", str(tmp_path)])
+    # the inputs really carry the batch (the records' field alone comes from the same global)
+    assert bench_nsa.make_inputs(jax.random.key(0), 128, bench_nsa.paper_cfg(4, 1, 32, 16))[0].shape \
+        == (2, 128, 4, 32)
+  finally:
+    bench_nsa.BATCH = 1
   recs = json.load(open(tmp_path / "nsa_h200.json"))
   assert {(r["op"], r["pass"]) for r in recs} >= {("nsa", "fwd"), ("nsa", "bwd"), ("topn", "fwd"),
                                                   ("select", "bwd"), ("compress", "bwd")}
@@ -386,7 +392,8 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
 def test_h200_kernels_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_kernels.sh")
   documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
-  assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode"}
+  assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode",
+                                    "train8k", "sel8k", "mosaic", "mosaic8k"}
 
 
 def test_needle_key_blocks_and_coverage():

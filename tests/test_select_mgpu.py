@@ -1,0 +1,127 @@
+"""The experimental Mosaic GPU selection forward (pallas_kernels/select_attention_mgpu.py).
+
+CPU: the kernel runs in Mosaic GPU's interpreter on bfloat16 inputs against the float32 reference
+of the same values (forward, lse, and through select_attention(backend="mosaic") the gradients,
+whose backward is the Triton one); the whole differentiable call is lowered for CUDA through an
+abstract H100-class device. Seeds come from os.urandom and are printed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa_jax import reference as ref
+from pallas_kernels import _common as C
+from pallas_kernels import select_attention_mgpu as mgpu
+from pallas_kernels.select_attention import select_attention
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+TOL = 3e-2  # bf16 inputs and output, float32 accumulation; o is O(1)
+_H100 = dict(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+
+
+def _seed():
+  s = int(os.environ.get("NSA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+  print(f"seed={s}")
+  return s
+
+
+def _inputs(rng, b, t, h, kh, dk, dv, n, bs=64):
+  """bf16 q/k/v, random causal ascending block lists (some short, -1 padded)."""
+  idx = np.full((b, t, kh, n), -1, np.int32)
+  for bb in range(b):
+    for tt in range(t):
+      for k in range(kh):
+        cand = np.arange(tt // bs + 1)
+        m = int(rng.integers(1, min(n, len(cand)) + 1))
+        idx[bb, tt, k, :m] = np.sort(rng.choice(cand, m, replace=False))
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  return f(b, t, h, dk), f(b, t, kh, dk), f(b, t, kh, dv), jnp.asarray(idx), f(b, t, h, dv)
+
+
+f32 = lambda x: x.astype(jnp.float32)
+
+
+# (b, t, h, kh, dk, dv, n): G = 16 (4 tokens a tile), 8, 4 (16 tokens a tile); d_k != d_v; T not
+# a multiple of 64 or of the tile
+CASES = [(1, 150, 16, 1, 192, 128, 5), (2, 130, 16, 2, 64, 64, 4), (1, 200, 8, 2, 128, 64, 3),
+         (1, 90, 4, 1, 64, 128, 2)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"G{c[2] // c[3]}_{c[4]}x{c[5]}_T{c[1]}" for c in CASES])
+def test_forward_matches_reference(case):
+  b, t, h, kh, dk, dv, n = case
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, _ = _inputs(rng, b, t, h, kh, dk, dv, n)
+  maps = C.tile_maps(idx, mgpu.tiling_for(h // kh, 64))
+  o, lse = mgpu.forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, interpret=INTERPRET)
+  ro, rlse = ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
+  assert o.shape == (b, t, h, dv) and o.dtype == q.dtype and lse.shape == (b, t, h)
+  np.testing.assert_allclose(f32(o), ro, atol=TOL, rtol=TOL)
+  fin = jnp.isfinite(rlse)
+  assert bool(jnp.all(jnp.isfinite(lse) == fin))
+  np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
+
+
+def test_gradients_through_select_attention():
+  b, t, h, kh, dk, dv, n = 1, 140, 16, 1, 128, 64, 4
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+
+  def loss(fn, q, k, v):
+    o, lse = fn(q, k, v)
+    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
+
+  ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", interpret=INTERPRET)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
+  g = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, k, v)
+  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(k), f32(v))
+  for name, a, r in zip("qkv", g, rg):
+    scale = float(jnp.max(jnp.abs(r)))
+    err = float(jnp.max(jnp.abs(f32(a) - r)))
+    assert err <= TOL * max(scale, 1.0), (f"d{name}", err, scale)
+
+
+def test_refusals_name_the_problem():
+  q = jnp.zeros((1, 64, 16, 64), jnp.bfloat16)
+  kv = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  idx = jnp.zeros((1, 64, 1, 2), jnp.int32)
+  with pytest.raises(ValueError, match="segment ids"):
+    select_attention(q, kv, kv, idx, 64, jnp.zeros((1, 64), jnp.int32), backend="mosaic")
+  with pytest.raises(ValueError, match="l' = 64"):
+    select_attention(q, kv, kv, idx, 32, backend="mosaic")
+  with pytest.raises(ValueError, match="multiples of 64"):
+    select_attention(q[..., :48], kv[..., :48], kv, idx, 64, backend="mosaic")
+  with pytest.raises(ValueError, match="G=2"):
+    select_attention(q[:, :, :2], kv, kv, idx, 64, backend="mosaic")
+  with pytest.raises(ValueError, match="bfloat16"):
+    select_attention(f32(q), f32(kv), f32(kv), idx, 64, backend="mosaic")
+  with pytest.raises(ValueError, match="tokens_per_tile=4"):
+    select_attention(q, kv, kv, idx, 64, backend="mosaic", tiling=C.SelectTiling(tokens_per_tile=1))
+
+
+def test_lowers_for_cuda():
+  b, t, h, kh, dk, dv, n = 1, 300, 64, 4, 192, 128, 16
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, t, h, dk), jnp.bfloat16), sd((b, t, kh, dk), jnp.bfloat16),
+          sd((b, t, kh, dv), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
+
+  def f(q, k, v, idx):
+    def loss(q, k, v):
+      o, lse = select_attention(q, k, v, idx, 64, backend="mosaic")
+      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+  for name in ("nsa_select_dq", "nsa_select_dkv"):  # the Triton backward
+    assert name in text, f"{name} missing from the lowered module"
