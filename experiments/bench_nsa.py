@@ -219,9 +219,13 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   # dK/dV programs per key tile (the 2026-11-29 sweep of rows / block sizes chose the rest).
   cmp_variants = tuple((f"cmp dkv splits {k}", CmpTiling(bwd_splits=k)) for k in (8, 1, 4, 16))
   cmp_variants += (("cmp dkv splits 8, every tile masked", CmpTiling(bwd_unmasked_tiles=False)),)
-  for name, til in cmp_variants if "cmp" in parts else ():
-    fn = lambda q, kc, vc, til=til: compress_attention(q, kc, vc, l, d, tiling=til,
-                                                       interpret=INTERPRET)
+  cmp_variants = cmp_variants if "cmp" in parts else ()
+  if "mosaic" in parts:  # the experimental Mosaic GPU forward against the default Triton one
+    cmp_variants = (("cmp triton", CmpTiling()), ("cmp mosaic-gpu fwd", CmpTiling())) + cmp_variants
+  for name, til in cmp_variants:
+    be = "mosaic" if "mosaic" in name else "triton"
+    fn = lambda q, kc, vc, til=til, be=be: compress_attention(q, kc, vc, l, d, tiling=til,
+                                                              interpret=INTERPRET, backend=be)
     r = bench.time_pair(fn, [q, kc, vc], ct)
     out.append((name, r["fwd"], r["fwd_bwd"]))
     print("SWEEP", out[-1], flush=True)
@@ -392,7 +396,9 @@ def main(argv=None):
   p.add_argument("--budget_s", type=float, default=1e9)
   p.add_argument("--check", action="store_true")
   p.add_argument("--sweep_T", type=int, default=0)
-  p.add_argument("--sweep_parts", default="cmp,topn", help="which kernels --sweep_T varies")
+  p.add_argument("--sweep_parts", default="cmp,topn",
+                 help="which kernels --sweep_T varies: cmp, topn, mosaic (Mosaic GPU compression "
+                      "forward vs Triton)")
   p.add_argument("--plot", default="")
   p.add_argument("--profile_T", type=int, default=0,
                  help="also save the device kernels of the whole op (fwd, fwd+bwd) at this T and "

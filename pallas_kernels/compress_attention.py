@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import (cdiv, dim_pieces, dot_pieces, next_pow2, softmax_step,
                                     store_rows)
 from pallas_kernels._common import load_pieces as load_rows
+from pallas_kernels import select_attention_mgpu as mgpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -366,6 +367,24 @@ def _cmp_bwd(nc, block, stride, scale, tiling, has_seg, interpret, res, cts):
 _cmp.defvjp(_cmp_fwd, _cmp_bwd)
 
 
+# Experimental: the Mosaic GPU (TMA + wgmma) forward, the Triton backward (select_attention_mgpu.py;
+# not measured on the H200 yet, so only an explicit backend="mosaic" runs it).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
+def _cmp_mosaic(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg, interpret):
+  return mgpu.cmp_forward(q, kc, vc, nc=nc, block=block, stride=stride, scale=scale,
+                          interpret=interpret)
+
+
+def _cmp_mosaic_fwd(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg,
+                    interpret):
+  o, lse = _cmp_mosaic(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg,
+                       interpret)
+  return (o, lse), (q, kc, vc, seg, bseg, bpure, o, lse)
+
+
+_cmp_mosaic.defvjp(_cmp_mosaic_fwd, _cmp_bwd)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def supports(q_shape, kc_shape, vc_shape):
@@ -384,8 +403,13 @@ def supports(q_shape, kc_shape, vc_shape):
 
 
 def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=None, *,
-                       interpret=False, tiling=None):
-  """Compression-branch attention; see the module docstring. Returns (o, lse)."""
+                       interpret=False, tiling=None, backend="triton"):
+  """Compression-branch attention; see the module docstring. Returns (o, lse).
+
+  backend: "triton" (default) or "mosaic" (experimental Mosaic GPU forward, Triton backward; no
+  segment ids; not yet measured on the H200)."""
+  if backend not in ("triton", "mosaic"):
+    raise ValueError(f"backend={backend!r}: expected 'triton' or 'mosaic'")
   ok, why = supports(q.shape, k_cmp.shape, v_cmp.shape)
   if not ok:
     raise ValueError(f"compress_attention does not support this call: {why}")
@@ -406,5 +430,11 @@ def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=N
     bseg, bpure = block_meta(seg, ncp, block, stride)
   else:
     bseg = bpure = jnp.zeros((b, ncp), jnp.int32)
-  o, lse = _cmp(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg, interpret)
+  impl = _cmp
+  if backend == "mosaic":
+    ok, why = mgpu.cmp_supports(q.shape, kc.shape, vc.shape, has_seg, q.dtype)
+    if not ok:
+      raise ValueError(f"compress_attention[mosaic] does not support this call: {why}")
+    impl = _cmp_mosaic
+  o, lse = impl(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg, interpret)
   return o, lse

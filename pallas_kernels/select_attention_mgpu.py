@@ -1,10 +1,16 @@
-"""NSA selected-block attention forward as a Mosaic GPU kernel (Hopper: TMA copies, wgmma).
+"""NSA selected-block and compression attention forwards as one Mosaic GPU kernel (Hopper: TMA
+copies, wgmma).
 
-Experimental backend `select_attention(..., backend="mosaic")`: this forward plus the Triton-lowered
-backward kernels of select_attention_bwd.py (the same "union" tile maps), under one custom VJP.
-Written 2026-11-30 without GPU time left: it is checked against the reference in Mosaic GPU's CPU
-interpreter and by lowering for CUDA, but its speed on the H200 is NOT measured yet, so nothing
-selects it automatically (`bench_kernels --plan mosaic` is prepared for that measurement).
+Experimental backends `select_attention(..., backend="mosaic")` and
+`compress_attention(..., backend="mosaic")`: these forwards plus the Triton-lowered backward kernels
+(select_attention_bwd.py on the same "union" tile maps; compress_attention.py's dq and dK/dV), each
+under one custom VJP. Written 2026-11-30 without GPU time left: checked against the reference in
+Mosaic GPU's CPU interpreter and by lowering for CUDA, but their speed on the H200 is NOT measured
+yet, so nothing selects them automatically (`bash scripts/h200_kernels.sh mosaic mosaiccmp` is
+prepared for that measurement).
+
+The compression branch runs the same loop over contiguous blocks of 64 compressed keys (key i is
+visible to position p iff i*d + l - 1 <= p), up to the last block its tile's last token sees.
 
 Tile: 64 rows = tq tokens x the G query heads of one KV group (tq = 64 / G, G in 4..64), the
 wgmma minimum. The program walks the union of its tokens' selected blocks (l' = 64 keys each):
@@ -68,17 +74,23 @@ def tiling_for(g, block_size):
                              tokens_per_tile=ROWS // g, blocks_per_step=1)
 
 
-def _kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, t,
-            dk, dv, scale, dtype):
+def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype):
+  """One 64-row tile against the key blocks that `blocks(b, tile, kk, pos)` names: it returns
+  (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool) for the tile (see forward /
+  cmp_forward)."""
   (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar) = scoped
   tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
   rows = pl.ds(tile * ROWS, ROWS)
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
-  cnt = cnt_ref[b, tile, kk, 0]
+  wg = plgpu.Layout.WGMMA
+  r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
+  c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
+  tok = r_id // g                           # the row's token within the tile
+  pos = tile * tq + tok                     # its position
+  cnt, block_of, visible = blocks(b, tile, kk, tok, pos)
 
   def fetch(j, slot):
-    blk = ub_ref[b, tile, kk, j]
-    keys = pl.ds(blk * BLOCK, BLOCK)
+    keys = pl.ds(block_of(j) * BLOCK, BLOCK)
     plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
 
@@ -86,11 +98,6 @@ def _kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scop
   def _():
     fetch(0, 0)
 
-  wg = plgpu.Layout.WGMMA
-  r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
-  c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
-  tok = r_id // g                           # the row's token within the tile
-  pos = tile * tq + tok                     # its position
   plgpu.barrier_wait(q_bar.at[0])
 
   def body(j, carry):
@@ -101,16 +108,14 @@ def _kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scop
     def _():
       fetch(j + 1, 1 - slot)  # that slot's last readers (block j-1's wgmmas) have finished
 
-    blk = ub_ref[b, tile, kk, j]
-    bits = bits_ref[b, tile, kk, j]
+    blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
 
     def qk(acc_ref):
       plgpu.wgmma(acc_ref, q_s, k_s.at[slot].T)
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK), jnp.float32)) * (scale * LOG2E)
-    on = (lax.shift_right_logical(jnp.broadcast_to(bits, (ROWS, BLOCK)), tok) & 1) == 1
-    s = jnp.where(on & (blk * BLOCK + c_id <= pos), s, -jnp.inf)
+    s = jnp.where(visible(j, blk, c_id), s, -jnp.inf)
     m_new = jnp.maximum(m_i, s.max(axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays at 0
     alpha = jnp.exp2(m_i - m_use)
@@ -141,46 +146,105 @@ def _kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scop
   plgpu.wait_smem_to_gmem(0)
 
 
-def forward(q, k, v, maps, *, block_size, scale, interpret=False):
-  """(o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32) from the union maps of `tiling_for(G, l')`."""
-  ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
-  if not ok:
-    raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
-  ub, bits, cnt = maps
+def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
+  """Launch the kernel over (tiles, groups, batch): o [B,T,H,Dv], lse [B,T,H] (q's T)."""
   b, t, h, dk = q.shape
-  kh, dv = k.shape[2], v.shape[3]
-  g = h // kh
-  tq = ROWS // g
-  nt = C.cdiv(t, tq)
-  tp = max(nt * tq, C.cdiv(t, BLOCK) * BLOCK)   # tokens: whole tiles and whole key blocks
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-  qg = pad(q).reshape(b, tp, kh, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, kh, tp * g, dk)
-  kg, vg = pad(k).transpose(0, 2, 1, 3), pad(v).transpose(0, 2, 1, 3)   # [B, K, T', d]
-  tr = lambda d: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
-  dtype = q.dtype
+  g, dv, dtype = h // kh, vg.shape[-1], q.dtype
+  tp = nt * tq
+  qg = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+  qg = qg.reshape(b, tp, kh, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, kh, tp * g, dk)
+  tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
 
-  def entry(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def entry(*refs):
+    *map_refs, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     pl.run_scoped(
-        lambda *s: _kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s, g=g,
-                           tq=tq, t=t, dk=dk, dv=dv, scale=scale, dtype=dtype),
-        (plgpu.SMEM((ROWS, dk), dtype, transforms=tr(dk)),
-         plgpu.SMEM((2, BLOCK, dk), dtype, transforms=tr(dk)),
-         plgpu.SMEM((2, BLOCK, dv), dtype, transforms=tr(dv)),
-         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr(BLOCK)),
-         plgpu.SMEM((ROWS, dv), dtype, transforms=tr(dv)),
+        lambda *s: _kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
+                           lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype),
+        (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
+         plgpu.SMEM((2, BLOCK, dk), dtype, transforms=tr),
+         plgpu.SMEM((2, BLOCK, dv), dtype, transforms=tr),
+         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr),
+         plgpu.SMEM((ROWS, dv), dtype, transforms=tr),
          plgpu.SMEM((ROWS,), jnp.float32)),
         (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2),
          plgpu.Barrier(num_barriers=2)))
 
-  params = plgpu.InterpretGPUParams() if interpret else None
   o, lse = plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((b, kh, tp * g, dv), dtype),
                 jax.ShapeDtypeStruct((b, kh, tp * g), jnp.float32)),
       grid=(nt, kh, b), grid_names=("tile", "group", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params,
-  )(ub, bits, cnt, qg, kg, vg)
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(*maps, qg, kg, vg)
   o = o.reshape(b, kh, tp, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, tp, h, dv)[:, :t]
   lse = lse.reshape(b, kh, tp, g).transpose(0, 2, 1, 3).reshape(b, tp, h)[:, :t]
   return o, lse
+
+
+def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
+  """Selection: the union list of the tile; a row sees a block its token picked, causally."""
+  def visible(j, blk, c_id):
+    bits = bits_ref[b, tile, kk, j]
+    on = (lax.shift_right_logical(jnp.broadcast_to(bits, (ROWS, BLOCK)), tok) & 1) == 1
+    return on & (blk * BLOCK + c_id <= pos)
+  return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible
+
+
+def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
+  """Compression: compressed keys 0 .. (what the tile's last token sees), 64 a step; key i is
+  visible to position p iff i*d + l - 1 <= p (and i < Nc)."""
+  last = jnp.minimum(tile * tq + tq - 1, t - 1)
+  nv = jnp.minimum(jnp.where(last >= block - 1, (jnp.maximum(last - block + 1, 0)) // stride + 1, 0),
+                   nc)
+
+  def visible(j, blk, c_id):
+    kidx = blk * BLOCK + c_id
+    return (kidx * stride + (block - 1) <= pos) & (kidx < nc)
+  return (nv + BLOCK - 1) // BLOCK, lambda j: j, visible
+
+
+def forward(q, k, v, maps, *, block_size, scale, interpret=False):
+  """(o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32) from the union maps of `tiling_for(G, l')`."""
+  ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
+  if not ok:
+    raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
+  b, t, h, _ = q.shape
+  kh = k.shape[2]
+  tq = ROWS // (h // kh)
+  nt = C.cdiv(t, tq)
+  tk = C.cdiv(t, BLOCK) * BLOCK   # keys: whole blocks (zeros after T: causally never visible)
+  kg, vg = (jnp.pad(x, ((0, 0), (0, tk - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
+  return _run(_select_blocks, maps, q, kg, vg, kh=kh, nt=nt, tq=tq, scale=scale,
+              interpret=interpret)
+
+
+def cmp_supports(q_shape, kc_shape, vc_shape, has_seg, dtype):
+  """(ok, reason): whether the Mosaic GPU compression forward handles this call."""
+  b, t, h, dk = q_shape
+  kh, dv = kc_shape[1], vc_shape[3]   # kc/vc group-major [B, K, Ncp, D]
+  if has_seg:
+    return False, "segment ids are not implemented in the Mosaic GPU kernel (use backend='triton')"
+  if dk % 64 or dv % 64 or max(dk, dv) > 256:
+    return False, f"d_k={dk}, d_v={dv}: need multiples of 64 up to 256 (128-byte swizzled rows)"
+  if h % kh or ROWS % (h // kh) or not 4 <= h // kh <= 64:
+    return False, f"G={h}/{kh}: the 64-row tile needs G in (4, 8, 16, 32, 64)"
+  if kc_shape[2] % BLOCK:
+    return False, f"{kc_shape[2]} padded compressed keys: need a multiple of {BLOCK}"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return False, f"dtype {dtype}: the Mosaic GPU kernel takes bfloat16 or float16"
+  return True, "ok"
+
+
+def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):
+  """Compression-branch forward: q [B,T,H,Dk], kc/vc group-major [B,K,Ncp,D] (Ncp a multiple of
+  64, zero-padded past nc) -> (o [B,T,H,Dv], lse [B,T,H]) as compress_attention's."""
+  ok, why = cmp_supports(q.shape, kc.shape, vc.shape, False, q.dtype)
+  if not ok:
+    raise ValueError(f"compress_attention[mosaic] does not support this call: {why}")
+  b, t, h, _ = q.shape
+  kh = kc.shape[1]
+  tq = ROWS // (h // kh)
+  nt = C.cdiv(t, tq)
+  blocks = functools.partial(_cmp_blocks, tq=tq, t=t, nc=nc, block=block, stride=stride)
+  return _run(blocks, (), q, kc, vc, kh=kh, nt=nt, tq=tq, scale=scale, interpret=interpret)

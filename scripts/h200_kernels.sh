@@ -20,6 +20,8 @@
 #          compiled check against the reference, then 64k, G=16 and G=4, both patterns, against the
 #          Triton tiles (not run yet; estimated ~5 min).
 # mosaic8k  the same at the 8k training layer shape (16/1 heads, 64/64, batch 8); ~2 min.
+# mosaiccmp  the experimental Mosaic GPU compression forward vs the Triton one, 64k, 192/128
+#          (bench_nsa --sweep_parts mosaic); ~1 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -64,6 +66,10 @@ mosaic() {
 mosaic8k() {
   timeout 240 python3 -m experiments.bench_kernels --plan mosaic --T 8192 --heads 16 --d 64 \
     --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaic8k" --tag h200_mosaic8k
+}
+mosaiccmp() {
+  timeout 200 python3 -m experiments.bench_nsa --sweep_T 65536 --sweep_parts mosaic --T '' \
+    --out "$OUT/mosaiccmp"
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \

@@ -1,9 +1,11 @@
-"""The experimental Mosaic GPU selection forward (pallas_kernels/select_attention_mgpu.py).
+"""The experimental Mosaic GPU forwards (pallas_kernels/select_attention_mgpu.py): selection and
+compression attention.
 
-CPU: the kernel runs in Mosaic GPU's interpreter on bfloat16 inputs against the float32 reference
-of the same values (forward, lse, and through select_attention(backend="mosaic") the gradients,
-whose backward is the Triton one); the whole differentiable call is lowered for CUDA through an
-abstract H100-class device. Seeds come from os.urandom and are printed.
+CPU: the kernels run in Mosaic GPU's interpreter on bfloat16 inputs against the float32 reference
+of the same values (forward, lse, and through select_attention / compress_attention with
+backend="mosaic" the gradients, whose backward is the Triton one); each whole differentiable call
+is lowered for CUDA through an abstract H100-class device. Seeds come from os.urandom and are
+printed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 from nsa_jax import reference as ref
 from pallas_kernels import _common as C
 from pallas_kernels import select_attention_mgpu as mgpu
+from pallas_kernels.compress_attention import compress_attention
 from pallas_kernels.select_attention import select_attention
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -124,4 +127,87 @@ def test_lowers_for_cuda():
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
   for name in ("nsa_select_dq", "nsa_select_dkv"):  # the Triton backward
+    assert name in text, f"{name} missing from the lowered module"
+
+
+# ----------------------------------------------------------------------------- compression
+
+# (b, t, h, kh, dk, dv): two key blocks of 64 compressed keys at T=1100 (l=32, d=16: Nc = 67);
+# G = 4 with d_k != d_v
+CMP_CASES = [(1, 1100, 16, 1, 64, 64), (2, 300, 8, 2, 192, 128)]
+
+
+def _cmp_inputs(rng, b, t, h, kh, dk, dv, l=32, d=16):
+  nc = (t - l) // d + 1
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  return f(b, t, h, dk), f(b, nc, kh, dk), f(b, nc, kh, dv), f(b, t, h, dv)
+
+
+@pytest.mark.parametrize("case", CMP_CASES, ids=[f"G{c[2] // c[3]}_{c[4]}x{c[5]}_T{c[1]}"
+                                                 for c in CMP_CASES])
+def test_cmp_forward_matches_reference(case):
+  b, t, h, kh, dk, dv = case
+  rng = np.random.default_rng(_seed())
+  q, kc, vc, _ = _cmp_inputs(rng, b, t, h, kh, dk, dv)
+  o, lse = compress_attention(q, kc, vc, 32, 16, backend="mosaic", interpret=INTERPRET)
+  ro, rlse, _ = ref.compressed_attention(f32(q), f32(kc), f32(vc), 32, 16)
+  assert o.shape == (b, t, h, dv) and o.dtype == q.dtype
+  np.testing.assert_allclose(f32(o), ro, atol=TOL, rtol=TOL)
+  fin = jnp.isfinite(rlse)
+  assert bool(jnp.all(jnp.isfinite(lse) == fin)) and not bool(jnp.all(fin))  # early tokens see none
+  np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
+
+
+def test_cmp_gradients_through_compress_attention():
+  b, t, h, kh, dk, dv = 1, 200, 16, 2, 64, 128
+  rng = np.random.default_rng(_seed())
+  q, kc, vc, do = _cmp_inputs(rng, b, t, h, kh, dk, dv)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+
+  def loss(fn, q, kc, vc):
+    o, lse = fn(q, kc, vc)
+    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
+
+  ours = lambda q, kc, vc: compress_attention(q, kc, vc, 32, 16, backend="mosaic",
+                                              interpret=INTERPRET)
+  theirs = lambda q, kc, vc: ref.compressed_attention(q, kc, vc, 32, 16)[:2]
+  g = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, kc, vc)
+  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(kc), f32(vc))
+  for name, a, r in zip(("q", "k_cmp", "v_cmp"), g, rg):
+    scale = float(jnp.max(jnp.abs(r)))
+    err = float(jnp.max(jnp.abs(f32(a) - r)))
+    assert err <= TOL * max(scale, 1.0), (f"d{name}", err, scale)
+
+
+def test_cmp_refusals_name_the_problem():
+  q = jnp.zeros((1, 64, 16, 64), jnp.bfloat16)
+  kc = jnp.zeros((1, 3, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="segment ids"):
+    compress_attention(q, kc, kc, 32, 16, jnp.zeros((1, 64), jnp.int32), backend="mosaic")
+  with pytest.raises(ValueError, match="bfloat16"):
+    compress_attention(f32(q), f32(kc), f32(kc), 32, 16, backend="mosaic")
+  with pytest.raises(ValueError, match="multiples of 64"):
+    compress_attention(q[..., :32], kc[..., :32], kc, 32, 16, backend="mosaic")
+  with pytest.raises(ValueError, match="backend='cuda'"):
+    compress_attention(q, kc, kc, 32, 16, backend="cuda")
+
+
+def test_cmp_lowers_for_cuda():
+  b, t, h, kh, dk, dv = 1, 1000, 64, 4, 192, 128
+  nc = (t - 32) // 16 + 1
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, t, h, dk), jnp.bfloat16), sd((b, nc, kh, dk), jnp.bfloat16),
+          sd((b, nc, kh, dv), jnp.bfloat16))
+
+  def f(q, kc, vc):
+    def loss(q, kc, vc):
+      o, lse = compress_attention(q, kc, vc, 32, 16, backend="mosaic")
+      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, kc, vc)
+
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+  for name in ("nsa_cmp_dq", "nsa_cmp_dkv"):  # the Triton backward
     assert name in text, f"{name} missing from the lowered module"
