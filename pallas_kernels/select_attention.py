@@ -179,8 +179,8 @@ def _select_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, re
 _select.defvjp(_select_fwd, _select_bwd)
 
 
-# Experimental: the Mosaic GPU (TMA + wgmma) forward with the Triton backward on the same union tile
-# maps (select_attention_mgpu.py; speed on the H200 not measured yet, so only an explicit
+# Experimental: the Mosaic GPU (TMA + wgmma) forward and dq, the Triton dK/dV (inverse lists)
+# (select_attention_mgpu.py; speed on the H200 not measured yet, so only an explicit
 # backend="mosaic" runs it).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _select_mosaic(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
@@ -197,7 +197,20 @@ def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_s
   return (o, lse), (q, k, v, block_idx, seg, maps, o, lse)
 
 
-_select_mosaic.defvjp(_select_mosaic_fwd, _select_bwd)
+def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, res, cts):
+  q, k, v, block_idx, seg, maps, o, lse = res
+  do, dlse = cts
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+  do = do.astype(q.dtype)
+  dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
+               interpret=interpret)
+  dk, dv = bwd._dkv(q, k, v, block_idx, seg, do, lse, delta, block_size=block_size, scale=scale,
+                    tiling=tiling, has_seg=has_seg, interpret=interpret,
+                    deterministic=deterministic)
+  return dq, dk, dv, None, None
+
+
+_select_mosaic.defvjp(_select_mosaic_fwd, _select_mosaic_bwd)
 
 
 # The automatic choice (no tiling given, G >= 16): `tilings` = (per-token, 4-token union). The

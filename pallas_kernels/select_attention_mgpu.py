@@ -2,9 +2,10 @@
 copies, wgmma).
 
 Experimental backends `select_attention(..., backend="mosaic")` and
-`compress_attention(..., backend="mosaic")`: these forwards plus the Triton-lowered backward kernels
-(select_attention_bwd.py on the same "union" tile maps; compress_attention.py's dq and dK/dV), each
-under one custom VJP. Written 2026-11-30 without GPU time left: checked against the reference in
+`compress_attention(..., backend="mosaic")`: these forwards, a Mosaic GPU dq for the selection (same
+tiles, P recomputed from the saved lse), and the Triton-lowered dK/dV kernels
+(select_attention_bwd.py's inverse lists; compress_attention.py's dq and dK/dV), each under one
+custom VJP. Written 2026-11-30 without GPU time left: checked against the reference in
 Mosaic GPU's CPU interpreter and by lowering for CUDA, but their speed on the H200 is NOT measured
 yet, so nothing selects them automatically (`bash scripts/h200_kernels.sh mosaic mosaiccmp` is
 prepared for that measurement).
@@ -248,3 +249,119 @@ def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):
   nt = C.cdiv(t, tq)
   blocks = functools.partial(_cmp_blocks, tq=tq, t=t, nc=nc, block=block, stride=stride)
   return _run(blocks, (), q, kc, vc, kh=kh, nt=nt, tq=tq, scale=scale, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------- selection dq
+
+def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               scoped, *, g, tq, dk, dv, scale, dtype):
+  """dq of one 64-row tile: for each union block, S = Q K^T, P = exp2(S - lse) on visible keys,
+  dP = dO V^T, dS = P (dP - delta), dq += dS K (P and dS never leave the tile)."""
+  (q_s, do_s, lse_s, delta_s, k_s, v_s, ds_s), (in_bar, k_bar, v_bar) = scoped
+  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
+  rows = pl.ds(tile * ROWS, ROWS)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, in_bar.at[0])
+  plgpu.copy_gmem_to_smem(do_ref.at[b, kk, rows], do_s, in_bar.at[1])
+  plgpu.copy_gmem_to_smem(lse_ref.at[b, kk, rows], lse_s, in_bar.at[2])
+  plgpu.copy_gmem_to_smem(delta_ref.at[b, kk, rows], delta_s, in_bar.at[3])
+  wg = plgpu.Layout.WGMMA
+  r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
+  c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
+  tok = r_id // g
+  pos = tile * tq + tok
+  cnt, block_of, visible = _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos)
+
+  def fetch(j, slot):
+    keys = pl.ds(block_of(j) * BLOCK, BLOCK)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
+
+  @pl.when(cnt > 0)
+  def _():
+    fetch(0, 0)
+
+  for i in range(4):
+    plgpu.barrier_wait(in_bar.at[i])
+  lse2 = plgpu.load(lse_s, (), layout=wg.reduce(1)) * LOG2E
+  lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)  # rows that saw nothing: every p is masked to 0
+  delta = plgpu.load(delta_s, (), layout=wg.reduce(1))
+
+  def body(j, dq_acc):
+    slot = lax.rem(j, 2)
+
+    @pl.when(j + 1 < cnt)
+    def _():
+      fetch(j + 1, 1 - slot)
+
+    blk = block_of(j)
+    plgpu.barrier_wait(k_bar.at[slot])
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, q_s, k_s.at[slot].T)
+      return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK), jnp.float32)) * (scale * LOG2E)
+    p = jnp.where(visible(j, blk, c_id), jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0])),
+                  0.0)
+    plgpu.barrier_wait(v_bar.at[slot])
+
+    def dov(acc_ref):
+      plgpu.wgmma(acc_ref, do_s, v_s.at[slot].T)
+      return acc_ref[...]
+    dp = pl.run_scoped(dov, plgpu.ACC((ROWS, BLOCK), jnp.float32))
+    ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+    ds_s[...] = ds.astype(dtype)
+    plgpu.commit_smem()
+
+    def dsk(acc_ref):
+      plgpu.wgmma(acc_ref, ds_s, k_s.at[slot])
+      return acc_ref[...]
+    return dq_acc + pl.run_scoped(dsk, plgpu.ACC((ROWS, dk), jnp.float32))
+
+  dq = lax.fori_loop(0, cnt, body, plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg))
+  q_s[...] = (dq * scale).astype(dtype)  # q is no longer needed: its buffer stages dq
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, kk, rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
+  """dq [B,T,H,Dk] of the selection (lse natural-log [B,T,H]; delta = rowsum(o * do) - dlse)."""
+  ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
+  if not ok:
+    raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
+  b, t, h, dk = q.shape
+  kh, dv = k.shape[2], v.shape[3]
+  g, dtype = h // kh, q.dtype
+  tq = ROWS // g
+  nt = C.cdiv(t, tq)
+  tp, tk = nt * tq, C.cdiv(t, BLOCK) * BLOCK
+
+  def rows_major(x):  # [B,T,H,...] -> [B, K, T'*G, ...]
+    x = jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
+    x = x.reshape(b, tp, kh, g, *x.shape[3:]).swapaxes(1, 2)
+    return x.reshape(b, kh, tp * g, *x.shape[4:])
+  kg, vg = (jnp.pad(x, ((0, 0), (0, tk - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
+  tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+
+  def entry(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+    pl.run_scoped(
+        lambda *s: _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                              delta_ref, dq_ref, s, g=g, tq=tq, dk=dk, dv=dv, scale=scale,
+                              dtype=dtype),
+        (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
+         plgpu.SMEM((ROWS, dv), dtype, transforms=tr),
+         plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
+         plgpu.SMEM((2, BLOCK, dk), dtype, transforms=tr),
+         plgpu.SMEM((2, BLOCK, dv), dtype, transforms=tr),
+         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr)),
+        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2),
+         plgpu.Barrier(num_barriers=2)))
+
+  out = plgpu.kernel(
+      entry, out_type=jax.ShapeDtypeStruct((b, kh, tp * g, dk), dtype),
+      grid=(nt, kh, b), grid_names=("tile", "group", "batch"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(*maps, rows_major(q), kg, vg, rows_major(do.astype(dtype)),
+    rows_major(lse.astype(jnp.float32)), rows_major(delta.astype(jnp.float32)))
+  return out.reshape(b, kh, tp, g, dk).swapaxes(1, 2).reshape(b, tp, h, dk)[:, :t]
