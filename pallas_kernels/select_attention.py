@@ -179,7 +179,8 @@ def _select_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, re
 _select.defvjp(_select_fwd, _select_bwd)
 
 
-# Experimental: the Mosaic GPU (TMA + wgmma) forward and dq, the Triton dK/dV (inverse lists)
+# Experimental: the Mosaic GPU (TMA + wgmma) forward, dq and (G >= 8) dK/dV partials over the inverse
+# lists, summed by the Triton reduce kernel in a fixed order (G = 4: the Triton dK/dV)
 # (select_attention_mgpu.py; speed on the H200 not measured yet, so only an explicit
 # backend="mosaic" runs it).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
@@ -204,9 +205,16 @@ def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, determinis
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
                interpret=interpret)
-  dk, dv = bwd._dkv(q, k, v, block_idx, seg, do, lse, delta, block_size=block_size, scale=scale,
-                    tiling=tiling, has_seg=has_seg, interpret=interpret,
-                    deterministic=deterministic)
+  if mgpu.dkv_supports(q.shape[2] // k.shape[2])[0]:  # G in (8, 16, 32, 64); always deterministic
+    dkx, dvx, first, nitems = mgpu.dkv_partials(q, k, v, block_idx, do, lse, delta,
+                                                chunk_entries=tiling.chunk_entries, scale=scale,
+                                                interpret=interpret)
+    dk, dv = bwd.reduce_partials(first, nitems, dkx, dvx, k, v, block_size=block_size,
+                                 interpret=interpret)
+  else:
+    dk, dv = bwd._dkv(q, k, v, block_idx, seg, do, lse, delta, block_size=block_size, scale=scale,
+                      tiling=tiling, has_seg=has_seg, interpret=interpret,
+                      deterministic=deterministic)
   return dq, dk, dv, None, None
 
 

@@ -240,6 +240,14 @@ def _dkv(q, k, v, block_idx, seg, do, lse, delta, *, block_size, scale, tiling, 
   if not deterministic:
     unpad = lambda x, like: x.reshape(b, -1, kh, x.shape[-1])[:, :t].astype(like.dtype)
     return unpad(dkx, k), unpad(dvx, v)
+  return reduce_partials(first, nitems, dkx, dvx, k, v, block_size=block_size, interpret=interpret)
+
+
+def reduce_partials(first, nitems, dkx, dvx, k, v, *, block_size, interpret):
+  """dK, dV [B,T,K,D] in k/v's dtype from the float32 work-item partials [B,K,W,l',D], summed per
+  block in item order (deterministic)."""
+  b, t, kh, dk = k.shape
+  dv, nb, nw = v.shape[3], first.shape[-1], dkx.shape[2]
   reduce = functools.partial(_reduce_kernel, t=t, kh=kh, block_size=block_size,
                              dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv))
   blk_spec = pl.BlockSpec((None, None, nb), lambda i, j, bb: (bb, j, 0))

@@ -2,10 +2,12 @@
 copies, wgmma).
 
 Experimental backends `select_attention(..., backend="mosaic")` and
-`compress_attention(..., backend="mosaic")`: these forwards, a Mosaic GPU dq for the selection (same
-tiles, P recomputed from the saved lse), and the Triton-lowered dK/dV kernels
-(select_attention_bwd.py's inverse lists; compress_attention.py's dq and dK/dV), each under one
-custom VJP. Written 2026-11-30 without GPU time left: checked against the reference in
+`compress_attention(..., backend="mosaic")`: these forwards; for the selection also a Mosaic GPU dq
+(same tiles, P recomputed from the saved lse) and, for G >= 8, Mosaic GPU dK/dV partials over the
+inverse selection lists (one work item = a block and a run of the queries that picked it; 64 query
+rows gathered per step, one copy per token), summed per block by the Triton reduce kernel in a
+fixed order (deterministic). G = 4's dK/dV and the compression backward stay Triton. Each backend
+is one custom VJP. Written 2026-11-30 without GPU time left: checked against the reference in
 Mosaic GPU's CPU interpreter and by lowering for CUDA, but their speed on the H200 is NOT measured
 yet, so nothing selects them automatically (`bash scripts/h200_kernels.sh mosaic mosaiccmp` is
 prepared for that measurement).
@@ -365,3 +367,152 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
   )(*maps, rows_major(q), kg, vg, rows_major(do.astype(dtype)),
     rows_major(lse.astype(jnp.float32)), rows_major(delta.astype(jnp.float32)))
   return out.reshape(b, kh, tp, g, dk).swapaxes(1, 2).reshape(b, tp, h, dk)[:, :t]
+
+
+# ----------------------------------------------------------------------------- selection dK / dV
+
+def dkv_supports(g):
+  """The dK/dV kernel gathers each token's G query rows with one copy into an 8-row-tiled buffer."""
+  return (g % 8 == 0 and ROWS % g == 0), f"G={g}: the Mosaic GPU dK/dV needs G in (8, 16, 32, 64)"
+
+
+def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref, scoped, *, g, tq, n_entries, dk, dv, scale, dtype):
+  """One work item (a block and a run of the queries that picked it, see C.inverse_lists): K, V of
+  the block stay in shared memory; each step gathers tq tokens x G heads = 64 query rows (one copy
+  per token and tensor, two slots deep) and accumulates dV += P^T dO and dK += dS^T Q."""
+  (k_s, v_s, q_s, do_s, lse_s, delta_s, pt_s, dkt_s, dvt_s), (kv_bar, row_bars) = scoped
+  w, kk, b = lax.axis_index("item"), lax.axis_index("group"), lax.axis_index("batch")
+  blk, e0, e1 = iblk_ref[b, kk, w], istart_ref[b, kk, w], iend_ref[b, kk, w]
+  keys = pl.ds(blk * BLOCK, BLOCK)
+  plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s, kv_bar.at[0])
+  plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s, kv_bar.at[1])
+  steps = (e1 - e0 + tq - 1) // tq
+
+  def token(i, s):
+    e = e0 + i * tq + s
+    return tokens_ref[b, kk, jnp.minimum(e, n_entries - 1)], e < e1
+
+  def fetch(i, slot):
+    for s in range(tq):  # token s of step i -> rows [s*G, (s+1)*G) of the slot
+      pos, _ = token(i, s)
+      src, dst = pl.ds(pos * g, g), pl.ds(s * g, g)
+      bar = lambda j: row_bars.at[(slot * 4 + j) * tq + s]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, kk, src], q_s.at[slot, dst], bar(0))
+      plgpu.copy_gmem_to_smem(do_ref.at[b, kk, src], do_s.at[slot, dst], bar(1))
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, kk, src], lse_s.at[slot, dst], bar(2))
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, kk, src], delta_s.at[slot, dst], bar(3))
+
+  @pl.when(steps > 0)
+  def _():
+    fetch(0, 0)
+
+  wg = plgpu.Layout.WGMMA
+  kp = blk * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 0, layout=wg)  # key position
+  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 1, layout=wg) // g       # token slot
+  plgpu.barrier_wait(kv_bar.at[0])
+  plgpu.barrier_wait(kv_bar.at[1])
+
+  def body(i, carry):
+    dk_acc, dv_acc = carry
+    slot = lax.rem(i, 2)
+
+    @pl.when(i + 1 < steps)
+    def _():
+      fetch(i + 1, 1 - slot)
+
+    for j in range(4 * tq):
+      plgpu.barrier_wait(row_bars.at[slot * 4 * tq + j])
+    pos_c = jnp.zeros((BLOCK, ROWS), jnp.int32)
+    live_c = jnp.zeros((BLOCK, ROWS), jnp.bool_)
+    for s in range(tq):
+      pos, live = token(i, s)
+      pos_c = jnp.where(col == s, pos, pos_c)
+      live_c = jnp.where(col == s, live, live_c)
+
+    def kq(acc_ref):
+      plgpu.wgmma(acc_ref, k_s, q_s.at[slot].T)
+      return acc_ref[...]
+    st = pl.run_scoped(kq, plgpu.ACC((BLOCK, ROWS), jnp.float32)) * (scale * LOG2E)
+    lse2 = plgpu.load(lse_s.at[slot], (), layout=wg.reduce(0)) * LOG2E
+    lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)
+    pt = jnp.where(live_c & (kp <= pos_c),
+                   jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1])), 0.0)
+    pt_s[...] = pt.astype(dtype)
+    plgpu.commit_smem()
+
+    def pdo(acc_ref):
+      plgpu.wgmma(acc_ref, pt_s, do_s.at[slot])
+      return acc_ref[...]
+    dv_acc = dv_acc + pl.run_scoped(pdo, plgpu.ACC((BLOCK, dv), jnp.float32))
+
+    def vdo(acc_ref):
+      plgpu.wgmma(acc_ref, v_s, do_s.at[slot].T)
+      return acc_ref[...]
+    dpt = pl.run_scoped(vdo, plgpu.ACC((BLOCK, ROWS), jnp.float32))
+    delta = plgpu.load(delta_s.at[slot], (), layout=wg.reduce(0))
+    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+    pt_s[...] = dst.astype(dtype)  # P^T's wgmma has finished: its buffer takes dS^T
+    plgpu.commit_smem()
+
+    def dsq(acc_ref):
+      plgpu.wgmma(acc_ref, pt_s, q_s.at[slot])
+      return acc_ref[...]
+    dk_acc = dk_acc + pl.run_scoped(dsq, plgpu.ACC((BLOCK, dk), jnp.float32))
+    return dk_acc, dv_acc
+
+  zeros = lambda d: plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), wg)
+  dk_acc, dv_acc = lax.fori_loop(0, steps, body, (zeros(dk), zeros(dv)))
+  dkt_s[...] = dk_acc * scale
+  dvt_s[...] = dv_acc
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dkt_s, dk_ref.at[b, kk, w])
+  plgpu.copy_smem_to_gmem(dvt_s, dv_ref.at[b, kk, w])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, interpret=False):
+  """float32 dK/dV partials [B,K,W,64,D] of the inverse-list work items (C.inverse_lists) and the
+  (first, nitems) per block that select_attention_bwd.reduce_partials sums them with."""
+  b, t, h, dk = q.shape
+  kh, dv, n = k.shape[2], v.shape[3], block_idx.shape[3]
+  g, dtype = h // kh, q.dtype
+  ok, why = dkv_supports(g)
+  if not ok:
+    raise ValueError(f"select_attention[mosaic] dK/dV: {why}")
+  tq = ROWS // g
+  nb = C.cdiv(t, BLOCK)
+  tokens, iblk, istart, iend, first, nitems = C.inverse_lists(block_idx, nb, chunk_entries)
+  nw = iblk.shape[-1]
+  tk = nb * BLOCK
+
+  def rows_major(x):  # [B,T,H,...] -> [B, K, T*G, ...]
+    x = x.reshape(b, t, kh, g, *x.shape[3:]).swapaxes(1, 2)
+    return x.reshape(b, kh, t * g, *x.shape[4:])
+  kg, vg = (jnp.pad(x, ((0, 0), (0, tk - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
+  tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+
+  def entry(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+            delta_ref, dk_ref, dv_ref):
+    pl.run_scoped(
+        lambda *s: _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
+                               do_ref, lse_ref, delta_ref, dk_ref, dv_ref, s, g=g, tq=tq,
+                               n_entries=t * n, dk=dk, dv=dv, scale=scale, dtype=dtype),
+        (plgpu.SMEM((BLOCK, dk), dtype, transforms=tr), plgpu.SMEM((BLOCK, dv), dtype, transforms=tr),
+         plgpu.SMEM((2, ROWS, dk), dtype, transforms=tr),
+         plgpu.SMEM((2, ROWS, dv), dtype, transforms=tr),
+         plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
+         plgpu.SMEM((BLOCK, ROWS), dtype, transforms=tr),
+         plgpu.SMEM((BLOCK, dk), jnp.float32), plgpu.SMEM((BLOCK, dv), jnp.float32)),
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2 * 4 * tq)))
+
+  dkx, dvx = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct((b, kh, nw, BLOCK, dk), jnp.float32),
+                jax.ShapeDtypeStruct((b, kh, nw, BLOCK, dv), jnp.float32)),
+      grid=(nw, kh, b), grid_names=("item", "group", "batch"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(iblk, istart, iend, tokens, rows_major(q), kg, vg, rows_major(do.astype(dtype)),
+    rows_major(lse.astype(jnp.float32)), rows_major(delta.astype(jnp.float32)))
+  return dkx, dvx, first, nitems
