@@ -37,6 +37,7 @@ CMP_TILING = "v2: bwd 128-row tiles, 8 warps"  # v1 (first H200 run): 64-row dq 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
 BATCH = 1  # --batch: sequences per call (every op, cuDNN and layer call)
+IMPL = "pallas"  # --impl: the whole op's implementation ("pallas" or "pallas-mosaic")
 
 
 def paper_cfg(h, kh, dk, dv):
@@ -161,9 +162,9 @@ def bench_dense(bench, key, t, cfg):
 def bench_whole(bench, key, t, cfg, dense):
   args = make_inputs(key, t, cfg)
   ct = jax.random.normal(jax.random.fold_in(key, 7), (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
-  fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
+  fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation=IMPL),)
   res = bench.time_pair(fn, args, ct)
-  bench.add("nsa", "pallas", t, cfg, res, dense, dense_dim=dense["dd"])
+  bench.add("nsa", IMPL, t, cfg, res, dense, dense_dim=dense["dd"])
   return args
 
 
@@ -248,9 +249,9 @@ def profile(key, t, cfg, out_dir):
   where the time goes, XLA glue included. Saved as nsa_profile.json."""
   args = make_inputs(key, t, cfg)
   ct = jax.random.normal(jax.random.fold_in(key, 7), (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
-  fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation="pallas"),)
+  fn = lambda *a: (ops.nsa_attention(*a, cfg, implementation=IMPL),)
   fwd, fwd_bwd = compiled(fn, *args), compiled(with_grad(fn), args, ct)
-  res = dict(T=t, batch=BATCH, d_k=cfg.head_dim, d_v=cfg.dim_v, q_heads=cfg.num_heads,
+  res = dict(T=t, batch=BATCH, impl=IMPL, d_k=cfg.head_dim, d_v=cfg.dim_v, q_heads=cfg.num_heads,
              kv_heads=cfg.num_kv_heads, **bc.provenance(),
              fwd=bc.kernel_profile(fwd, args, os.path.join(out_dir, "trace_fwd")),
              fwd_bwd=bc.kernel_profile(fwd_bwd, [args, ct], os.path.join(out_dir, "trace_fwd_bwd")))
@@ -268,22 +269,23 @@ def check(key, t, cfg):
   """Compiled kernels vs the plain-JAX path (bf16 inputs): errors and top-n agreement."""
   args = make_inputs(key, t, cfg)
   q, kc, vc, ks_ = args[:4]
+  be = "mosaic" if IMPL == "pallas-mosaic" else "triton"
   o, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, cfg.cmp_block, cfg.cmp_stride,
-                                                        interpret=INTERPRET))(q, kc, vc)
+                                                        interpret=INTERPRET, backend=be))(q, kc, vc)
   xo, xlse, xidx = jax.jit(lambda *a: xla.compressed_attention_and_select(*a, cfg))(q, kc, vc, ks_)
   idx = jax.jit(lambda q, kc, lse: select_topn(
       q, kc, lse, block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
       num_selected=cfg.num_selected, interpret=INTERPRET))(q, kc, xlse)
   fin = jnp.isfinite(xlse)
   f32 = lambda x: x.astype(jnp.float32)
-  out = dict(T=t, batch=BATCH, cmp_o_maxerr=float(jnp.max(jnp.abs(f32(o) - f32(xo)))),
+  out = dict(T=t, batch=BATCH, impl=IMPL, cmp_o_maxerr=float(jnp.max(jnp.abs(f32(o) - f32(xo)))),
              cmp_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(lse - xlse), 0.0))),
              lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(lse) == fin)),
              topn_slots_equal_frac=float(jnp.mean(idx == xidx)),
              topn_rows_equal_frac=float(jnp.mean(jnp.all(idx == xidx, axis=-1))))
   ct = jax.random.normal(key, (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   op = lambda impl: (lambda *a: (ops.nsa_attention(*a, cfg, implementation=impl),))
-  for name, impl in (("pallas", "pallas"), ("xla", "xla")):
+  for name, impl in (("pallas", IMPL), ("xla", "xla")):
     out[name] = (jax.jit(op(impl))(*args)[0].astype(jnp.float32),
                  jax.jit(with_grad(op(impl)))(args, ct))
   (po, pg), (xo2, xg) = out.pop("pallas"), out.pop("xla")
@@ -386,6 +388,9 @@ def main(argv=None):
   p.add_argument("--T", default="8192,16384,32768,65536")
   p.add_argument("--dims", default="128/128,192/128")
   p.add_argument("--heads", default="64/4")
+  p.add_argument("--impl", default="pallas", choices=["pallas", "pallas-mosaic"],
+                 help="the whole op's implementation (pallas-mosaic: experimental Mosaic GPU "
+                      "selection and compression kernels)")
   p.add_argument("--batch", type=int, default=1,
                  help="batch size of every op and cuDNN call (e.g. 8 with --heads 16/1 --dims 64/64 "
                       "--T 8192: one layer of configs/small_gpu_nsa.py's training step)")
@@ -408,7 +413,8 @@ def main(argv=None):
   if a.plot:
     return plot(a.plot)
   ints = lambda s: [int(x) for x in s.split(",") if x]
-  global BATCH
+  global BATCH, IMPL
+  IMPL = a.impl
   if a.batch < 1:
     raise SystemExit(f"--batch={a.batch}: needs a positive batch size")
   BATCH = a.batch

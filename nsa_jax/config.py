@@ -14,7 +14,7 @@ COMPRESSIONS = ("mlp", "mean")
 BRANCHES = ("cmp", "slc", "win")
 GATINGS = ("sigmoid", "sum")
 SELECTORS = ("nsa", "quest", "aux")
-IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
+IMPLEMENTATIONS = ("auto", "pallas", "pallas-mosaic", "xla", "reference")
 ATTENTION_KINDS = ("nsa", "dense")
 
 
@@ -62,7 +62,9 @@ class NSAConfig:
     aux_dim: width of the "aux" selector's query/key projections.
     aux_loss_weight: weight of the "aux" selector's loss (KL to full attention's block mass) in
       the training objective.
-    implementation: "auto", "pallas", "xla" (memory-sane plain JAX) or "reference" (dense masks).
+    implementation: "auto", "pallas", "pallas-mosaic" (experimental: the Mosaic GPU selection and
+      compression kernels where they apply, Triton elsewhere; not yet measured on a GPU), "xla"
+      (memory-sane plain JAX) or "reference" (dense masks).
     query_chunk: queries processed together by the plain-JAX "xla" path (bounds its memory).
   """
 
@@ -86,7 +88,7 @@ class NSAConfig:
   selector: Literal["nsa", "quest", "aux"] = "nsa"
   aux_dim: int = 32
   aux_loss_weight: float = 1.0
-  implementation: Literal["auto", "pallas", "xla", "reference"] = "auto"
+  implementation: Literal["auto", "pallas", "pallas-mosaic", "xla", "reference"] = "auto"
   query_chunk: int = 512
 
   def __post_init__(self):

@@ -77,14 +77,15 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
   impl = requested
   if requested == "auto":
     impl = "pallas" if on_gpu() else "xla"
-  if impl == "pallas":
+  if impl in ("pallas", "pallas-mosaic"):
     ok, why = _pallas_support(q, k_slc, v_slc, cfg)
     if not ok:
-      impl = "xla"
-      level = logging.WARNING if on_gpu() or requested == "pallas" else logging.INFO
+      level = logging.WARNING if on_gpu() or requested != "auto" else logging.INFO
       log_once(level, f"NSA falls back to the plain-JAX path for {shape}: {why}")
-  if impl not in ("pallas", "xla", "reference"):
-    raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'xla' or 'reference'")
+      impl = "xla"
+  if impl not in ("pallas", "pallas-mosaic", "xla", "reference"):
+    raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'pallas-mosaic', 'xla' "
+                     "or 'reference'")
   log_once(logging.INFO,
            f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
   return impl
@@ -129,28 +130,50 @@ def _pallas_indices(q, k_cmp, v_cmp, lse_cmp, k_slc, cfg: NSAConfig, segment_ids
                      interpret=interpret)
 
 
+def _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids):
+  """(compression backend, selection backend) for implementation="pallas-mosaic": "mosaic" where
+  the Mosaic GPU kernel handles the call, else "triton" (logged with the reason)."""
+  from pallas_kernels import select_attention_mgpu as mgpu
+  b, t, h, dk = q.shape
+  kh, has_seg = cfg.num_kv_heads, segment_ids is not None
+  ncp = max(64, -(-cfg.num_cmp_blocks(t) // 64) * 64)  # compress_attention's padding
+  checks = {"compress": mgpu.cmp_supports(q.shape, (b, kh, ncp, dk), (b, kh, ncp, cfg.dim_v),
+                                          has_seg, q.dtype),
+            "select": mgpu.supports(q.shape, k_slc.shape, v_slc.shape, cfg.sel_block, has_seg,
+                                    q.dtype)}
+  out = []
+  for name, (ok, why) in checks.items():
+    out.append("mosaic" if ok else "triton")
+    log_once(logging.INFO if ok else logging.WARNING,
+             f"NSA {name} branch: {'Mosaic GPU' if ok else 'Triton'} kernels for "
+             f"q{tuple(q.shape)}" + ("" if ok else f" (Mosaic GPU does not apply: {why})"))
+  return tuple(out)
+
+
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-                return_aux, block_idx=None):
+                return_aux, block_idx=None, mosaic=False):
   from pallas_kernels.compress_attention import compress_attention
   from pallas_kernels.select_attention import select_attention as select_kernel
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
   reference.check_block_idx(block_idx, q, cfg)
   # Off the GPU the same kernels run in Pallas' interpreter (slow; for tests).
   interpret = not on_gpu()
+  cmp_be, slc_be = (_mosaic_backends(q, k_slc, v_slc, cfg, segment_ids) if mosaic
+                    else ("triton", "triton"))
   outs, aux = {}, {}
   want_idx = "slc" in cfg.branches
   # Like the reference, the compression branch also runs when it only feeds the NSA selector
   # (its log-sum-exp turns the top-n kernel's logits into probabilities).
   if "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa"):
     o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
-                                        segment_ids, scale, interpret=interpret)
+                                        segment_ids, scale, interpret=interpret, backend=cmp_be)
     outs["cmp"] = o_cmp
   if want_idx:
     idx = block_idx if block_idx is not None else _pallas_indices(
         q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg, segment_ids,
         scale, interpret)
     outs["slc"], _ = select_kernel(q, k_slc, v_slc, idx, cfg.sel_block, segment_ids, scale,
-                                   interpret=interpret)
+                                   interpret=interpret, backend=slc_be)
     aux["block_idx"] = idx
   if "win" in cfg.branches:
     outs["win"] = window_attention(q, k_win, v_win, cfg.window, segment_ids, scale)
@@ -213,7 +236,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
   """The whole NSA op. Shapes as in `nsa_jax.reference.nsa_attention` (block_idx: selector="aux"
   only, the blocks its gate chose).
 
-  implementation: None (use cfg.implementation), "auto", "pallas", "xla" or "reference".
+  implementation: None (use cfg.implementation), "auto", "pallas", "pallas-mosaic" (experimental
+    Mosaic GPU selection and compression kernels where they apply), "xla" or "reference".
   Under a mesh in context it runs per device (module docstring); return_aux=True runs unsharded.
   """
   with jax.named_scope("nsa_attention"):  # names the op in HLO metadata (collectives report)
@@ -256,7 +280,8 @@ def _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_
   if impl == "xla":
     from nsa_jax import xla
     return xla.nsa_attention(*args, **kw)
-  return _pallas_nsa(*args, segment_ids, scale, return_aux, block_idx)
+  return _pallas_nsa(*args, segment_ids, scale, return_aux, block_idx,
+                     mosaic=impl == "pallas-mosaic")
 
 
 def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"):

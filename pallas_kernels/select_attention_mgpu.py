@@ -284,9 +284,9 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
 
   for i in range(4):
     plgpu.barrier_wait(in_bar.at[i])
-  lse2 = plgpu.load(lse_s, (), layout=wg.reduce(1)) * LOG2E
+  lse2 = plgpu.load(lse_s, layout=wg.reduce(1)) * LOG2E
   lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)  # rows that saw nothing: every p is masked to 0
-  delta = plgpu.load(delta_s, (), layout=wg.reduce(1))
+  delta = plgpu.load(delta_s, layout=wg.reduce(1))
 
   def body(j, dq_acc):
     slot = lax.rem(j, 2)
@@ -434,7 +434,7 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
       plgpu.wgmma(acc_ref, k_s, q_s.at[slot].T)
       return acc_ref[...]
     st = pl.run_scoped(kq, plgpu.ACC((BLOCK, ROWS), jnp.float32)) * (scale * LOG2E)
-    lse2 = plgpu.load(lse_s.at[slot], (), layout=wg.reduce(0)) * LOG2E
+    lse2 = plgpu.load(lse_s.at[slot], layout=wg.reduce(0)) * LOG2E
     lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)
     pt = jnp.where(live_c & (kp <= pos_c),
                    jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1])), 0.0)
@@ -450,7 +450,7 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
       plgpu.wgmma(acc_ref, v_s, do_s.at[slot].T)
       return acc_ref[...]
     dpt = pl.run_scoped(vdo, plgpu.ACC((BLOCK, ROWS), jnp.float32))
-    delta = plgpu.load(delta_s.at[slot], (), layout=wg.reduce(0))
+    delta = plgpu.load(delta_s.at[slot], layout=wg.reduce(0))
     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
     pt_s[...] = dst.astype(dtype)  # P^T's wgmma has finished: its buffer takes dS^T
     plgpu.commit_smem()

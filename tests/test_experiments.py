@@ -389,22 +389,30 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
 
 
-def test_bench_nsa_mosaic_sweep_runs_on_cpu(tmp_path):
-  """--sweep_parts mosaic times the Mosaic GPU compression forward beside the Triton one (here in
-  the interpreters, so only the code path is checked)."""
+def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
+  """--sweep_parts mosaic times the Mosaic GPU compression forward beside the Triton one, --impl
+  pallas-mosaic the whole op (here in the interpreters, so only the code paths are checked)."""
   from experiments import bench_nsa
   bench_nsa.main(["--T", "", "--sweep_T", "128", "--sweep_parts", "mosaic", "--heads", "16/1",
                   "--iters", "1", "--out", str(tmp_path)])
   sweep = json.load(open(tmp_path / "nsa_sweep.json"))
   assert [name for name, _, _ in sweep] == ["cmp triton", "cmp mosaic-gpu fwd"]
   assert all(f > 0 and math.isfinite(fb) for _, f, fb in sweep)
+  # --impl pallas-mosaic: the whole op and its check against the plain-JAX path
+  bench_nsa.main(["--T", "128", "--breakdown_T", "", "--check", "--heads", "16/1", "--dims",
+                  "64/64", "--iters", "1", "--impl", "pallas-mosaic", "--out", str(tmp_path)])
+  recs = json.load(open(tmp_path / "nsa_h200.json"))
+  assert {(r["op"], r["impl"]) for r in recs} == {("nsa", "pallas-mosaic")}
+  chk = json.load(open(tmp_path / "nsa_check.json"))
+  assert chk["impl"] == "pallas-mosaic" and chk["nsa_o_relerr"] < 3e-2, chk
 
 
 def test_h200_kernels_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_kernels.sh")
   documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
   assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode",
-                                    "train8k", "sel8k", "mosaic", "mosaic8k", "mosaiccmp"}
+                                    "train8k", "sel8k", "mosaic", "mosaic8k", "mosaiccmp",
+                                    "mosaicnsa"}
 
 
 def test_needle_key_blocks_and_coverage():

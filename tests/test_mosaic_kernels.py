@@ -216,3 +216,46 @@ def test_cmp_lowers_for_cuda():
   assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
   for name in ("nsa_cmp_dq", "nsa_cmp_dkv"):  # the Triton backward
     assert name in text, f"{name} missing from the lowered module"
+
+
+# ----------------------------------------------------------------------------- whole op
+
+def test_whole_op_pallas_mosaic_matches_reference(caplog):
+  """ops.nsa_attention(implementation="pallas-mosaic"): Mosaic GPU compression and selection
+  kernels inside the op (block indices given, selector="aux", so bf16 rounding cannot change the
+  selection),
+  forward and gradients of every input; with segment ids both branches fall back to Triton, said."""
+  import logging
+  from nsa_jax import ops
+  from nsa_jax.config import NSAConfig
+  rng = np.random.default_rng(_seed())
+  b, t, h, kv, dk, dv = 1, 300, 16, 1, 64, 64
+  cfg = NSAConfig(num_heads=h, num_kv_heads=kv, head_dim=dk, head_dim_v=dv, cmp_block=32,
+                  cmp_stride=16, sel_block=64, num_selected=3, window=128, selector="aux")
+  nc = cfg.num_cmp_blocks(t)
+  shapes = [(b, t, h, dk), (b, nc, kv, dk), (b, nc, kv, dv), (b, t, kv, dk), (b, t, kv, dv),
+            (b, t, kv, dk), (b, t, kv, dv)]
+  args = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes]
+  args.append(jax.nn.sigmoid(jnp.asarray(rng.standard_normal((b, t, h, 3)), jnp.float32)))
+  idx = _inputs(rng, b, t, h, kv, dk, dv, cfg.num_selected)[3]
+  w = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
+
+  def run(impl, a, seg=None):
+    f = lambda *a: jnp.sum(f32(ops.nsa_attention(*a, cfg, segment_ids=seg, implementation=impl,
+                                                 block_idx=idx)) * w)
+    return jax.value_and_grad(f, argnums=tuple(range(8)))(*a)
+
+  with caplog.at_level(logging.INFO, logger="nsa_jax"):
+    val, grads = run("pallas-mosaic", args)
+  assert "compress branch: Mosaic GPU" in caplog.text and "select branch: Mosaic GPU" in caplog.text
+  rval, rgrads = run("reference", [f32(x) for x in args])
+  assert abs(float(val) - float(rval)) <= TOL * max(1.0, abs(float(rval))), (val, rval)
+  names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+  for name, a, r in zip(names, grads, rgrads):
+    scale = float(jnp.max(jnp.abs(r)))
+    assert float(jnp.max(jnp.abs(f32(a) - r))) <= TOL * max(scale, 1.0), f"d{name}"
+  caplog.clear()
+  seg = jnp.asarray(np.repeat([[0] * 150 + [1] * 150], b, 0), jnp.int32)
+  with caplog.at_level(logging.INFO, logger="nsa_jax"):
+    jax.eval_shape(lambda *a: run("pallas-mosaic", a, seg), *args)
+  assert "select branch: Triton" in caplog.text and "segment ids" in caplog.text
