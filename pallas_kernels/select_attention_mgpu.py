@@ -77,14 +77,18 @@ def tiling_for(g, block_size):
                              tokens_per_tile=ROWS // g, blocks_per_step=1)
 
 
-def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype):
-  """One 64-row tile against the key blocks that `blocks(b, tile, kk, pos)` names: it returns
-  (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool) for the tile (see forward /
-  cmp_forward)."""
-  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar) = scoped
-  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
-  rows = pl.ds(tile * ROWS, ROWS)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
+def _mm(a, b, shape):
+  """a @ b on the matrix unit (wgmma, float32 accumulator of `shape`), waited for."""
+  def f(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+  return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
+
+
+def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
+  """A query tile's walk over its key blocks: (count, block_of(j), visible(j, blk, c_id),
+  fetch(j, slot) (TMA of block j's K and V into a slot), the column ids), block 0 already in
+  flight."""
   wg = plgpu.Layout.WGMMA
   r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
   c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
@@ -100,7 +104,21 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
   @pl.when(cnt > 0)
   def _():
     fetch(0, 0)
+  return cnt, block_of, visible, fetch, c_id
 
+
+def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype):
+  """One 64-row tile against the key blocks that `blocks(b, tile, kk, pos)` names: it returns
+  (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool) for the tile (see forward /
+  cmp_forward)."""
+  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar) = scoped
+  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
+  rows = pl.ds(tile * ROWS, ROWS)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
+  wg = plgpu.Layout.WGMMA
+  cnt, block_of, visible, fetch, c_id = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref,
+                                              v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
+                                              v_bar=v_bar)
   plgpu.barrier_wait(q_bar.at[0])
 
   def body(j, carry):
@@ -113,11 +131,7 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
 
     blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
-
-    def qk(acc_ref):
-      plgpu.wgmma(acc_ref, q_s, k_s.at[slot].T)
-      return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK), jnp.float32)) * (scale * LOG2E)
+    s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK)) * (scale * LOG2E)
     s = jnp.where(visible(j, blk, c_id), s, -jnp.inf)
     m_new = jnp.maximum(m_i, s.max(axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays at 0
@@ -127,12 +141,7 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
     p_s[...] = p.astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_wait(v_bar.at[slot])
-
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_s, v_s.at[slot])
-      return acc_ref[...]
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
-        pv, plgpu.ACC((ROWS, dv), jnp.float32))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _mm(p_s, v_s.at[slot], (ROWS, dv))
     return acc, m_new, l_i
 
   init = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), wg),
@@ -198,8 +207,8 @@ def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
   """Compression: compressed keys 0 .. (what the tile's last token sees), 64 a step; key i is
   visible to position p iff i*d + l - 1 <= p (and i < Nc)."""
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
-  nv = jnp.minimum(jnp.where(last >= block - 1, (jnp.maximum(last - block + 1, 0)) // stride + 1, 0),
-                   nc)
+  nv = jnp.where(last >= block - 1, (jnp.maximum(last - block + 1, 0)) // stride + 1, 0)
+  nv = jnp.minimum(nv, nc)
 
   def visible(j, blk, c_id):
     kidx = blk * BLOCK + c_id
@@ -267,21 +276,10 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   plgpu.copy_gmem_to_smem(lse_ref.at[b, kk, rows], lse_s, in_bar.at[2])
   plgpu.copy_gmem_to_smem(delta_ref.at[b, kk, rows], delta_s, in_bar.at[3])
   wg = plgpu.Layout.WGMMA
-  r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
-  c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
-  tok = r_id // g
-  pos = tile * tq + tok
-  cnt, block_of, visible = _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos)
-
-  def fetch(j, slot):
-    keys = pl.ds(block_of(j) * BLOCK, BLOCK)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
-
-  @pl.when(cnt > 0)
-  def _():
-    fetch(0, 0)
-
+  blocks = functools.partial(_select_blocks, ub_ref, bits_ref, cnt_ref)
+  cnt, block_of, visible, fetch, c_id = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref,
+                                              v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
+                                              v_bar=v_bar)
   for i in range(4):
     plgpu.barrier_wait(in_bar.at[i])
   lse2 = plgpu.load(lse_s, layout=wg.reduce(1)) * LOG2E
@@ -297,27 +295,15 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
 
     blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
-
-    def qk(acc_ref):
-      plgpu.wgmma(acc_ref, q_s, k_s.at[slot].T)
-      return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK), jnp.float32)) * (scale * LOG2E)
+    s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK)) * (scale * LOG2E)
     p = jnp.where(visible(j, blk, c_id), jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0])),
                   0.0)
     plgpu.barrier_wait(v_bar.at[slot])
-
-    def dov(acc_ref):
-      plgpu.wgmma(acc_ref, do_s, v_s.at[slot].T)
-      return acc_ref[...]
-    dp = pl.run_scoped(dov, plgpu.ACC((ROWS, BLOCK), jnp.float32))
+    dp = _mm(do_s, v_s.at[slot].T, (ROWS, BLOCK))
     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
     ds_s[...] = ds.astype(dtype)
     plgpu.commit_smem()
-
-    def dsk(acc_ref):
-      plgpu.wgmma(acc_ref, ds_s, k_s.at[slot])
-      return acc_ref[...]
-    return dq_acc + pl.run_scoped(dsk, plgpu.ACC((ROWS, dk), jnp.float32))
+    return dq_acc + _mm(ds_s, k_s.at[slot], (ROWS, dk))
 
   dq = lax.fori_loop(0, cnt, body, plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg))
   q_s[...] = (dq * scale).astype(dtype)  # q is no longer needed: its buffer stages dq
@@ -429,36 +415,20 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
       pos, live = token(i, s)
       pos_c = jnp.where(col == s, pos, pos_c)
       live_c = jnp.where(col == s, live, live_c)
-
-    def kq(acc_ref):
-      plgpu.wgmma(acc_ref, k_s, q_s.at[slot].T)
-      return acc_ref[...]
-    st = pl.run_scoped(kq, plgpu.ACC((BLOCK, ROWS), jnp.float32)) * (scale * LOG2E)
+    st = _mm(k_s, q_s.at[slot].T, (BLOCK, ROWS)) * (scale * LOG2E)
     lse2 = plgpu.load(lse_s.at[slot], layout=wg.reduce(0)) * LOG2E
     lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)
     pt = jnp.where(live_c & (kp <= pos_c),
                    jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1])), 0.0)
     pt_s[...] = pt.astype(dtype)
     plgpu.commit_smem()
-
-    def pdo(acc_ref):
-      plgpu.wgmma(acc_ref, pt_s, do_s.at[slot])
-      return acc_ref[...]
-    dv_acc = dv_acc + pl.run_scoped(pdo, plgpu.ACC((BLOCK, dv), jnp.float32))
-
-    def vdo(acc_ref):
-      plgpu.wgmma(acc_ref, v_s, do_s.at[slot].T)
-      return acc_ref[...]
-    dpt = pl.run_scoped(vdo, plgpu.ACC((BLOCK, ROWS), jnp.float32))
+    dv_acc = dv_acc + _mm(pt_s, do_s.at[slot], (BLOCK, dv))
+    dpt = _mm(v_s, do_s.at[slot].T, (BLOCK, ROWS))
     delta = plgpu.load(delta_s.at[slot], layout=wg.reduce(0))
     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
     pt_s[...] = dst.astype(dtype)  # P^T's wgmma has finished: its buffer takes dS^T
     plgpu.commit_smem()
-
-    def dsq(acc_ref):
-      plgpu.wgmma(acc_ref, pt_s, q_s.at[slot])
-      return acc_ref[...]
-    dk_acc = dk_acc + pl.run_scoped(dsq, plgpu.ACC((BLOCK, dk), jnp.float32))
+    dk_acc = dk_acc + _mm(pt_s, q_s.at[slot], (BLOCK, dk))
     return dk_acc, dv_acc
 
   zeros = lambda d: plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), wg)
@@ -498,7 +468,8 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
         lambda *s: _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
                                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, s, g=g, tq=tq,
                                n_entries=t * n, dk=dk, dv=dv, scale=scale, dtype=dtype),
-        (plgpu.SMEM((BLOCK, dk), dtype, transforms=tr), plgpu.SMEM((BLOCK, dv), dtype, transforms=tr),
+        (plgpu.SMEM((BLOCK, dk), dtype, transforms=tr),
+         plgpu.SMEM((BLOCK, dv), dtype, transforms=tr),
          plgpu.SMEM((2, ROWS, dk), dtype, transforms=tr),
          plgpu.SMEM((2, ROWS, dv), dtype, transforms=tr),
          plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
