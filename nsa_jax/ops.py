@@ -141,12 +141,15 @@ def _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids):
                                           has_seg, q.dtype),
             "select": mgpu.supports(q.shape, k_slc.shape, v_slc.shape, cfg.sel_block, has_seg,
                                     q.dtype)}
+  dkv_ok, dkv_why = mgpu.dkv_supports(h // kh, dk, v_slc.shape[-1])
+  notes = {"compress": " (backward: Triton)",
+           "select": "" if dkv_ok else f" (dK/dV: Triton, {dkv_why})"}
   out = []
   for name, (ok, why) in checks.items():
     out.append("mosaic" if ok else "triton")
     log_once(logging.INFO if ok else logging.WARNING,
              f"NSA {name} branch: {'Mosaic GPU' if ok else 'Triton'} kernels for "
-             f"q{tuple(q.shape)}" + ("" if ok else f" (Mosaic GPU does not apply: {why})"))
+             f"q{tuple(q.shape)}" + (notes[name] if ok else f" (Mosaic GPU does not apply: {why})"))
   return tuple(out)
 
 

@@ -205,7 +205,7 @@ def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, determinis
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
                interpret=interpret)
-  if mgpu.dkv_supports(q.shape[2] // k.shape[2])[0]:  # G in (8, 16, 32, 64); always deterministic
+  if mgpu.dkv_supports(q.shape[2] // k.shape[2], k.shape[3], v.shape[3])[0]:  # deterministic
     dkx, dvx, first, nitems = mgpu.dkv_partials(q, k, v, block_idx, do, lse, delta,
                                                 chunk_entries=tiling.chunk_entries, scale=scale,
                                                 interpret=interpret)

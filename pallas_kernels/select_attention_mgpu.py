@@ -85,6 +85,17 @@ def _mm(a, b, shape):
   return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
 
 
+def _mm_acc(acc, a, b, interpret):
+  """acc + a @ b. On the GPU in place in the wgmma accumulator (no second float32 accumulator
+  live: registers); the CPU interpreter lacks ACC.init, so there a fresh product is added."""
+  if interpret:
+    return acc + _mm(a, b, acc.shape)
+
+  def f(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+  return pl.run_state(f)(plgpu.ACC.init(acc))
+
+
 def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
   """A query tile's walk over its key blocks: (count, block_of(j), visible(j, blk, c_id),
   fetch(j, slot) (TMA of block j's K and V into a slot), the column ids), block 0 already in
@@ -107,7 +118,8 @@ def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
   return cnt, block_of, visible, fetch, c_id
 
 
-def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype):
+def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype,
+            interpret):
   """One 64-row tile against the key blocks that `blocks(b, tile, kk, pos)` names: it returns
   (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool) for the tile (see forward /
   cmp_forward)."""
@@ -141,7 +153,7 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
     p_s[...] = p.astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_wait(v_bar.at[slot])
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _mm(p_s, v_s.at[slot], (ROWS, dv))
+    acc = _mm_acc(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_s, v_s.at[slot], interpret)
     return acc, m_new, l_i
 
   init = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), wg),
@@ -171,7 +183,8 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
     *map_refs, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     pl.run_scoped(
         lambda *s: _kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
-                           lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype),
+                           lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype,
+                           interpret=interpret),
         (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
          plgpu.SMEM((2, BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((2, BLOCK, dv), dtype, transforms=tr),
@@ -265,7 +278,7 @@ def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):
 # ----------------------------------------------------------------------------- selection dq
 
 def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               scoped, *, g, tq, dk, dv, scale, dtype):
+               scoped, *, g, tq, dk, dv, scale, dtype, interpret):
   """dq of one 64-row tile: for each union block, S = Q K^T, P = exp2(S - lse) on visible keys,
   dP = dO V^T, dS = P (dP - delta), dq += dS K (P and dS never leave the tile)."""
   (q_s, do_s, lse_s, delta_s, k_s, v_s, ds_s), (in_bar, k_bar, v_bar) = scoped
@@ -303,7 +316,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
     ds_s[...] = ds.astype(dtype)
     plgpu.commit_smem()
-    return dq_acc + _mm(ds_s, k_s.at[slot], (ROWS, dk))
+    return _mm_acc(dq_acc, ds_s, k_s.at[slot], interpret)
 
   dq = lax.fori_loop(0, cnt, body, plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg))
   q_s[...] = (dq * scale).astype(dtype)  # q is no longer needed: its buffer stages dq
@@ -335,7 +348,7 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
     pl.run_scoped(
         lambda *s: _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                               delta_ref, dq_ref, s, g=g, tq=tq, dk=dk, dv=dv, scale=scale,
-                              dtype=dtype),
+                              dtype=dtype, interpret=interpret),
         (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
          plgpu.SMEM((ROWS, dv), dtype, transforms=tr),
          plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
@@ -357,13 +370,24 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
 
 # ----------------------------------------------------------------------------- selection dK / dV
 
-def dkv_supports(g):
-  """The dK/dV kernel gathers each token's G query rows with one copy into an 8-row-tiled buffer."""
-  return (g % 8 == 0 and ROWS % g == 0), f"G={g}: the Mosaic GPU dK/dV needs G in (8, 16, 32, 64)"
+SMEM_BYTES = 232448  # an H100/H200 block's shared memory
+
+
+def dkv_supports(g, dk, dv):
+  """The dK/dV kernel gathers each token's G query rows with one copy into an 8-row-tiled buffer,
+  and its shared memory (K, V, two slots of q/do/lse/delta, P^T, float32 dK/dV staging) is
+  640 (d_k + d_v) + 9216 bytes."""
+  if g % 8 or ROWS % g:
+    return False, f"G={g}: the Mosaic GPU dK/dV needs G in (8, 16, 32, 64)"
+  need = 640 * (dk + dv) + 9216
+  if need > SMEM_BYTES:
+    return False, f"d_k + d_v = {dk + dv}: {need} bytes of shared memory (at most {SMEM_BYTES})"
+  return True, "ok"
 
 
 def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref, scoped, *, g, tq, n_entries, dk, dv, scale, dtype):
+                delta_ref, dk_ref, dv_ref, scoped, *, g, tq, n_entries, dk, dv, scale, dtype,
+                interpret):
   """One work item (a block and a run of the queries that picked it, see C.inverse_lists): K, V of
   the block stay in shared memory; each step gathers tq tokens x G heads = 64 query rows (one copy
   per token and tensor, two slots deep) and accumulates dV += P^T dO and dK += dS^T Q."""
@@ -380,14 +404,18 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     return tokens_ref[b, kk, jnp.minimum(e, n_entries - 1)], e < e1
 
   def fetch(i, slot):
-    for s in range(tq):  # token s of step i -> rows [s*G, (s+1)*G) of the slot
+    # Token s of step i -> rows [s*G, (s+1)*G) of the slot; all 4 tq copies of a step arrive on
+    # the slot's one barrier (Mosaic GPU allows at most 32 barriers a group: 2*4*tq would be 64
+    # at G = 8). lse / delta rows are G floats at 32- or 64-byte offsets: in-bounds plain bulk
+    # copies (16-byte alignment), not tensor TMAs (128-byte aligned shared-memory addresses).
+    for s in range(tq):
       pos, _ = token(i, s)
-      src, dst = pl.ds(pos * g, g), pl.ds(s * g, g)
-      bar = lambda j: row_bars.at[(slot * 4 + j) * tq + s]
-      plgpu.copy_gmem_to_smem(q_ref.at[b, kk, src], q_s.at[slot, dst], bar(0))
-      plgpu.copy_gmem_to_smem(do_ref.at[b, kk, src], do_s.at[slot, dst], bar(1))
-      plgpu.copy_gmem_to_smem(lse_ref.at[b, kk, src], lse_s.at[slot, dst], bar(2))
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, kk, src], delta_s.at[slot, dst], bar(3))
+      src, dst, bar = pl.ds(pos * g, g), pl.ds(s * g, g), row_bars.at[slot]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, kk, src], q_s.at[slot, dst], bar)
+      plgpu.copy_gmem_to_smem(do_ref.at[b, kk, src], do_s.at[slot, dst], bar)
+      for ref, buf in ((lse_ref, lse_s), (delta_ref, delta_s)):
+        plgpu.copy_gmem_to_smem(ref.at[b, kk, src], buf.at[slot, dst], bar,
+                                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
   @pl.when(steps > 0)
   def _():
@@ -407,8 +435,7 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     def _():
       fetch(i + 1, 1 - slot)
 
-    for j in range(4 * tq):
-      plgpu.barrier_wait(row_bars.at[slot * 4 * tq + j])
+    plgpu.barrier_wait(row_bars.at[slot])
     pos_c = jnp.zeros((BLOCK, ROWS), jnp.int32)
     live_c = jnp.zeros((BLOCK, ROWS), jnp.bool_)
     for s in range(tq):
@@ -422,13 +449,13 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
                    jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1])), 0.0)
     pt_s[...] = pt.astype(dtype)
     plgpu.commit_smem()
-    dv_acc = dv_acc + _mm(pt_s, do_s.at[slot], (BLOCK, dv))
+    dv_acc = _mm_acc(dv_acc, pt_s, do_s.at[slot], interpret)
     dpt = _mm(v_s, do_s.at[slot].T, (BLOCK, ROWS))
     delta = plgpu.load(delta_s.at[slot], layout=wg.reduce(0))
     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
     pt_s[...] = dst.astype(dtype)  # P^T's wgmma has finished: its buffer takes dS^T
     plgpu.commit_smem()
-    dk_acc = dk_acc + _mm(pt_s, q_s.at[slot], (BLOCK, dk))
+    dk_acc = _mm_acc(dk_acc, pt_s, q_s.at[slot], interpret)
     return dk_acc, dv_acc
 
   zeros = lambda d: plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), wg)
@@ -447,7 +474,7 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
   b, t, h, dk = q.shape
   kh, dv, n = k.shape[2], v.shape[3], block_idx.shape[3]
   g, dtype = h // kh, q.dtype
-  ok, why = dkv_supports(g)
+  ok, why = dkv_supports(g, dk, dv)
   if not ok:
     raise ValueError(f"select_attention[mosaic] dK/dV: {why}")
   tq = ROWS // g
@@ -467,7 +494,8 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
     pl.run_scoped(
         lambda *s: _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
                                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, s, g=g, tq=tq,
-                               n_entries=t * n, dk=dk, dv=dv, scale=scale, dtype=dtype),
+                               n_entries=t * n, dk=dk, dv=dv, scale=scale, dtype=dtype,
+                               interpret=interpret),
         (plgpu.SMEM((BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((BLOCK, dv), dtype, transforms=tr),
          plgpu.SMEM((2, ROWS, dk), dtype, transforms=tr),
@@ -475,7 +503,7 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
          plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
          plgpu.SMEM((BLOCK, ROWS), dtype, transforms=tr),
          plgpu.SMEM((BLOCK, dk), jnp.float32), plgpu.SMEM((BLOCK, dv), jnp.float32)),
-        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2 * 4 * tq)))
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=4 * tq, num_barriers=2)))
 
   dkx, dvx = plgpu.kernel(
       entry,
