@@ -423,7 +423,10 @@ def main(argv=None):
   key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
   if a.check:
     dk, dv = ints(a.dims.split(",")[-1].replace("/", ","))
-    res = check(key, 2048 if ON_GPU else 256, paper_cfg(h, kh, dk, dv))
+    try:
+      res = check(key, 2048 if ON_GPU else 256, paper_cfg(h, kh, dk, dv))
+    except Exception as e:  # e.g. a kernel that does not compile: record it, time the rest
+      res = dict(impl=IMPL, failed=f"{type(e).__name__}: {str(e)[:600]}")
     print("CHECK", json.dumps(res), flush=True)
     with open(os.path.join(a.out, "nsa_check.json"), "w") as f:
       json.dump(res, f, indent=1)
