@@ -251,15 +251,17 @@ def test_whole_op_pallas_mosaic_matches_reference(caplog):
   w = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
 
   def run(impl, a, seg=None):
-    f = lambda *a: jnp.sum(f32(ops.nsa_attention(*a, cfg, segment_ids=seg, implementation=impl,
-                                                 block_idx=idx)) * w)
-    return jax.value_and_grad(f, argnums=tuple(range(8)))(*a)
+    op = lambda *a: f32(ops.nsa_attention(*a, cfg, segment_ids=seg, implementation=impl,
+                                          block_idx=idx))
+    o, vjp = jax.vjp(op, *a)
+    return o, vjp(w)
 
   with caplog.at_level(logging.INFO, logger="nsa_jax"):
-    val, grads = run("pallas-mosaic", args)
+    o, grads = run("pallas-mosaic", args)
   assert "compress branch: Mosaic GPU" in caplog.text and "select branch: Mosaic GPU" in caplog.text
-  rval, rgrads = run("reference", [f32(x) for x in args])
-  assert abs(float(val) - float(rval)) <= TOL * max(1.0, abs(float(rval))), (val, rval)
+  ro, rgrads = run("reference", [f32(x) for x in args])
+  # elementwise: a scalar sum over 300 x 16 x 64 outputs would add up their bf16 roundings
+  np.testing.assert_allclose(o, ro, atol=TOL, rtol=TOL)
   names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
   for name, a, r in zip(names, grads, rgrads):
     scale = float(jnp.max(jnp.abs(r)))
