@@ -201,7 +201,7 @@ def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_s
 def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, res, cts):
   q, k, v, block_idx, seg, maps, o, lse = res
   do, dlse = cts
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+  delta = bwd.delta_of(o, do, dlse)
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
                interpret=interpret)

@@ -263,11 +263,16 @@ def reduce_partials(first, nitems, dkx, dvx, k, v, *, block_size, interpret):
   return dk_.reshape(k.shape), dv_.reshape(v.shape)
 
 
+def delta_of(o, do, dlse):
+  """rowsum(o * do) - dlse [B,T,H] float32: d lse / d logit = p, so the lse cotangent folds into
+  delta (dS = P * (dP - delta))."""
+  return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+
+
 def backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_size, scale, tiling,
              has_seg, interpret, deterministic):
   """(dq, dk, dv) of select_attention given the cotangents of o and lse."""
-  # d lse / d logit = p, so the lse cotangent folds into delta: dS = P * (dP - (delta - dlse)).
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+  delta = delta_of(o, do, dlse)
   do = do.astype(q.dtype)
   common = dict(block_size=block_size, scale=scale, tiling=tiling, has_seg=has_seg, interpret=interpret)
   dq = _dq(q, k, v, seg, maps, do, lse, delta, **common)

@@ -49,14 +49,11 @@ BLOCK = 64         # l' (keys per selected block) this kernel handles
 SWIZZLE = 128      # bytes: 64 bfloat16 columns per swizzled row
 
 
-def supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
-  """(ok, reason): whether the Mosaic GPU forward handles this call."""
-  b, t, h, dk = q_shape
-  kh, dv = k_shape[2], v_shape[3]
+def _check(h, kh, dk, dv, has_seg, dtype):
+  """(ok, reason) for what every Mosaic GPU kernel here needs: no segment ids, 64-row tiles of
+  64 / G tokens, head dims in 128-byte swizzled rows, 16-bit inputs."""
   if has_seg:
     return False, "segment ids are not implemented in the Mosaic GPU kernel (use backend='triton')"
-  if block_size != BLOCK:
-    return False, f"block_size={block_size}: the Mosaic GPU kernel handles l' = {BLOCK} only"
   if dk % 64 or dv % 64 or max(dk, dv) > 256:
     return False, f"d_k={dk}, d_v={dv}: need multiples of 64 up to 256 (128-byte swizzled rows)"
   if h % kh:
@@ -68,6 +65,37 @@ def supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False, f"dtype {dtype}: the Mosaic GPU kernel takes bfloat16 or float16"
   return True, "ok"
+
+
+def supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
+  """(ok, reason): whether the Mosaic GPU selection kernels handle this call."""
+  if block_size != BLOCK:
+    return False, f"block_size={block_size}: the Mosaic GPU kernel handles l' = {BLOCK} only"
+  return _check(q_shape[2], k_shape[2], q_shape[3], v_shape[3], has_seg, dtype)
+
+
+def _rows_major(x, kh, tp):
+  """[B,T,H,...] -> [B, K, tp*G, ...]: the G heads of a group token-major, T zero-padded to tp."""
+  b, t, h = x.shape[:3]
+  x = jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
+  x = x.reshape(b, tp, kh, h // kh, *x.shape[3:]).swapaxes(1, 2)
+  return x.reshape(b, kh, tp * (h // kh), *x.shape[4:])
+
+
+def _from_rows_major(x, h, t):
+  """Inverse of _rows_major: [B, K, tp*G, ...] -> [B, t, H, ...]."""
+  b, kh, n = x.shape[:3]
+  g = h // kh
+  x = x.reshape(b, kh, n // g, g, *x.shape[3:]).swapaxes(1, 2)
+  return x.reshape(b, n // g, h, *x.shape[4:])[:, :t]
+
+
+def _blocks_major(x):
+  """k or v [B,T,K,D] -> [B, K, T', D], T' padded with zeros to whole blocks of 64 keys (never
+  visible: causally after every real query)."""
+  t = x.shape[1]
+  x = jnp.pad(x, ((0, 0), (0, C.cdiv(t, BLOCK) * BLOCK - t), (0, 0), (0, 0)))
+  return x.transpose(0, 2, 1, 3)
 
 
 def tiling_for(g, block_size):
@@ -175,8 +203,6 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
   b, t, h, dk = q.shape
   g, dv, dtype = h // kh, vg.shape[-1], q.dtype
   tp = nt * tq
-  qg = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-  qg = qg.reshape(b, tp, kh, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, kh, tp * g, dk)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
 
   def entry(*refs):
@@ -201,10 +227,8 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
       grid=(nt, kh, b), grid_names=("tile", "group", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(*maps, qg, kg, vg)
-  o = o.reshape(b, kh, tp, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, tp, h, dv)[:, :t]
-  lse = lse.reshape(b, kh, tp, g).transpose(0, 2, 1, 3).reshape(b, tp, h)[:, :t]
-  return o, lse
+  )(*maps, _rows_major(q, kh, tp), kg, vg)
+  return _from_rows_major(o, h, t), _from_rows_major(lse, h, t)
 
 
 def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
@@ -219,9 +243,8 @@ def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
 def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
   """Compression: compressed keys 0 .. (what the tile's last token sees), 64 a step; key i is
   visible to position p iff i*d + l - 1 <= p (and i < Nc)."""
-  last = jnp.minimum(tile * tq + tq - 1, t - 1)
-  nv = jnp.where(last >= block - 1, (jnp.maximum(last - block + 1, 0)) // stride + 1, 0)
-  nv = jnp.minimum(nv, nc)
+  from pallas_kernels.compress_attention import num_visible  # (that module imports this one)
+  nv = num_visible(jnp.minimum(tile * tq + tq - 1, t - 1), block, stride, nc)
 
   def visible(j, blk, c_id):
     kidx = blk * BLOCK + c_id
@@ -238,27 +261,15 @@ def forward(q, k, v, maps, *, block_size, scale, interpret=False):
   kh = k.shape[2]
   tq = ROWS // (h // kh)
   nt = C.cdiv(t, tq)
-  tk = C.cdiv(t, BLOCK) * BLOCK   # keys: whole blocks (zeros after T: causally never visible)
-  kg, vg = (jnp.pad(x, ((0, 0), (0, tk - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
-  return _run(_select_blocks, maps, q, kg, vg, kh=kh, nt=nt, tq=tq, scale=scale,
-              interpret=interpret)
+  return _run(_select_blocks, maps, q, _blocks_major(k), _blocks_major(v), kh=kh, nt=nt, tq=tq,
+              scale=scale, interpret=interpret)
 
 
 def cmp_supports(q_shape, kc_shape, vc_shape, has_seg, dtype):
   """(ok, reason): whether the Mosaic GPU compression forward handles this call."""
-  b, t, h, dk = q_shape
-  kh, dv = kc_shape[1], vc_shape[3]   # kc/vc group-major [B, K, Ncp, D]
-  if has_seg:
-    return False, "segment ids are not implemented in the Mosaic GPU kernel (use backend='triton')"
-  if dk % 64 or dv % 64 or max(dk, dv) > 256:
-    return False, f"d_k={dk}, d_v={dv}: need multiples of 64 up to 256 (128-byte swizzled rows)"
-  if h % kh or ROWS % (h // kh) or not 4 <= h // kh <= 64:
-    return False, f"G={h}/{kh}: the 64-row tile needs G in (4, 8, 16, 32, 64)"
-  if kc_shape[2] % BLOCK:
+  if kc_shape[2] % BLOCK:   # kc/vc group-major [B, K, Ncp, D]
     return False, f"{kc_shape[2]} padded compressed keys: need a multiple of {BLOCK}"
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return False, f"dtype {dtype}: the Mosaic GPU kernel takes bfloat16 or float16"
-  return True, "ok"
+  return _check(q_shape[2], kc_shape[1], q_shape[3], vc_shape[3], has_seg, dtype)
 
 
 def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):
@@ -335,13 +346,8 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
   g, dtype = h // kh, q.dtype
   tq = ROWS // g
   nt = C.cdiv(t, tq)
-  tp, tk = nt * tq, C.cdiv(t, BLOCK) * BLOCK
-
-  def rows_major(x):  # [B,T,H,...] -> [B, K, T'*G, ...]
-    x = jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
-    x = x.reshape(b, tp, kh, g, *x.shape[3:]).swapaxes(1, 2)
-    return x.reshape(b, kh, tp * g, *x.shape[4:])
-  kg, vg = (jnp.pad(x, ((0, 0), (0, tk - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
+  tp = nt * tq
+  rows_major = functools.partial(_rows_major, kh=kh, tp=tp)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
 
   def entry(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
@@ -363,9 +369,9 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
       grid=(nt, kh, b), grid_names=("tile", "group", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(*maps, rows_major(q), kg, vg, rows_major(do.astype(dtype)),
+  )(*maps, rows_major(q), _blocks_major(k), _blocks_major(v), rows_major(do.astype(dtype)),
     rows_major(lse.astype(jnp.float32)), rows_major(delta.astype(jnp.float32)))
-  return out.reshape(b, kh, tp, g, dk).swapaxes(1, 2).reshape(b, tp, h, dk)[:, :t]
+  return _from_rows_major(out, h, t)
 
 
 # ----------------------------------------------------------------------------- selection dK / dV
@@ -481,12 +487,7 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
   nb = C.cdiv(t, BLOCK)
   tokens, iblk, istart, iend, first, nitems = C.inverse_lists(block_idx, nb, chunk_entries)
   nw = iblk.shape[-1]
-  tk = nb * BLOCK
-
-  def rows_major(x):  # [B,T,H,...] -> [B, K, T*G, ...]
-    x = x.reshape(b, t, kh, g, *x.shape[3:]).swapaxes(1, 2)
-    return x.reshape(b, kh, t * g, *x.shape[4:])
-  kg, vg = (jnp.pad(x, ((0, 0), (0, tk - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
+  rows_major = functools.partial(_rows_major, kh=kh, tp=t)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
 
   def entry(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
@@ -512,6 +513,7 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
       grid=(nw, kh, b), grid_names=("item", "group", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(iblk, istart, iend, tokens, rows_major(q), kg, vg, rows_major(do.astype(dtype)),
+  )(iblk, istart, iend, tokens, rows_major(q), _blocks_major(k), _blocks_major(v),
+    rows_major(do.astype(dtype)),
     rows_major(lse.astype(jnp.float32)), rows_major(delta.astype(jnp.float32)))
   return dkx, dvx, first, nitems
