@@ -47,7 +47,7 @@ def get_base_config() -> ConfigDict:
   c.model.nsa.branches = ("cmp", "slc", "win")  # branches summed into the output
   c.model.nsa.gating = "sigmoid"   # per-branch gates ("sigmoid", paper) or plain "sum"
   c.model.nsa.selector = "nsa"     # block scores from compression attention ("nsa") or "quest"
-  c.model.nsa.implementation = "auto"  # "auto" | "pallas" | "pallas-mosaic" | "xla" | "reference"
+  c.model.nsa.implementation = "auto"  # "auto" | "pallas" | "pallas-triton" | "pallas-mosaic" | "xla" | "reference"
   c.model.nsa.query_chunk = 512    # queries per chunk on the plain-JAX "xla" path (memory bound)
 
   # --- data (nsa_jax/training/data.py) --------------------------------------------------------

@@ -37,7 +37,7 @@ CMP_TILING = "v2: bwd 128-row tiles, 8 warps"  # v1 (first H200 run): 64-row dq 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
 BATCH = 1  # --batch: sequences per call (every op, cuDNN and layer call)
-IMPL = "pallas"  # --impl: the whole op's implementation ("pallas" or "pallas-mosaic")
+IMPL = "pallas"  # --impl: the whole op's implementation ("pallas", "pallas-triton", "pallas-mosaic")
 
 
 def paper_cfg(h, kh, dk, dv):
@@ -388,9 +388,10 @@ def main(argv=None):
   p.add_argument("--T", default="8192,16384,32768,65536")
   p.add_argument("--dims", default="128/128,192/128")
   p.add_argument("--heads", default="64/4")
-  p.add_argument("--impl", default="pallas", choices=["pallas", "pallas-mosaic"],
-                 help="the whole op's implementation (pallas-mosaic: experimental Mosaic GPU "
-                      "selection and compression kernels)")
+  p.add_argument("--impl", default="pallas", choices=["pallas", "pallas-triton", "pallas-mosaic"],
+                 help="the whole op's implementation (pallas: selection backend picked per shape; "
+                      "pallas-triton: Triton kernels only; pallas-mosaic: Mosaic GPU selection and "
+                      "compression kernels wherever they apply)")
   p.add_argument("--batch", type=int, default=1,
                  help="batch size of every op and cuDNN call (e.g. 8 with --heads 16/1 --dims 64/64 "
                       "--T 8192: one layer of configs/small_gpu_nsa.py's training step)")

@@ -14,7 +14,7 @@ COMPRESSIONS = ("mlp", "mean")
 BRANCHES = ("cmp", "slc", "win")
 GATINGS = ("sigmoid", "sum")
 SELECTORS = ("nsa", "quest", "aux")
-IMPLEMENTATIONS = ("auto", "pallas", "pallas-mosaic", "xla", "reference")
+IMPLEMENTATIONS = ("auto", "pallas", "pallas-triton", "pallas-mosaic", "xla", "reference")
 ATTENTION_KINDS = ("nsa", "dense")
 
 
@@ -62,9 +62,10 @@ class NSAConfig:
     aux_dim: width of the "aux" selector's query/key projections.
     aux_loss_weight: weight of the "aux" selector's loss (KL to full attention's block mass) in
       the training objective.
-    implementation: "auto", "pallas", "pallas-mosaic" (experimental: the Mosaic GPU selection and
-      compression kernels where they apply, Triton elsewhere; not yet measured on a GPU), "xla"
-      (memory-sane plain JAX) or "reference" (dense masks).
+    implementation: "auto" (GPU: "pallas", else "xla"), "pallas" (Pallas kernels; the selection
+      runs Mosaic GPU where it was measured faster on the H200, Triton elsewhere), "pallas-triton"
+      (Triton kernels only), "pallas-mosaic" (Mosaic GPU selection and compression kernels
+      wherever they apply), "xla" (memory-sane plain JAX) or "reference" (dense masks).
     query_chunk: queries processed together by the plain-JAX "xla" path (bounds its memory).
   """
 
@@ -88,7 +89,8 @@ class NSAConfig:
   selector: Literal["nsa", "quest", "aux"] = "nsa"
   aux_dim: int = 32
   aux_loss_weight: float = 1.0
-  implementation: Literal["auto", "pallas", "pallas-mosaic", "xla", "reference"] = "auto"
+  implementation: Literal["auto", "pallas", "pallas-triton", "pallas-mosaic", "xla",
+                          "reference"] = "auto"
   query_chunk: int = 512
 
   def __post_init__(self):

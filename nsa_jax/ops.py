@@ -71,21 +71,27 @@ def _pallas_support(q, k, v, cfg: NSAConfig):
   return True, "ok"
 
 
+# "pallas": the Pallas kernels, the selection's backend chosen per shape where measured
+# (select_attention.auto_backend: Mosaic GPU or Triton); "pallas-triton": Triton kernels only;
+# "pallas-mosaic": the Mosaic GPU selection and compression kernels wherever they apply.
+PALLAS_IMPLS = ("pallas", "pallas-triton", "pallas-mosaic")
+
+
 def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
   """Turns "auto" into a concrete implementation and logs the choice."""
   shape = f"q{tuple(q.shape)} {q.dtype}"
   impl = requested
   if requested == "auto":
     impl = "pallas" if on_gpu() else "xla"
-  if impl in ("pallas", "pallas-mosaic"):
+  if impl in PALLAS_IMPLS:
     ok, why = _pallas_support(q, k_slc, v_slc, cfg)
     if not ok:
       level = logging.WARNING if on_gpu() or requested != "auto" else logging.INFO
       log_once(level, f"NSA falls back to the plain-JAX path for {shape}: {why}")
       impl = "xla"
-  if impl not in ("pallas", "pallas-mosaic", "xla", "reference"):
-    raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'pallas-mosaic', 'xla' "
-                     "or 'reference'")
+  if impl not in PALLAS_IMPLS + ("xla", "reference"):
+    raise ValueError(f"implementation={impl!r}: expected 'auto', 'pallas', 'pallas-triton', "
+                     "'pallas-mosaic', 'xla' or 'reference'")
   log_once(logging.INFO,
            f"NSA attention implementation: {impl} for {shape} on {jax.default_backend()}")
   return impl
@@ -154,15 +160,16 @@ def _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids):
 
 
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-                return_aux, block_idx=None, mosaic=False):
+                return_aux, block_idx=None, kernels="auto"):
   from pallas_kernels.compress_attention import compress_attention
   from pallas_kernels.select_attention import select_attention as select_kernel
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
   reference.check_block_idx(block_idx, q, cfg)
   # Off the GPU the same kernels run in Pallas' interpreter (slow; for tests).
   interpret = not on_gpu()
-  cmp_be, slc_be = (_mosaic_backends(q, k_slc, v_slc, cfg, segment_ids) if mosaic
-                    else ("triton", "triton"))
+  cmp_be, slc_be = {"mosaic": lambda: _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids),
+                    "triton": lambda: ("triton", "triton"),
+                    "auto": lambda: ("triton", "auto")}[kernels]()
   outs, aux = {}, {}
   want_idx = "slc" in cfg.branches
   # Like the reference, the compression branch also runs when it only feeds the NSA selector
@@ -239,8 +246,10 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
   """The whole NSA op. Shapes as in `nsa_jax.reference.nsa_attention` (block_idx: selector="aux"
   only, the blocks its gate chose).
 
-  implementation: None (use cfg.implementation), "auto", "pallas", "pallas-mosaic" (experimental
-    Mosaic GPU selection and compression kernels where they apply), "xla" or "reference".
+  implementation: None (use cfg.implementation), "auto" (GPU: "pallas", else "xla"), "pallas"
+    (the selection's backend picked per shape from H200 measurements, select_attention.auto_backend),
+    "pallas-triton" (Triton kernels only), "pallas-mosaic" (Mosaic GPU selection and compression
+    kernels wherever they apply), "xla" or "reference".
   Under a mesh in context it runs per device (module docstring); return_aux=True runs unsharded.
   """
   with jax.named_scope("nsa_attention"):  # names the op in HLO metadata (collectives report)
@@ -284,7 +293,8 @@ def _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_
     from nsa_jax import xla
     return xla.nsa_attention(*args, **kw)
   return _pallas_nsa(*args, segment_ids, scale, return_aux, block_idx,
-                     mosaic=impl == "pallas-mosaic")
+                     kernels={"pallas": "auto", "pallas-triton": "triton",
+                              "pallas-mosaic": "mosaic"}[impl])
 
 
 def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"):

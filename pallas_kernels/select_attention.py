@@ -181,8 +181,7 @@ _select.defvjp(_select_fwd, _select_bwd)
 
 # Experimental: the Mosaic GPU (TMA + wgmma) forward, dq and (G >= 8) dK/dV partials over the inverse
 # lists, summed by the Triton reduce kernel in a fixed order (G = 4: the Triton dK/dV)
-# (select_attention_mgpu.py; speed on the H200 not measured yet, so only an explicit
-# backend="mosaic" runs it).
+# (select_attention_mgpu.py; backend="auto" picks it where it was measured faster).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _select_mosaic(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
                    deterministic):
@@ -200,7 +199,14 @@ def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_s
 
 def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, res, cts):
   q, k, v, block_idx, seg, maps, o, lse = res
-  do, dlse = cts
+  return _mosaic_backward(q, k, v, block_idx, seg, maps, o, lse, *cts, block_size=block_size,
+                          scale=scale, tiling=tiling, has_seg=has_seg, interpret=interpret,
+                          deterministic=deterministic) + (None, None)
+
+
+def _mosaic_backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_size, scale, tiling,
+                     has_seg, interpret, deterministic):
+  """(dq, dk, dv): Mosaic GPU dq, and dK/dV from the Mosaic partials (G >= 8) or Triton."""
   delta = bwd.delta_of(o, do, dlse)
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
@@ -215,7 +221,7 @@ def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, determinis
     dk, dv = bwd._dkv(q, k, v, block_idx, seg, do, lse, delta, block_size=block_size, scale=scale,
                       tiling=tiling, has_seg=has_seg, interpret=interpret,
                       deterministic=deterministic)
-  return dq, dk, dv, None, None
+  return dq, dk, dv
 
 
 _select_mosaic.defvjp(_select_mosaic_fwd, _select_mosaic_bwd)
@@ -224,34 +230,49 @@ _select_mosaic.defvjp(_select_mosaic_fwd, _select_mosaic_bwd)
 # The automatic choice (no tiling given, G >= 16): `tilings` = (per-token, 4-token union). The
 # choice is made once in the forward (lax.cond on the lists' mean 4-token union) and saved as a
 # residual; the backward takes the same branch, rebuilding its index maps rather than saving them.
+# `union_backend` "mosaic" runs the union branch with the Mosaic GPU kernels (G = 16: their 64-row
+# tile is the same 4 tokens; see auto_backend for where that is faster).
 # Cost, H200, T=64k, 192/128: the selection's fwd+bwd temporaries are 1.45 GiB against 0.44 GiB
 # with a fixed tile (1.47 GiB with the lax.cond around two _select calls instead): the compiled
 # program keeps buffers for both branches' kernels.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
 def _select_auto(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
-                 deterministic):
+                 deterministic, union_backend="triton"):
   return _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
-                          deterministic)[0]
+                          deterministic, union_backend)[0]
 
 
 def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
-                     deterministic):
+                     deterministic, union_backend="triton"):
   del deterministic
   use_union = C.use_union(block_idx)
   run = lambda til: forward(q, k, v, seg, C.tile_maps(block_idx, til), block_size=block_size,
                             scale=scale, tiling=til, has_seg=has_seg, interpret=interpret)
-  o, lse = lax.cond(use_union, lambda: run(tilings[1]), lambda: run(tilings[0]))
+  if union_backend == "mosaic":
+    run_union = lambda: mgpu.forward(q, k, v, C.tile_maps(block_idx, tilings[1]),
+                                     block_size=block_size, scale=scale, interpret=interpret)
+  else:
+    run_union = lambda: run(tilings[1])
+  o, lse = lax.cond(use_union, run_union, lambda: run(tilings[0]))
   return (o, lse), (q, k, v, block_idx, seg, o, lse, use_union)
 
 
-def _select_auto_bwd(block_size, scale, tilings, has_seg, interpret, deterministic, res, cts):
+def _select_auto_bwd(block_size, scale, tilings, has_seg, interpret, deterministic, union_backend,
+                     res, cts):
   q, k, v, block_idx, seg, o, lse, use_union = res
   do, dlse = cts
+  kw = dict(block_size=block_size, scale=scale, has_seg=has_seg, interpret=interpret,
+            deterministic=deterministic)
   run = lambda til: bwd.backward(q, k, v, block_idx, seg, C.tile_maps(block_idx, til), o, lse, do,
-                                 dlse, block_size=block_size, scale=scale, tiling=til,
-                                 has_seg=has_seg, interpret=interpret, deterministic=deterministic)
-  dq, dk, dv = lax.cond(use_union, lambda: run(tilings[1]), lambda: run(tilings[0]))
+                                 dlse, tiling=til, **kw)
+  if union_backend == "mosaic":
+    run_union = lambda: _mosaic_backward(q, k, v, block_idx, seg,
+                                         C.tile_maps(block_idx, tilings[1]), o, lse, do, dlse,
+                                         tiling=tilings[1], **kw)
+  else:
+    run_union = lambda: run(tilings[1])
+  dq, dk, dv = lax.cond(use_union, run_union, lambda: run(tilings[0]))
   return dq, dk, dv, None, None
 
 
@@ -262,8 +283,8 @@ _select_auto.defvjp(_select_auto_fwd, _select_auto_bwd)
 
 def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
   """(ok, reason): whether `backend` handles these shapes."""
-  if backend not in BACKENDS:
-    return False, f"unknown backend {backend!r}; known: {sorted(BACKENDS)}"
+  if backend not in BACKENDS and backend != "auto":
+    return False, f"unknown backend {backend!r}; known: {sorted(BACKENDS) + ['auto']}"
   b, t, h, dk = q_shape
   if k_shape[:2] != (b, t) or v_shape[:3] != k_shape[:3] or k_shape[3] != dk:
     return False, f"k {k_shape} / v {v_shape} do not match q {q_shape}"
@@ -283,8 +304,36 @@ def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
   return True, "ok"
 
 
-# name -> differentiable implementation. "mosaic": experimental Mosaic GPU forward (Hopper), see
-# select_attention_mgpu.py; not chosen automatically until measured faster on the H200.
+# Where the automatic choice (backend="auto") runs the Mosaic GPU kernels: measured on the H200
+# (benchmarks/results/select_h200_mosaic8k.md, select_h200_mosaic.md, 2026-11-30). Head dims 64
+# (the 8k training layer, 16 query heads): G = 16 fwd 1.42 vs 1.63 ms (clustered), 2.48 vs 2.59
+# (random), bwd 4.01 vs 4.15 / 4.89 vs 5.33; G = 4 fwd 2.75 vs 3.70 / 4.96 vs 6.43, bwd 5.20 vs
+# 6.13 / 7.38 vs 9.01. Head dims 128 (T=64k, 64 query heads): G = 16 Triton is faster (fwd 8.68 vs
+# 9.18 ms clustered, bwd 21.7 vs 27.4) and G = 4 depends on the pattern (Mosaic 15.9 vs 21.5 ms
+# clustered, 74.1 vs 52.7 random), so Triton stays there. G = 8 / 32 / 64 and d = 192 or 256 are
+# not measured with Mosaic: Triton.
+MOSAIC_AUTO_GROUPS = (4, 16)
+MOSAIC_AUTO_MAX_DIM = 64
+
+
+def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpret):
+  """(backend, why) for backend="auto": "mosaic" where the Mosaic GPU kernels were measured faster
+  on the H200 (compiled only; G = 16 keeps the per-token Triton tile for calls whose neighbouring
+  tokens share few blocks, see _select_auto), else "triton"."""
+  if interpret:
+    return "triton", "interpreted (no GPU): the Triton kernels"
+  ok, why = mgpu.supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
+  if not ok:
+    return "triton", f"Mosaic GPU does not apply: {why}"
+  g, dk, dv = q_shape[2] // k_shape[2], q_shape[3], v_shape[3]
+  if g not in MOSAIC_AUTO_GROUPS or max(dk, dv) > MOSAIC_AUTO_MAX_DIM:
+    return "triton", (f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster only for G in "
+                      f"{MOSAIC_AUTO_GROUPS} with head dims <= {MOSAIC_AUTO_MAX_DIM}")
+  return "mosaic", f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster on the H200"
+
+
+# name -> differentiable implementation. "mosaic": the Mosaic GPU kernels (Hopper), see
+# select_attention_mgpu.py; backend="auto" picks between the two (auto_backend).
 BACKENDS = {"triton": _select, "mosaic": _select_mosaic}
 
 
@@ -314,6 +363,14 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     raise ValueError(f"block_idx {block_idx.shape} must be [B, T, K, n] = {k.shape[:3]} + (n,)")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}): cast them to one")
+  union_backend = "triton"
+  if backend == "auto":
+    backend, why = ("triton", "a tiling was given") if tiling is not None else auto_backend(
+        q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype, interpret)
+    C.log_once(("auto", backend, q.shape, k.shape, v.shape), "select_attention: auto backend %s "
+               "for q=%s k=%s v=%s (%s)", backend, q.shape, k.shape, v.shape, why)
+    if backend == "mosaic" and C.clustered_tiling(g, block_size) == mgpu.tiling_for(g, block_size):
+      backend, union_backend = "triton", "mosaic"  # the union branch of _select_auto
   # No tiling given, G >= 16: the call picks, from the block lists themselves, the 4-token union
   # tile when neighbouring tokens share most blocks and the per-token tile otherwise (lax.cond; both
   # are exact, C.UNION_SWITCH says where they cross on the H200; see _select_auto).
@@ -341,9 +398,9 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
              "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s%s interpret=%s",
              backend, q.shape, k.shape, v.shape, n, block_size, tiling,
              "" if union is None else (f"; when 4-token tiles average <= {C.UNION_SWITCH * n:g} "
-                                       f"distinct blocks: {union}"), interpret)
+                                       f"distinct blocks: {union_backend} {union}"), interpret)
   if union is None:
     return BACKENDS[backend](q, k, v, idx, seg, block_size, scale, tiling, has_seg, interpret,
                              deterministic)
   return _select_auto(q, k, v, idx, seg, block_size, scale, (tiling, union), has_seg, interpret,
-                      deterministic)
+                      deterministic, union_backend)

@@ -24,6 +24,9 @@
 #          (bench_nsa --sweep_parts mosaic); ~1 min.
 # mosaicnsa  the whole op with implementation="pallas-mosaic" vs cuDNN: 64k and 8k at 192/128,
 #          and the 8k training layer shape with a profile (compare with nsa / train8k); ~3 min.
+# auto8k   the whole op at the 8k training layer shape (16/1 heads, 64/64, batch 8) with
+#          implementation "pallas" (selection backend picked per shape: Mosaic GPU there) against
+#          "pallas-triton", with a compiled check of each; ~2 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -78,6 +81,12 @@ mosaicnsa() {
     --dims 192/128 --breakdown_T '' --iters 5 --out "$OUT/mosaicnsa"
   timeout 150 python3 -m experiments.bench_nsa --impl pallas-mosaic --heads 16/1 --dims 64/64 \
     --batch 8 --T 8192 --breakdown_T '' --profile_T 8192 --iters 10 --out "$OUT/mosaicnsa8k"
+}
+auto8k() {
+  for impl in pallas pallas-triton; do
+    timeout 150 python3 -m experiments.bench_nsa --impl $impl --check --heads 16/1 --dims 64/64 \
+      --batch 8 --T 8192 --breakdown_T '' --iters 10 --out "$OUT/auto8k_$impl"
+  done
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \

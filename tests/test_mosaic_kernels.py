@@ -271,3 +271,78 @@ def test_whole_op_pallas_mosaic_matches_reference(caplog):
   with caplog.at_level(logging.INFO, logger="nsa_jax"):
     jax.eval_shape(lambda *a: run("pallas-mosaic", a, seg), *args)
   assert "select branch: Triton" in caplog.text and "segment ids" in caplog.text
+
+
+# ----------------------------------------------------------------------------- automatic choice
+
+def test_auto_backend_rule():
+  """select_attention(backend="auto") picks Mosaic GPU exactly where it was measured faster on the
+  H200 (compiled, G in (4, 16), head dims <= 64) and says why otherwise."""
+  from pallas_kernels.select_attention import auto_backend
+  bf = jnp.bfloat16
+  shapes = lambda h, kh, dk, dv: ((1, 512, h, dk), (1, 512, kh, dk), (1, 512, kh, dv))
+  assert auto_backend(*shapes(16, 1, 64, 64), 64, False, bf, False)[0] == "mosaic"
+  assert auto_backend(*shapes(16, 4, 64, 64), 64, False, bf, False)[0] == "mosaic"
+  for args, why in [((shapes(16, 1, 64, 64), 64, False, bf, True), "interpreted"),
+                    ((shapes(16, 1, 128, 128), 64, False, bf, False), "head dims <= 64"),
+                    ((shapes(16, 2, 64, 64), 64, False, bf, False), "G=8"),
+                    ((shapes(16, 1, 64, 64), 64, True, bf, False), "segment ids"),
+                    ((shapes(16, 1, 64, 64), 32, False, bf, False), "l' = 64"),
+                    ((shapes(16, 1, 64, 64), 64, False, jnp.float32, False), "bfloat16")]:
+    be, reason = auto_backend(*args[0], *args[1:])
+    assert be == "triton" and why in reason, (args, be, reason)
+
+
+def test_auto_union_branch_on_mosaic_matches_reference():
+  """G = 16: backend="auto" keeps the lax.cond between the per-token Triton tile and the 4-token
+  union tile, the latter on the Mosaic GPU kernels (here in the interpreter, reached through
+  _select_auto directly since auto picks Triton when interpreted): forward and gradients."""
+  from pallas_kernels import select_attention as sk
+  b, t, h, kh, dk, dv, n = 1, 200, 16, 1, 64, 64, 4
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  assert bool(C.use_union(idx)), "T=200 has 4 blocks: every 4-token tile's union is small"
+  g = h // kh
+  tilings = (C.default_tiling(g, 64), C.clustered_tiling(g, 64))
+  assert tilings[1] == mgpu.tiling_for(g, 64)
+  seg = jnp.zeros((b, t), jnp.int32)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+
+  def loss(fn, q, k, v):
+    o, lse = fn(q, k, v)
+    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
+
+  ours = lambda q, k, v: sk._select_auto(q, k, v, idx, seg, 64, dk ** -0.5, tilings, False,
+                                         INTERPRET, True, "mosaic")
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
+  o, _ = ours(q, k, v)
+  np.testing.assert_allclose(f32(o), theirs(f32(q), f32(k), f32(v))[0], atol=TOL, rtol=TOL)
+  gr = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, k, v)
+  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(k), f32(v))
+  for name, a, r in zip("qkv", gr, rg):
+    scale = float(jnp.max(jnp.abs(r)))
+    assert float(jnp.max(jnp.abs(f32(a) - r))) <= TOL * max(scale, 1.0), f"d{name}"
+
+
+@pytest.mark.parametrize("kh", [1, 4], ids=["G16_cond", "G4_mosaic"])
+def test_auto_lowers_for_cuda(kh):
+  """value_and_grad of backend="auto" at d = 64 lowers for CUDA with the Mosaic GPU kernels in it
+  (G = 16: beside the per-token Triton kernels of the other lax.cond branch)."""
+  import re
+  b, t, h, n, d = 1, 300, 16, 16, 64
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, t, h, d), jnp.bfloat16), sd((b, t, kh, d), jnp.bfloat16),
+          sd((b, t, kh, d), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
+
+  def f(q, k, v, idx):
+    def loss(q, k, v):
+      o, lse = select_attention(q, k, v, idx, 64, backend="auto")
+      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+  per_token = re.search(r"nsa_select_(fwd|dq)", text) is not None
+  assert per_token == (kh == 1), "G = 16 keeps the per-token Triton branch; G = 4 is all Mosaic"
