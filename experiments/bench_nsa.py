@@ -429,6 +429,7 @@ def main(argv=None):
     except Exception as e:  # e.g. a kernel that does not compile: record it, time the rest
       res = dict(impl=IMPL, failed=f"{type(e).__name__}: {str(e)[:600]}")
     print("CHECK", json.dumps(res), flush=True)
+    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "nsa_check.json"), "w") as f:
       json.dump(res, f, indent=1)
   if a.profile_T:

@@ -159,6 +159,20 @@ def _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids):
   return tuple(out)
 
 
+def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
+  """Logs which selection kernels implementation="pallas" runs (select_attention.auto_backend)
+  and returns "auto" for select_attention to apply the same choice."""
+  from pallas_kernels import select_attention as sk
+  be, why = sk.auto_backend(q.shape, k_slc.shape, v_slc.shape, cfg.sel_block,
+                            segment_ids is not None, q.dtype, interpret)
+  g = cfg.num_heads // cfg.num_kv_heads
+  what = ("Mosaic GPU" + (" (4-token union tiles; the per-token Triton tile when a call's "
+                          "neighbouring tokens share few blocks)" if g >= 16 else "")
+          if be == "mosaic" else "Triton")
+  log_once(logging.INFO, f"NSA select branch: {what} kernels for q{tuple(q.shape)}: {why}")
+  return "auto"
+
+
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
                 return_aux, block_idx=None, kernels="auto"):
   from pallas_kernels.compress_attention import compress_attention
@@ -169,7 +183,9 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   interpret = not on_gpu()
   cmp_be, slc_be = {"mosaic": lambda: _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids),
                     "triton": lambda: ("triton", "triton"),
-                    "auto": lambda: ("triton", "auto")}[kernels]()
+                    "auto": lambda: ("triton", _auto_select_backend(q, k_slc, v_slc, cfg,
+                                                                    segment_ids, interpret))
+                    }[kernels]()
   outs, aux = {}, {}
   want_idx = "slc" in cfg.branches
   # Like the reference, the compression branch also runs when it only feeds the NSA selector

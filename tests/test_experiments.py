@@ -398,12 +398,14 @@ def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
   sweep = json.load(open(tmp_path / "nsa_sweep.json"))
   assert [name for name, _, _ in sweep] == ["cmp triton", "cmp mosaic-gpu fwd"]
   assert all(f > 0 and math.isfinite(fb) for _, f, fb in sweep)
-  # --impl pallas-mosaic: the whole op and its check against the plain-JAX path
+  # --impl pallas-mosaic: the whole op and its check against the plain-JAX path, into a folder
+  # that does not exist yet (the check writes first)
+  out = tmp_path / "new"
   bench_nsa.main(["--T", "128", "--breakdown_T", "", "--check", "--heads", "16/1", "--dims",
-                  "64/64", "--iters", "1", "--impl", "pallas-mosaic", "--out", str(tmp_path)])
-  recs = json.load(open(tmp_path / "nsa_h200.json"))
+                  "64/64", "--iters", "1", "--impl", "pallas-mosaic", "--out", str(out)])
+  recs = json.load(open(out / "nsa_h200.json"))
   assert {(r["op"], r["impl"]) for r in recs} == {("nsa", "pallas-mosaic")}
-  chk = json.load(open(tmp_path / "nsa_check.json"))
+  chk = json.load(open(out / "nsa_check.json"))
   assert chk["impl"] == "pallas-mosaic" and chk["nsa_o_relerr"] < 3e-2, chk
 
 
