@@ -22,6 +22,7 @@
 #          grows with it).
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
+# impl8    NSA at 8k x 8, implementation=pallas-mosaic (GPU 0) vs pallas (GPU 1), CTX_STEPS steps.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
 #          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
@@ -111,6 +112,21 @@ context_pair() {  # context_pair <seq_len> <batch>
 }
 
 context8() { context_pair 8192 8; }
+impl8() {  # NSA at 8k x 8 with two kernel implementations side by side (IMPL_A on GPU 0, IMPL_B
+  # on GPU 1; default pallas-mosaic vs pallas), CTX_STEPS steps: the training throughput of each
+  local a=${IMPL_A:-pallas-mosaic} b=${IMPL_B:-pallas} i=0 impl
+  local f="--config.data.seq_len=8192 --config.model.max_seq_len=8192 --config.data.global_batch_size=8
+    --config.train.stop_after=${CTX_STEPS:-20} --config.train.log_every=${CTX_LOG:-5}
+    --config.train.eval_every=100000"
+  for impl in $a $b; do
+    CUDA_VISIBLE_DEVICES=$i timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
+      --workdir=$T/impl8/$impl --config.model.nsa.implementation=$impl $f \
+      > "$R/impl8_$impl.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait_runs
+  for impl in $a $b; do keep "$T/impl8/$impl" "impl8_$impl"; done
+}
 context16() { context_pair 16384 4; }
 context32() { context_pair 32768 2; }
 
