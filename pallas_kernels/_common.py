@@ -129,10 +129,13 @@ def mean_union(block_idx, tq, max_tiles=512):
   return jnp.mean(jnp.sum(new, axis=-1).astype(jnp.float32))
 
 
-def use_union(block_idx):
-  """The automatic choice for G >= 16 (a traced bool): whether these block lists [B, T, K, n] get the
-  4-token union tile (`clustered_tiling`) rather than the per-token one."""
-  return mean_union(block_idx, UNION_TOKENS) <= UNION_SWITCH * block_idx.shape[-1]
+def use_union(block_idx, switch=None):
+  """The automatic choice (a traced bool): whether these block lists [B, T, K, n] get the union
+  tile rather than the other one. switch = (tokens, factor): union when tiles of `tokens`
+  consecutive tokens average <= factor * n distinct blocks; default (UNION_TOKENS, UNION_SWITCH),
+  G >= 16's 4-token union tile (`clustered_tiling`) against the per-token one."""
+  tokens, factor = switch or (UNION_TOKENS, UNION_SWITCH)
+  return mean_union(block_idx, tokens) <= factor * block_idx.shape[-1]
 
 
 def rows_of(g, tq):

@@ -231,22 +231,23 @@ _select_mosaic.defvjp(_select_mosaic_fwd, _select_mosaic_bwd)
 # choice is made once in the forward (lax.cond on the lists' mean 4-token union) and saved as a
 # residual; the backward takes the same branch, rebuilding its index maps rather than saving them.
 # `union_backend` "mosaic" runs the union branch with the Mosaic GPU kernels (G = 16: their 64-row
-# tile is the same 4 tokens; see auto_backend for where that is faster).
+# tile is the same 4 tokens; G = 4: the other branch is Triton's 4-token tile and the union branch
+# Mosaic's 16-token one, `switch` = (16, MOSAIC_G4_SWITCH); see auto_backend).
 # Cost, H200, T=64k, 192/128: the selection's fwd+bwd temporaries are 1.45 GiB against 0.44 GiB
 # with a fixed tile (1.47 GiB with the lax.cond around two _select calls instead): the compiled
 # program keeps buffers for both branches' kernels.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
 def _select_auto(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
-                 deterministic, union_backend="triton"):
+                 deterministic, union_backend="triton", switch=None):
   return _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
-                          deterministic, union_backend)[0]
+                          deterministic, union_backend, switch)[0]
 
 
 def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_seg, interpret,
-                     deterministic, union_backend="triton"):
+                     deterministic, union_backend="triton", switch=None):
   del deterministic
-  use_union = C.use_union(block_idx)
+  use_union = C.use_union(block_idx, switch)
   run = lambda til: forward(q, k, v, seg, C.tile_maps(block_idx, til), block_size=block_size,
                             scale=scale, tiling=til, has_seg=has_seg, interpret=interpret)
   if union_backend == "mosaic":
@@ -259,7 +260,8 @@ def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_se
 
 
 def _select_auto_bwd(block_size, scale, tilings, has_seg, interpret, deterministic, union_backend,
-                     res, cts):
+                     switch, res, cts):
+  del switch  # the forward's choice is a residual
   q, k, v, block_idx, seg, o, lse, use_union = res
   do, dlse = cts
   kw = dict(block_size=block_size, scale=scale, has_seg=has_seg, interpret=interpret,
@@ -309,26 +311,32 @@ def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
 # (the 8k training layer, 16 query heads): G = 16 fwd 1.42 vs 1.63 ms (clustered), 2.48 vs 2.59
 # (random), bwd 4.01 vs 4.15 / 4.89 vs 5.33; G = 4 fwd 2.75 vs 3.70 / 4.96 vs 6.43, bwd 5.20 vs
 # 6.13 / 7.38 vs 9.01. Head dims 128 (T=64k, 64 query heads): G = 16 Triton is faster (fwd 8.68 vs
-# 9.18 ms clustered, bwd 21.7 vs 27.4) and G = 4 depends on the pattern (Mosaic 15.9 vs 21.5 ms
-# clustered, 74.1 vs 52.7 random), so Triton stays there. G = 8 / 32 / 64 and d = 192 or 256 are
-# not measured with Mosaic: Triton.
-MOSAIC_AUTO_GROUPS = (4, 16)
-MOSAIC_AUTO_MAX_DIM = 64
+# 9.18 ms clustered, bwd 21.7 vs 27.4), so Triton stays there; G = 4 depends on the pattern
+# (below). G = 8 / 32 / 64 and d = 192 or 256 are not measured with Mosaic: Triton.
+#
+# G = 4 (d <= 128) is decided per call from the block lists: Mosaic's 16-token tile walks the
+# union of 16 tokens' lists. H200, 64k: "clustered" (16-token tiles average 30.0 distinct blocks)
+# Mosaic 15.86 ms vs Triton 21.49, "random" (157.5) 74.09 vs 52.65; linear in between they cross
+# near 79.5 = ~5 n (n = 16): Mosaic when 16-token tiles average <= MOSAIC_G4_SWITCH * n. At d = 64,
+# 8k both patterns (25.5 and 59.7 distinct blocks) were Mosaic wins, consistent with that switch.
+MOSAIC_AUTO_MAX_DIM = {16: 64, 4: 128}  # G -> largest head dim where the rule applies
+MOSAIC_G4_SWITCH = 5.0
 
 
 def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpret):
   """(backend, why) for backend="auto": "mosaic" where the Mosaic GPU kernels were measured faster
-  on the H200 (compiled only; G = 16 keeps the per-token Triton tile for calls whose neighbouring
-  tokens share few blocks, see _select_auto), else "triton"."""
+  on the H200 (compiled only; each keeps a lax.cond to a Triton tile for block lists that
+  neighbouring tokens share little, see _select_auto), else "triton"."""
   if interpret:
     return "triton", "interpreted (no GPU): the Triton kernels"
   ok, why = mgpu.supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
   if not ok:
     return "triton", f"Mosaic GPU does not apply: {why}"
   g, dk, dv = q_shape[2] // k_shape[2], q_shape[3], v_shape[3]
-  if g not in MOSAIC_AUTO_GROUPS or max(dk, dv) > MOSAIC_AUTO_MAX_DIM:
-    return "triton", (f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster only for G in "
-                      f"{MOSAIC_AUTO_GROUPS} with head dims <= {MOSAIC_AUTO_MAX_DIM}")
+  if max(dk, dv) > MOSAIC_AUTO_MAX_DIM.get(g, 0):
+    return "triton", (f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster only for "
+                      + ", ".join(f"G={gg} with head dims <= {d}"
+                                  for gg, d in MOSAIC_AUTO_MAX_DIM.items()))
   return "mosaic", f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster on the H200"
 
 
@@ -363,18 +371,21 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     raise ValueError(f"block_idx {block_idx.shape} must be [B, T, K, n] = {k.shape[:3]} + (n,)")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}): cast them to one")
-  union_backend = "triton"
+  union_backend, switch, union = "triton", None, None
   if backend == "auto":
     backend, why = ("triton", "a tiling was given") if tiling is not None else auto_backend(
         q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype, interpret)
     C.log_once(("auto", backend, q.shape, k.shape, v.shape), "select_attention: auto backend %s "
                "for q=%s k=%s v=%s (%s)", backend, q.shape, k.shape, v.shape, why)
-    if backend == "mosaic" and C.clustered_tiling(g, block_size) == mgpu.tiling_for(g, block_size):
-      backend, union_backend = "triton", "mosaic"  # the union branch of _select_auto
+    if backend == "mosaic":  # the union branch of _select_auto runs Mosaic's 64-row tile
+      backend, union_backend, union = "triton", "mosaic", mgpu.tiling_for(g, block_size)
+      if C.clustered_tiling(g, block_size) != union:  # G = 4: 16-token tiles vs Triton's 4
+        switch = (union.tokens_per_tile, MOSAIC_G4_SWITCH)
   # No tiling given, G >= 16: the call picks, from the block lists themselves, the 4-token union
   # tile when neighbouring tokens share most blocks and the per-token tile otherwise (lax.cond; both
   # are exact, C.UNION_SWITCH says where they cross on the H200; see _select_auto).
-  union = C.clustered_tiling(g, block_size) if tiling is None and backend == "triton" else None
+  if union is None and tiling is None and backend == "triton":
+    union = C.clustered_tiling(g, block_size)
   if backend == "mosaic":
     ok, why = mgpu.supports(q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype)
     if not ok:
@@ -397,10 +408,12 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
               interpret),
              "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s%s interpret=%s",
              backend, q.shape, k.shape, v.shape, n, block_size, tiling,
-             "" if union is None else (f"; when 4-token tiles average <= {C.UNION_SWITCH * n:g} "
-                                       f"distinct blocks: {union_backend} {union}"), interpret)
+             "" if union is None else (
+                 f"; when {(switch or (C.UNION_TOKENS,))[0]}-token tiles average <= "
+                 f"{(switch or (0, C.UNION_SWITCH))[1] * n:g} distinct blocks: {union_backend} "
+                 f"{union}"), interpret)
   if union is None:
     return BACKENDS[backend](q, k, v, idx, seg, block_size, scale, tiling, has_seg, interpret,
                              deterministic)
   return _select_auto(q, k, v, idx, seg, block_size, scale, (tiling, union), has_seg, interpret,
-                      deterministic, union_backend)
+                      deterministic, union_backend, switch)

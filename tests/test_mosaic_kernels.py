@@ -277,14 +277,16 @@ def test_whole_op_pallas_mosaic_matches_reference(caplog):
 
 def test_auto_backend_rule():
   """select_attention(backend="auto") picks Mosaic GPU exactly where it was measured faster on the
-  H200 (compiled, G in (4, 16), head dims <= 64) and says why otherwise."""
+  H200 (compiled; G = 16 with head dims <= 64, G = 4 with head dims <= 128) and says why otherwise."""
   from pallas_kernels.select_attention import auto_backend
   bf = jnp.bfloat16
   shapes = lambda h, kh, dk, dv: ((1, 512, h, dk), (1, 512, kh, dk), (1, 512, kh, dv))
   assert auto_backend(*shapes(16, 1, 64, 64), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 4, 64, 64), 64, False, bf, False)[0] == "mosaic"
+  assert auto_backend(*shapes(16, 4, 128, 128), 64, False, bf, False)[0] == "mosaic"
   for args, why in [((shapes(16, 1, 64, 64), 64, False, bf, True), "interpreted"),
                     ((shapes(16, 1, 128, 128), 64, False, bf, False), "head dims <= 64"),
+                    ((shapes(16, 4, 192, 128), 64, False, bf, False), "head dims <= 128"),
                     ((shapes(16, 2, 64, 64), 64, False, bf, False), "G=8"),
                     ((shapes(16, 1, 64, 64), 64, True, bf, False), "segment ids"),
                     ((shapes(16, 1, 64, 64), 32, False, bf, False), "l' = 64"),
@@ -293,18 +295,26 @@ def test_auto_backend_rule():
     assert be == "triton" and why in reason, (args, be, reason)
 
 
-def test_auto_union_branch_on_mosaic_matches_reference():
-  """G = 16: backend="auto" keeps the lax.cond between the per-token Triton tile and the 4-token
-  union tile, the latter on the Mosaic GPU kernels (here in the interpreter, reached through
-  _select_auto directly since auto picks Triton when interpreted): forward and gradients."""
+AUTO_CASES = [(1, None, True), (4, (16, 5.0), True), (4, (16, 0.0), False)]
+
+
+@pytest.mark.parametrize("kh,switch,mosaic", AUTO_CASES,
+                         ids=["G16_mosaic_union", "G4_mosaic_union", "G4_triton_branch"])
+def test_auto_cond_matches_reference(kh, switch, mosaic):
+  """backend="auto" where Mosaic GPU applies: a lax.cond between a Triton tile and Mosaic's 64-row
+  union tile (G = 16: the per-token tile vs 4 tokens; G = 4: Triton's 4-token tile vs 16 tokens,
+  switched on the 16-token tiles' mean union; a 0 switch takes the Triton branch). Here in the
+  interpreters, reached through _select_auto directly since auto picks Triton when interpreted:
+  forward and gradients against the reference."""
   from pallas_kernels import select_attention as sk
-  b, t, h, kh, dk, dv, n = 1, 200, 16, 1, 64, 64, 4
+  b, t, h, dk, dv, n = 1, 200, 16, 64, 64, 4
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
-  assert bool(C.use_union(idx)), "T=200 has 4 blocks: every 4-token tile's union is small"
+  assert bool(C.use_union(idx, switch)) == mosaic, "T=200 has 4 blocks: unions are small"
   g = h // kh
-  tilings = (C.default_tiling(g, 64), C.clustered_tiling(g, 64))
-  assert tilings[1] == mgpu.tiling_for(g, 64)
+  tilings = (C.default_tiling(g, 64), mgpu.tiling_for(g, 64))
+  if g == 16:
+    assert C.clustered_tiling(g, 64) == tilings[1]
   seg = jnp.zeros((b, t), jnp.int32)
   dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
 
@@ -313,7 +323,7 @@ def test_auto_union_branch_on_mosaic_matches_reference():
     return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
 
   ours = lambda q, k, v: sk._select_auto(q, k, v, idx, seg, 64, dk ** -0.5, tilings, False,
-                                         INTERPRET, True, "mosaic")
+                                         INTERPRET, True, "mosaic", switch)
   theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
   o, _ = ours(q, k, v)
   np.testing.assert_allclose(f32(o), theirs(f32(q), f32(k), f32(v))[0], atol=TOL, rtol=TOL)
@@ -324,10 +334,11 @@ def test_auto_union_branch_on_mosaic_matches_reference():
     assert float(jnp.max(jnp.abs(f32(a) - r))) <= TOL * max(scale, 1.0), f"d{name}"
 
 
-@pytest.mark.parametrize("kh", [1, 4], ids=["G16_cond", "G4_mosaic"])
+@pytest.mark.parametrize("kh", [1, 4], ids=["G16_cond", "G4_cond"])
 def test_auto_lowers_for_cuda(kh):
-  """value_and_grad of backend="auto" at d = 64 lowers for CUDA with the Mosaic GPU kernels in it
-  (G = 16: beside the per-token Triton kernels of the other lax.cond branch)."""
+  """value_and_grad of backend="auto" at d = 64 lowers for CUDA with the Mosaic GPU kernels in it,
+  beside the Triton kernels of the other lax.cond branch (G = 16: per-token tile, G = 4: 4-token
+  union tile)."""
   import re
   b, t, h, n, d = 1, 300, 16, 16, 64
   sd = jax.ShapeDtypeStruct
@@ -344,5 +355,4 @@ def test_auto_lowers_for_cuda(kh):
   with jax.sharding.use_abstract_mesh(mesh):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
-  per_token = re.search(r"nsa_select_(fwd|dq)", text) is not None
-  assert per_token == (kh == 1), "G = 16 keeps the per-token Triton branch; G = 4 is all Mosaic"
+  assert re.search(r"nsa_select_(fwd|dq)", text), "the Triton branch of the lax.cond is missing"
