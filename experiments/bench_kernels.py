@@ -24,6 +24,7 @@ import numpy as np
 
 from experiments import bench_common as bc
 from pallas_kernels import _common as kc
+from pallas_kernels import select_attention as sk
 from pallas_kernels import select_attention_mgpu
 from pallas_kernels.select_attention import select_attention
 
@@ -129,9 +130,21 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   q, k, v, do = make_qkv(jax.random.key(2), b, t, h, kh, dk, dv)
   idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
   g = h // kh
-  backend = "triton"
-  if tiling == "mosaic":  # the experimental Mosaic GPU forward (+ Triton backward), 64-row union
+  backend, switch = "triton", None
+  if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
+  elif tiling == "registry":  # backend="auto": what implementation="pallas" runs
+    backend, tiling = "auto", None
+    chosen, _ = sk.auto_backend(q.shape, k.shape, v.shape, bs, False, q.dtype, False)
+    if chosen == "mosaic":  # its lax.cond: Mosaic's union tile vs a Triton tile
+      union = select_attention_mgpu.tiling_for(g, bs)
+      if kc.clustered_tiling(g, bs) != union:
+        switch = (union.tokens_per_tile, sk.MOSAIC_G4_SWITCH)
+      took = bool(kc.use_union(idx, switch))
+      tiling = union if took else kc.default_tiling(g, bs)
+      impl_note += (f" (registry: {'mosaic' if took else 'triton'} branch, mean union "
+                    f"{float(kc.mean_union(idx, (switch or (kc.UNION_TOKENS,))[0])):.1f})")
+      backend = "mosaic" if took else "triton"  # for the label; the call passes backend="auto"
   auto, union = tiling is None, kc.clustered_tiling(g, bs)
   mean_union = float(kc.mean_union(idx, kc.UNION_TOKENS))
   if auto and union is not None and bool(kc.use_union(idx)):  # what the call will run
@@ -139,8 +152,11 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   elif auto:
     tiling = kc.default_tiling(g, bs)
     impl_note += f" (auto: mean union {mean_union:.1f})" if union is not None else ""
-  f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=None if auto else tiling,
-                                            deterministic=deterministic, backend=backend)[0]
+  call_backend, call_tiling = backend, None if auto else tiling
+  if "(registry:" in impl_note:
+    call_backend, call_tiling = "auto", None
+  f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=call_tiling,
+                                            deterministic=deterministic, backend=call_backend)[0]
   fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
@@ -226,16 +242,16 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
 
 
 def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128, 16),
-                        (1, 900, 16, 2, 64, 64, 16))):
+                        (1, 900, 16, 2, 64, 64, 16)), backend="mosaic"):
   """The compiled Mosaic GPU kernels (forward, dq, and dK/dV at G >= 8) vs the f32 reference, no
   segment ids; G = 16, 4 (Triton dK/dV) and 8. A case that fails to compile is reported, not
-  raised: the timings after it still run."""
+  raised: the timings after it still run. backend="auto": the registry's choice instead."""
   from nsa_jax import reference as ref
   f32 = lambda x: x.astype(jnp.float32)
   ok_all = True
   for b, t, h, kh, dk, dv, n in cases:
     for pattern in ("random", "clustered"):
-      label = f"check mosaic b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {pattern}"
+      label = f"check {backend} b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {pattern}"
       q, k, v, do = make_qkv(jax.random.key(t + h), b, t, h, kh, dk, dv)
       idx = index_pattern(jax.random.key(5), b, t, kh, n, 64, pattern)
 
@@ -245,7 +261,7 @@ def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128
           return jnp.sum(f32(o) * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
         return inner
       rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
-      kf = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic")
+      kf = lambda q, k, v: select_attention(q, k, v, idx, 64, backend=backend)
       try:
         (o1, l1), (o2, l2) = rf(q, k, v), jax.jit(kf)(q, k, v)
         g1 = jax.grad(loss(rf), (0, 1, 2))(q, k, v)
@@ -320,6 +336,8 @@ def plan_jobs(name, ts, groups, patterns, block):
     u4 = kc.clustered_tiling(16, block)
     return ([(t, 16, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", u4, None)]
             + [(t, 4, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", None)])
+  if name == "registry":  # what implementation="pallas" runs (backend="auto"), G=16 and 4
+    return [(t, g, p, "registry", True) for t in ts for g in groups for p in patterns]
   if name == "union4":  # G=16 "clustered": 4 tokens x 16 heads = 64-row tiles over the union
     r, d16 = dataclasses.replace, kc.default_tiling(16, block)
     return [(65536, 16, p, r(d16, tokens_per_tile=4, blocks_per_step=k), True)
@@ -334,7 +352,8 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic")
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | registry "
+                 "(registry: backend='auto', what implementation='pallas' runs)")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
   p.add_argument("--d", type=int, default=128)
@@ -346,7 +365,10 @@ def main(argv=None):
   a = p.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
-  if a.check and not (check_mosaic() if a.plan == "mosaic" else check_compiled()):
+  checks = {"mosaic": check_mosaic,
+            "registry": functools.partial(check_mosaic, backend="auto", cases=(
+                (1, 1001, 16, 1, 64, 64, 16), (2, 777, 16, 4, 128, 128, 16)))}
+  if a.check and not checks.get(a.plan, check_compiled)():
     print("CHECK FAILED", flush=True)
   if a.no_bench:
     return

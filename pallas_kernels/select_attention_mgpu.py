@@ -1,16 +1,18 @@
 """NSA selected-block and compression attention forwards as one Mosaic GPU kernel (Hopper: TMA
 copies, wgmma).
 
-Experimental backends `select_attention(..., backend="mosaic")` and
+Backends `select_attention(..., backend="mosaic")` and
 `compress_attention(..., backend="mosaic")`: these forwards; for the selection also a Mosaic GPU dq
 (same tiles, P recomputed from the saved lse) and, for G >= 8, Mosaic GPU dK/dV partials over the
 inverse selection lists (one work item = a block and a run of the queries that picked it; 64 query
 rows gathered per step, one copy per token), summed per block by the Triton reduce kernel in a
 fixed order (deterministic). G = 4's dK/dV and the compression backward stay Triton. Each backend
-is one custom VJP. Written 2026-11-30 without GPU time left: checked against the reference in
-Mosaic GPU's CPU interpreter and by lowering for CUDA, but their speed on the H200 is NOT measured
-yet, so nothing selects them automatically (`bash scripts/h200_kernels.sh mosaic mosaiccmp` is
-prepared for that measurement).
+is one custom VJP. Checked against the reference compiled on the H200 and in Mosaic GPU's CPU
+interpreter. On the H200 (2026-11-30, benchmarks/results/select_h200_mosaic*.md) the selection
+kernels beat the Triton ones at head dims 64 and at G = 4 with clustered lists, and lose at G = 16
+with head dims 128. select_attention(backend="auto") picks them where they won. The compression
+forward lost (19.7 vs 14.4 ms at 64k, 192/128) and is only used on request
+(implementation="pallas-mosaic").
 
 The compression branch runs the same loop over contiguous blocks of 64 compressed keys (key i is
 visible to position p iff i*d + l - 1 <= p), up to the last block its tile's last token sees.

@@ -16,17 +16,21 @@
 #          8k throughput gap); 34 s measured.
 # sel8k    selection tilings at that layer shape (bench_kernels --plan train8k), both patterns;
 #          69 s measured.
-# mosaic   the experimental Mosaic GPU selection forward (select_attention(backend="mosaic")):
+# mosaic   the Mosaic GPU selection kernels (select_attention(backend="mosaic")):
 #          compiled check against the reference, then 64k, G=16 and G=4, both patterns, against the
-#          Triton tiles (not run yet; estimated ~5 min).
-# mosaic8k  the same at the 8k training layer shape (16/1 heads, 64/64, batch 8); ~2 min.
-# mosaiccmp  the experimental Mosaic GPU compression forward vs the Triton one, 64k, 192/128
+#          Triton tiles (with mosaiccmp: 257 s measured, 2026-11-30).
+# mosaic8k  the same at the 8k training layer shape (16/1 heads, 64/64, batch 8); with mosaicnsa
+#          180 s measured.
+# mosaiccmp  the Mosaic GPU compression forward vs the Triton one, 64k, 192/128
 #          (bench_nsa --sweep_parts mosaic); ~1 min.
 # mosaicnsa  the whole op with implementation="pallas-mosaic" vs cuDNN: 64k and 8k at 192/128,
 #          and the 8k training layer shape with a profile (compare with nsa / train8k); ~3 min.
 # auto8k   the whole op at the 8k training layer shape (16/1 heads, 64/64, batch 8) with
 #          implementation "pallas" (selection backend picked per shape: Mosaic GPU there) against
-#          "pallas-triton", with a compiled check of each; ~2 min.
+#          "pallas-triton", with a compiled check of each; ~2 min measured.
+# registry the selection kernel through backend="auto" (what implementation="pallas" runs: Mosaic
+#          GPU or Triton per shape, G=4's lax.cond on 16-token unions), compiled check, 64k, G=16
+#          and 4, both patterns, then the 8k layer shape (not run yet; ~3 min estimated).
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -87,6 +91,12 @@ auto8k() {
     timeout 150 python3 -m experiments.bench_nsa --impl $impl --check --heads 16/1 --dims 64/64 \
       --batch 8 --T 8192 --breakdown_T '' --iters 10 --out "$OUT/auto8k_$impl"
   done
+}
+registry() {
+  timeout 300 python3 -m experiments.bench_kernels --check --plan registry --T 65536 \
+    --patterns clustered,random --iters 5 --out "$OUT/registry" --tag h200_registry
+  timeout 150 python3 -m experiments.bench_kernels --plan registry --T 8192 --heads 16 --d 64 \
+    --batch 8 --patterns clustered,random --iters 10 --out "$OUT/registry8k" --tag h200_registry8k
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \

@@ -431,3 +431,17 @@ def test_needle_key_blocks_and_coverage():
   idx[7, 0, :2] = [1, 3]     # query 7: block 2 missing
   assert needle_eval.key_coverage(idx, [1, 2], [5, 6, 7]) == pytest.approx(2 / 3)
   assert needle_eval.key_coverage(idx, [1], [5, 6, 7]) == 1.0
+
+
+def test_bench_kernels_registry_labels(monkeypatch):
+  """bench_kernels --plan registry labels each record with the branch backend="auto" takes (the
+  timing itself needs a GPU and is replaced here)."""
+  from experiments import bench_kernels as bk
+  monkeypatch.setattr(bk, "time_fwd_bwd", lambda f, *a, **k: (1.0, 2.0))
+  recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="registry")
+  assert [r["pass"] for r in recs] == ["fwd", "bwd"]
+  assert "pallas-mosaic-gpu" in recs[0]["impl"] and "registry: mosaic branch" in recs[0]["impl"]
+  recs = bk.bench_select(512, 16, 4, 128, 128, 8, 64, "random", tiling="registry")
+  assert "registry: mosaic branch" in recs[0]["impl"], recs[0]["impl"]  # 8 blocks: small unions
+  recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="registry")
+  assert "pallas-triton" in recs[0]["impl"] and "registry" not in recs[0]["impl"]
