@@ -133,6 +133,9 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   backend, switch = "triton", None
   if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
+  elif tiling == "mosaic-ws":  # 128-row tiles, a producer and two consumer warpgroups
+    backend, tiling = "mosaic", select_attention_mgpu.ws_tiling_for(g, bs)
+    impl_note += " 2 consumer warpgroups"
   elif tiling == "registry":  # backend="auto": what implementation="pallas" runs
     backend, tiling = "auto", None
     chosen, _ = sk.auto_backend(q.shape, k.shape, v.shape, bs, False, q.dtype, False)
@@ -242,16 +245,18 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
 
 
 def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128, 16),
-                        (1, 900, 16, 2, 64, 64, 16)), backend="mosaic"):
+                        (1, 900, 16, 2, 64, 64, 16)), backend="mosaic", ws=False):
   """The compiled Mosaic GPU kernels (forward, dq, and dK/dV at G >= 8) vs the f32 reference, no
   segment ids; G = 16, 4 (Triton dK/dV) and 8. A case that fails to compile is reported, not
-  raised: the timings after it still run. backend="auto": the registry's choice instead."""
+  raised: the timings after it still run. backend="auto": the registry's choice instead; ws: the
+  128-row two-warpgroup forward."""
   from nsa_jax import reference as ref
   f32 = lambda x: x.astype(jnp.float32)
   ok_all = True
   for b, t, h, kh, dk, dv, n in cases:
     for pattern in ("random", "clustered"):
-      label = f"check {backend} b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {pattern}"
+      label = f"check {backend}{' 2wg' if ws else ''} b{b} t{t} h{h} kv{kh} dk{dk} dv{dv} n{n} {pattern}"
+      til = select_attention_mgpu.ws_tiling_for(h // kh, 64) if ws else None
       q, k, v, do = make_qkv(jax.random.key(t + h), b, t, h, kh, dk, dv)
       idx = index_pattern(jax.random.key(5), b, t, kh, n, 64, pattern)
 
@@ -261,7 +266,7 @@ def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128
           return jnp.sum(f32(o) * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
         return inner
       rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
-      kf = lambda q, k, v: select_attention(q, k, v, idx, 64, backend=backend)
+      kf = lambda q, k, v: select_attention(q, k, v, idx, 64, backend=backend, tiling=til)
       try:
         (o1, l1), (o2, l2) = rf(q, k, v), jax.jit(kf)(q, k, v)
         g1 = jax.grad(loss(rf), (0, 1, 2))(q, k, v)
@@ -336,6 +341,9 @@ def plan_jobs(name, ts, groups, patterns, block):
     u4 = kc.clustered_tiling(16, block)
     return ([(t, 16, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", u4, None)]
             + [(t, 4, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", None)])
+  if name == "mosaicws":  # the two-warpgroup Mosaic forward against the 64-row one and Triton
+    return [(t, g, p, tl, True) for t in ts for g in groups if g >= 8 for p in patterns
+            for tl in ("mosaic-ws", "mosaic", None)]
   if name == "registry":  # what implementation="pallas" runs (backend="auto"), G=16 and 4
     return [(t, g, p, "registry", True) for t in ts for g in groups for p in patterns]
   if name == "union4":  # G=16 "clustered": 4 tokens x 16 heads = 64-row tiles over the union
@@ -352,7 +360,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | registry "
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicws | registry "
                  "(registry: backend='auto', what implementation='pallas' runs)")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
@@ -366,6 +374,8 @@ def main(argv=None):
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
   checks = {"mosaic": check_mosaic,
+            "mosaicws": functools.partial(check_mosaic, ws=True, cases=(
+                (1, 1001, 16, 1, 192, 128, 16), (1, 900, 16, 2, 64, 64, 16))),
             "registry": functools.partial(check_mosaic, backend="auto", cases=(
                 (1, 1001, 16, 1, 64, 64, 16), (2, 777, 16, 4, 128, 128, 16)))}
   if a.check and not checks.get(a.plan, check_compiled)():

@@ -192,8 +192,14 @@ def _select_mosaic(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, 
 def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
                        deterministic):
   del deterministic, has_seg  # segment ids are refused before this point
+  g = q.shape[2] // k.shape[2]
   maps = C.tile_maps(block_idx, tiling)
-  o, lse = mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale, interpret=interpret)
+  if tiling.tokens_per_tile == mgpu.WS_ROWS // g:  # 128-row tiles: two consumer warpgroups
+    o, lse = mgpu.ws_forward(q, k, v, maps, block_size=block_size, scale=scale,
+                             interpret=interpret)
+    maps = None  # dq runs 64-row tiles: its maps are built in the backward
+  else:
+    o, lse = mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale, interpret=interpret)
   return (o, lse), (q, k, v, block_idx, seg, maps, o, lse)
 
 
@@ -207,6 +213,8 @@ def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, determinis
 def _mosaic_backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_size, scale, tiling,
                      has_seg, interpret, deterministic):
   """(dq, dk, dv): Mosaic GPU dq, and dK/dV from the Mosaic partials (G >= 8) or Triton."""
+  if maps is None:
+    maps = C.tile_maps(block_idx, mgpu.tiling_for(q.shape[2] // k.shape[2], block_size))
   delta = bwd.delta_of(o, do, dlse)
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
@@ -391,10 +399,18 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     if not ok:
       raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
     want = mgpu.tiling_for(g, block_size)
-    if tiling is not None and (tiling.mode, tiling.tokens_per_tile) != ("union", want.tokens_per_tile):
-      raise ValueError(f"select_attention[mosaic] runs 64-row union tiles: tiling must have "
-                       f"mode='union', tokens_per_tile={want.tokens_per_tile} (got {tiling.mode!r}, "
-                       f"{tiling.tokens_per_tile}); pass tiling=None")
+    ws = mgpu.ws_tiling_for(g, block_size).tokens_per_tile
+    if tiling is not None and tiling.tokens_per_tile == ws and tiling.mode == "union":
+      ok, why = mgpu.ws_supports(q.shape, k.shape, v.shape, block_size, segment_ids is not None,
+                                 q.dtype)
+      if not ok:
+        raise ValueError(f"select_attention[mosaic] with 128-row tiles (two consumer warpgroups) "
+                         f"does not support this call: {why}")
+    elif tiling is not None and (tiling.mode, tiling.tokens_per_tile) != ("union", want.tokens_per_tile):
+      raise ValueError(f"select_attention[mosaic] runs 64-row union tiles (tokens_per_tile="
+                       f"{want.tokens_per_tile}) or, for G >= 8, 128-row tiles with two consumer "
+                       f"warpgroups (tokens_per_tile={ws}); tiling must have mode='union' and one "
+                       f"of those (got {tiling.mode!r}, {tiling.tokens_per_tile}); pass tiling=None")
     tiling = tiling or want
   tiling = tiling or C.default_tiling(g, block_size)
   for til in (tiling, union) if union else (tiling,):

@@ -267,6 +267,190 @@ def forward(q, k, v, maps, *, block_size, scale, interpret=False):
               scale=scale, interpret=interpret)
 
 
+# ----------------------------------------------------------------------------- selection forward,
+# two consumer warpgroups
+
+WS_ROWS = 2 * ROWS        # a tile: two 64-row halves, one per consumer warpgroup
+WS_SMEM = 220 * 1024      # bytes of shared memory the slots may fill up to (H200: 227 KiB a block)
+
+
+def ws_tiling_for(g, block_size):
+  """The union tiling of the warp-specialised forward: 128 rows = 128 / G tokens (G >= 8)."""
+  import dataclasses
+  return dataclasses.replace(tiling_for(g, block_size), tokens_per_tile=WS_ROWS // g)
+
+
+def ws_slots(dk, dv):
+  """K/V slots the warp-specialised forward keeps in flight (0: does not fit)."""
+  fixed = 2 * ROWS * (dk + dv) * 2 + 2 * ROWS * 4  # q and o halves (bf16), lse halves
+  per_slot = BLOCK * (dk + dv) * 2
+  return min(4, max(0, (WS_SMEM - fixed) // per_slot))
+
+
+def ws_supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
+  """(ok, reason): whether the warp-specialised forward handles this call (G >= 8: at most 16
+  tokens a 128-row tile; at least two K/V slots in shared memory)."""
+  ok, why = supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
+  if not ok:
+    return ok, why
+  g = q_shape[2] // k_shape[2]
+  if g < 8:
+    return False, f"G={g}: the 128-row tile would hold {WS_ROWS // g} tokens (at most 16)"
+  if ws_slots(q_shape[3], v_shape[3]) < 2:
+    return False, f"d_k={q_shape[3]}, d_v={v_shape[3]}: two K/V slots do not fit in shared memory"
+  return True, "ok"
+
+
+def _ws_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq,
+               dv, scale, dtype, slots, pingpong, interpret):
+  """A 128-row union tile with three warpgroups (FlashAttention-3's layout, applied to the
+  union walk): warpgroup 2 only issues the TMA copies of the union's blocks, `slots` deep,
+  refilling a slot once both consumers have released it; warpgroups 0 and 1 each own 64 rows
+  (half the tile's tokens) and run the online softmax of _kernel over the same block sequence.
+  With `pingpong`, a shared barrier orders the two consumers so that one's matrix products run
+  while the other does its softmax."""
+  (q_s, k_s, v_s, o_s, lse_s, *p_s), (q_bar, k_bar, v_bar), (k_free, v_free), sched = scoped
+  wgi = lax.axis_index("wg")
+  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
+  cnt = cnt_ref[b, tile, kk, 0]
+  block_of = lambda j: ub_ref[b, tile, kk, j]
+
+  def sync():  # both consumers reach this point (the ping-pong handshake)
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  @pl.when(wgi < 2)
+  def _consumer():
+    if not interpret:
+      plgpu.set_max_registers(232, action="increase")
+    rows = pl.ds(tile * WS_ROWS + wgi * ROWS, ROWS)
+    q_w, o_w, lse_w = q_s.at[wgi], o_s.at[wgi], lse_s.at[wgi]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_w, q_bar.at[wgi])
+    wg = plgpu.Layout.WGMMA
+    r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
+    c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
+    tok = r_id // g + wgi * (ROWS // g)       # the row's token within the 128-row tile
+    pos = tile * tq + tok
+    plgpu.barrier_wait(q_bar.at[wgi])
+    if pingpong:
+      pl.when(wgi == 1)(sync)
+
+    def body(j, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(j, slots)
+      blk = block_of(j)
+      plgpu.barrier_wait(k_bar.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_w, k_s.at[slot].T)
+        if pingpong:
+          sync()
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK), jnp.float32)) * (scale * LOG2E)
+      plgpu.barrier_arrive(k_free.at[slot])
+      bits = bits_ref[b, tile, kk, j]
+      on = (lax.shift_right_logical(jnp.broadcast_to(bits, (ROWS, BLOCK)), tok) & 1) == 1
+      s = jnp.where(on & (blk * BLOCK + c_id <= pos), s, -jnp.inf)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(dtype)
+      if pingpong:
+        plgpu.barrier_arrive(sched)     # softmax done
+      plgpu.barrier_wait(v_bar.at[slot])
+      if pingpong:
+        plgpu.barrier_wait(sched)       # the other consumer's products are issued
+      if interpret:  # the interpreter's wgmma takes its A operand from shared memory only
+        p_s[0].at[wgi][...] = p16
+        acc = acc + _mm(p_s[0].at[wgi], v_s.at[slot], acc.shape)
+      else:  # P straight from registers
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_s.at[slot])
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l_i
+
+    init = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), wg),
+            plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wg.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)))
+    acc, m_i, l_i = lax.fori_loop(0, cnt, body, init)
+    if pingpong:
+      pl.when(wgi == 0)(sync)
+    seen = l_i > 0.0
+    l_safe = jnp.where(seen, l_i, 1.0)
+    o_w[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+    lse_w[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_w, o_ref.at[b, kk, rows])
+    plgpu.copy_smem_to_gmem(lse_w, lse_ref.at[b, kk, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wgi == 2)
+  def _producer():
+    if not interpret:
+      plgpu.set_max_registers(40, action="decrease")
+
+    def fetch(j, slot):
+      keys = pl.ds(block_of(j) * BLOCK, BLOCK)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
+
+    for i in range(slots):
+      pl.when(i < cnt)(functools.partial(fetch, i, i))
+
+    @pl.loop(slots, jnp.maximum(cnt, slots))
+    def _(j):
+      slot = lax.rem(j, slots)
+      plgpu.barrier_wait(k_free.at[slot])   # block j - slots's K released by both consumers
+      plgpu.barrier_wait(v_free.at[slot])
+      fetch(j, slot)
+
+
+def ws_forward(q, k, v, maps, *, block_size, scale, pingpong=True, interpret=False):
+  """forward() with 128-row tiles and two consumer warpgroups; `maps` from ws_tiling_for(G, l')."""
+  ok, why = ws_supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
+  if not ok:
+    raise ValueError(f"select_attention[mosaic, two warpgroups] does not support this call: {why}")
+  b, t, h, dk = q.shape
+  kh, dv, dtype = k.shape[2], v.shape[3], q.dtype
+  g = h // kh
+  tq = WS_ROWS // g
+  nt = C.cdiv(t, tq)
+  slots = ws_slots(dk, dv)
+  tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+
+  def entry(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    pl.run_scoped(
+        lambda *s: _ws_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s,
+                              g=g, tq=tq, dv=dv, scale=scale, dtype=dtype, slots=slots,
+                              pingpong=pingpong, interpret=interpret),
+        (plgpu.SMEM((2, ROWS, dk), dtype, transforms=tr),
+         plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
+         plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr),
+         plgpu.SMEM((2, ROWS, dv), dtype, transforms=tr),
+         plgpu.SMEM((2, ROWS), jnp.float32))
+        + ((plgpu.SMEM((2, ROWS, BLOCK), dtype, transforms=tr),) if interpret else ()),
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=slots),
+         plgpu.Barrier(num_barriers=slots)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=slots),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg")
+
+  o, lse = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct((b, kh, nt * tq * g, dv), dtype),
+                jax.ShapeDtypeStruct((b, kh, nt * tq * g), jnp.float32)),
+      grid=(nt, kh, b), grid_names=("tile", "group", "batch"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(*maps, _rows_major(q, kh, nt * tq), _blocks_major(k), _blocks_major(v))
+  return _from_rows_major(o, h, t), _from_rows_major(lse, h, t)
+
+
 def cmp_supports(q_shape, kc_shape, vc_shape, has_seg, dtype):
   """(ok, reason): whether the Mosaic GPU compression forward handles this call."""
   if kc_shape[2] % BLOCK:   # kc/vc group-major [B, K, Ncp, D]

@@ -31,6 +31,10 @@
 # registry the selection kernel through backend="auto" (what implementation="pallas" runs: Mosaic
 #          GPU or Triton per shape, G=4's lax.cond on 16-token unions), compiled check, 64k, G=16
 #          and 4, both patterns, then the 8k layer shape (not run yet; ~3 min estimated).
+# mosaicws the two-warpgroup Mosaic GPU selection forward (128-row tiles: a TMA producer warpgroup,
+#          two consumers with a ping-pong barrier; select_attention_mgpu.ws_forward) against the
+#          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
+#          layer shape (not run yet; ~4 min estimated).
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -91,6 +95,13 @@ auto8k() {
     timeout 150 python3 -m experiments.bench_nsa --impl $impl --check --heads 16/1 --dims 64/64 \
       --batch 8 --T 8192 --breakdown_T '' --iters 10 --out "$OUT/auto8k_$impl"
   done
+}
+mosaicws() {
+  timeout 300 python3 -m experiments.bench_kernels --check --plan mosaicws --T 65536 --groups 16 \
+    --patterns clustered,random --iters 5 --out "$OUT/mosaicws" --tag h200_mosaicws
+  timeout 150 python3 -m experiments.bench_kernels --plan mosaicws --T 8192 --heads 16 --d 64 \
+    --groups 16 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaicws8k" \
+    --tag h200_mosaicws8k
 }
 registry() {
   timeout 300 python3 -m experiments.bench_kernels --check --plan registry --T 65536 \

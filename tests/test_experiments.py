@@ -445,3 +445,7 @@ def test_bench_kernels_registry_labels(monkeypatch):
   assert "registry: mosaic branch" in recs[0]["impl"], recs[0]["impl"]  # 8 blocks: small unions
   recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="registry")
   assert "pallas-triton" in recs[0]["impl"] and "registry" not in recs[0]["impl"]
+  recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ws")
+  assert "pallas-mosaic-gpu union tq8" in recs[0]["impl"] and "2 consumer warpgroups" in recs[0]["impl"]
+  assert [j[3] for j in bk.plan_jobs("mosaicws", [8192], [16, 4], ["random"], 64)] == [
+      "mosaic-ws", "mosaic", None]  # G = 4 has no 128-row tile

@@ -356,3 +356,91 @@ def test_auto_lowers_for_cuda(kh):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
   assert re.search(r"nsa_select_(fwd|dq)", text), "the Triton branch of the lax.cond is missing"
+
+
+# ----------------------------------------------------------------------------- two warpgroups
+
+# (b, t, h, kh, dk, dv, n, pingpong): G = 16 (8 tokens a 128-row tile), G = 8 (16 tokens); d_k !=
+# d_v; T not a multiple of the tile; with and without the consumers' ping-pong barrier
+WS_CASES = [(1, 150, 16, 1, 192, 128, 5, True), (2, 140, 16, 2, 64, 64, 3, False),
+            (1, 200, 16, 2, 128, 64, 4, True)]
+
+
+@pytest.mark.parametrize("case", WS_CASES,
+                         ids=[f"G{c[2] // c[3]}_{c[4]}x{c[5]}_T{c[1]}_pp{int(c[7])}" for c in WS_CASES])
+def test_ws_forward_matches_reference(case):
+  """The warp-specialised forward (a producer warpgroup issuing the TMA copies, two consumer
+  warpgroups of 64 rows each over one 128-row union tile) against the reference."""
+  b, t, h, kh, dk, dv, n, pingpong = case
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, _ = _inputs(rng, b, t, h, kh, dk, dv, n)
+  maps = C.tile_maps(idx, mgpu.ws_tiling_for(h // kh, 64))
+  o, lse = mgpu.ws_forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, pingpong=pingpong,
+                           interpret=INTERPRET)
+  ro, rlse = ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
+  assert o.shape == (b, t, h, dv) and o.dtype == q.dtype and lse.shape == (b, t, h)
+  np.testing.assert_allclose(f32(o), ro, atol=TOL, rtol=TOL)
+  fin = jnp.isfinite(rlse)
+  assert bool(jnp.all(jnp.isfinite(lse) == fin))
+  np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
+
+
+def test_ws_gradients_through_select_attention():
+  """select_attention(backend="mosaic") with the 128-row tiling: the two-warpgroup forward, then
+  the 64-row Mosaic dq (its maps rebuilt in the backward) and dK/dV, against the reference."""
+  b, t, h, kh, dk, dv, n = 1, 140, 16, 1, 128, 64, 4
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  til = mgpu.ws_tiling_for(h // kh, 64)
+
+  def loss(fn, q, k, v):
+    o, lse = fn(q, k, v)
+    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
+
+  ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", tiling=til,
+                                          interpret=INTERPRET)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
+  gr = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, k, v)
+  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(k), f32(v))
+  for name, a, r in zip("qkv", gr, rg):
+    scale = float(jnp.max(jnp.abs(r)))
+    assert float(jnp.max(jnp.abs(f32(a) - r))) <= TOL * max(scale, 1.0), f"d{name}"
+
+
+WS_LOWER = [(g, dk, dv) for g in (8, 16, 32) for dk, dv in ((64, 64), (128, 128), (192, 128),
+                                                            (192, 192))]
+
+
+@pytest.mark.parametrize("g,dk,dv", WS_LOWER, ids=[f"G{g}_{dk}x{dv}" for g, dk, dv in WS_LOWER])
+def test_ws_lowers_for_cuda(g, dk, dv):
+  """value_and_grad through the two-warpgroup forward lowers for CUDA (three warpgroups, register
+  reallocation, P from registers, the shared-memory limit with ws_slots(dk, dv) slots)."""
+  b, t, kh, n = 1, 300, 2, 16
+  h = g * kh
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, t, h, dk), jnp.bfloat16), sd((b, t, kh, dk), jnp.bfloat16),
+          sd((b, t, kh, dv), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
+  til = mgpu.ws_tiling_for(g, 64)
+
+  def f(q, k, v, idx):
+    def loss(q, k, v):
+      o, lse = select_attention(q, k, v, idx, 64, backend="mosaic", tiling=til)
+      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and mgpu.ws_slots(dk, dv) >= 2
+
+
+def test_ws_refusals_name_the_problem():
+  q = jnp.zeros((1, 64, 16, 256), jnp.bfloat16)
+  kv = jnp.zeros((1, 64, 1, 256), jnp.bfloat16)
+  idx = jnp.zeros((1, 64, 1, 2), jnp.int32)
+  with pytest.raises(ValueError, match="two K/V slots do not fit"):
+    select_attention(q, kv, kv, idx, 64, backend="mosaic", tiling=mgpu.ws_tiling_for(16, 64))
+  ok, why = mgpu.ws_supports((1, 64, 16, 64), (1, 64, 4, 64), (1, 64, 4, 64), 64, False,
+                             jnp.bfloat16)
+  assert not ok and "G=4" in why
