@@ -28,10 +28,10 @@
 # auto8k   the whole op at the 8k training layer shape (16/1 heads, 64/64, batch 8) with
 #          implementation "pallas" (selection backend picked per shape: Mosaic GPU there) against
 #          "pallas-triton", with a compiled check of each; ~2 min measured.
-# registry the selection kernel through backend="auto" (what implementation="pallas" runs: Mosaic
+# registry  the selection kernel through backend="auto" (what implementation="pallas" runs: Mosaic
 #          GPU or Triton per shape, G=4's lax.cond on 16-token unions), compiled check, 64k, G=16
 #          and 4, both patterns, then the 8k layer shape (not run yet; ~3 min estimated).
-# mosaicws the two-warpgroup Mosaic GPU selection forward (128-row tiles: a TMA producer warpgroup,
+# mosaicws  the two-warpgroup Mosaic GPU selection forward (128-row tiles: a TMA producer warpgroup,
 #          two consumers with a ping-pong barrier; select_attention_mgpu.ws_forward) against the
 #          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
 #          layer shape (not run yet; ~4 min estimated).

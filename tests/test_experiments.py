@@ -359,7 +359,7 @@ def _script_phases(name):
 def test_h200_runs_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_runs.sh")
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
-                "blocks", "context8", "context16", "context32"):
+                "blocks", "context8", "context16", "context32", "impl8"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
 
@@ -414,7 +414,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
   documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
   assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode",
                                     "train8k", "sel8k", "mosaic", "mosaic8k", "mosaiccmp",
-                                    "mosaicnsa"}
+                                    "mosaicnsa", "auto8k", "registry", "mosaicws"}
 
 
 def test_needle_key_blocks_and_coverage():
