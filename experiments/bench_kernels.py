@@ -133,9 +133,10 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   backend, switch = "triton", None
   if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
-  elif tiling == "mosaic-ws":  # 128-row tiles, a producer and two consumer warpgroups
+  elif tiling in ("mosaic-ws", "mosaic-ws-nopp"):  # 128-row tiles, producer + 2 consumers
+    nopp = tiling == "mosaic-ws-nopp"
     backend, tiling = "mosaic", select_attention_mgpu.ws_tiling_for(g, bs)
-    impl_note += " 2 consumer warpgroups"
+    impl_note += " 2 consumer warpgroups" + (", no ping-pong" if nopp else "")
   elif tiling == "registry":  # backend="auto": what implementation="pallas" runs
     backend, tiling = "auto", None
     chosen, _ = sk.auto_backend(q.shape, k.shape, v.shape, bs, False, q.dtype, False)
@@ -160,7 +161,11 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
     call_backend, call_tiling = "auto", None
   f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=call_tiling,
                                             deterministic=deterministic, backend=call_backend)[0]
-  fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
+  select_attention_mgpu.WS_PINGPONG = "no ping-pong" not in impl_note  # read when traced
+  try:
+    fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
+  finally:
+    select_attention_mgpu.WS_PINGPONG = True
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
@@ -343,7 +348,7 @@ def plan_jobs(name, ts, groups, patterns, block):
             + [(t, 4, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", None)])
   if name == "mosaicws":  # the two-warpgroup Mosaic forward against the 64-row one and Triton
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 8 for p in patterns
-            for tl in ("mosaic-ws", "mosaic", None)]
+            for tl in ("mosaic-ws", "mosaic-ws-nopp", "mosaic", None)]
   if name == "registry":  # what implementation="pallas" runs (backend="auto"), G=16 and 4
     return [(t, g, p, "registry", True) for t in ts for g in groups for p in patterns]
   if name == "union4":  # G=16 "clustered": 4 tokens x 16 heads = 64-row tiles over the union

@@ -272,6 +272,7 @@ def forward(q, k, v, maps, *, block_size, scale, interpret=False):
 
 WS_ROWS = 2 * ROWS        # a tile: two 64-row halves, one per consumer warpgroup
 WS_SMEM = 220 * 1024      # bytes of shared memory the slots may fill up to (H200: 227 KiB a block)
+WS_PINGPONG = True        # the consumers' ping-pong barrier by default (a benchmark switches it)
 
 
 def ws_tiling_for(g, block_size):
@@ -409,8 +410,10 @@ def _ws_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s
       fetch(j, slot)
 
 
-def ws_forward(q, k, v, maps, *, block_size, scale, pingpong=True, interpret=False):
-  """forward() with 128-row tiles and two consumer warpgroups; `maps` from ws_tiling_for(G, l')."""
+def ws_forward(q, k, v, maps, *, block_size, scale, pingpong=None, interpret=False):
+  """forward() with 128-row tiles and two consumer warpgroups; `maps` from ws_tiling_for(G, l').
+  pingpong: None = WS_PINGPONG."""
+  pingpong = WS_PINGPONG if pingpong is None else pingpong
   ok, why = ws_supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
   if not ok:
     raise ValueError(f"select_attention[mosaic, two warpgroups] does not support this call: {why}")

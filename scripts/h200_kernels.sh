@@ -34,7 +34,7 @@
 # mosaicws  the two-warpgroup Mosaic GPU selection forward (128-row tiles: a TMA producer warpgroup,
 #          two consumers with a ping-pong barrier; select_attention_mgpu.ws_forward) against the
 #          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
-#          layer shape (not run yet; ~4 min estimated).
+#          layer shape, each with and without the ping-pong barrier (not run yet; ~5 min estimated).
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device

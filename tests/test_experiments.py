@@ -448,4 +448,10 @@ def test_bench_kernels_registry_labels(monkeypatch):
   recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ws")
   assert "pallas-mosaic-gpu union tq8" in recs[0]["impl"] and "2 consumer warpgroups" in recs[0]["impl"]
   assert [j[3] for j in bk.plan_jobs("mosaicws", [8192], [16, 4], ["random"], 64)] == [
-      "mosaic-ws", "mosaic", None]  # G = 4 has no 128-row tile
+      "mosaic-ws", "mosaic-ws-nopp", "mosaic", None]  # G = 4 has no 128-row tile
+  seen = []
+  monkeypatch.setattr(bk, "time_fwd_bwd",
+                      lambda f, *a, **k: (seen.append(bk.select_attention_mgpu.WS_PINGPONG), (1.0, 2.0))[1])
+  recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ws-nopp")
+  assert "no ping-pong" in recs[0]["impl"] and seen == [False]
+  assert bk.select_attention_mgpu.WS_PINGPONG
