@@ -394,9 +394,13 @@ def _ws_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s
     if not interpret:
       plgpu.set_max_registers(40, action="decrease")
 
-    def fetch(j, slot):
+    def fetch(j, slot, wait=False):  # wait: for both consumers to release the slot's K (V)
       keys = pl.ds(block_of(j) * BLOCK, BLOCK)
+      if wait:
+        plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
+      if wait:
+        plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
 
     for i in range(slots):
@@ -404,10 +408,7 @@ def _ws_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s
 
     @pl.loop(slots, jnp.maximum(cnt, slots))
     def _(j):
-      slot = lax.rem(j, slots)
-      plgpu.barrier_wait(k_free.at[slot])   # block j - slots's K released by both consumers
-      plgpu.barrier_wait(v_free.at[slot])
-      fetch(j, slot)
+      fetch(j, lax.rem(j, slots), wait=True)  # the slot last held block j - slots
 
 
 def ws_forward(q, k, v, maps, *, block_size, scale, pingpong=None, interpret=False):
