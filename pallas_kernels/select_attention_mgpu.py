@@ -126,6 +126,37 @@ def _mm_acc(acc, a, b, interpret):
   return pl.run_state(f)(plgpu.ACC.init(acc))
 
 
+def _softmax_init(dv):
+  """Online-softmax state of a 64-row tile in the wgmma layout: (acc, running max, running sum)."""
+  wg = plgpu.Layout.WGMMA
+  return (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), wg),
+          plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wg.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)))
+
+
+def _softmax_step(s, m_i, l_i):
+  """One block of the online softmax on masked base-2 logits s: (p, alpha, m_new, l_new); a row
+  with nothing visible yet keeps its max at -inf and uses 0 (p = 0, alpha = 1)."""
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
+
+
+def _store(acc, m_i, l_i, o_s, lse_s, o_dst, lse_dst, dtype):
+  """o = acc / l, lse = ln of the sum (o = 0, lse = -inf where nothing was visible), through
+  shared memory to o_dst / lse_dst."""
+  seen = l_i > 0.0
+  l_safe = jnp.where(seen, l_i, 1.0)
+  o_s[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+  lse_s[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_s, o_dst)
+  plgpu.copy_smem_to_gmem(lse_s, lse_dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
   """A query tile's walk over its key blocks: (count, block_of(j), visible(j, blk, c_id),
   fetch(j, slot) (TMA of block j's K and V into a slot), the column ids), block 0 already in
@@ -157,7 +188,6 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
   tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
   rows = pl.ds(tile * ROWS, ROWS)
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
-  wg = plgpu.Layout.WGMMA
   cnt, block_of, visible, fetch, c_id = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref,
                                               v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
                                               v_bar=v_bar)
@@ -175,29 +205,15 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
     plgpu.barrier_wait(k_bar.at[slot])
     s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK)) * (scale * LOG2E)
     s = jnp.where(visible(j, blk, c_id), s, -jnp.inf)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet stays at 0
-    alpha = jnp.exp2(m_i - m_use)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    l_i = l_i * alpha + p.sum(axis=1)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     p_s[...] = p.astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_wait(v_bar.at[slot])
     acc = _mm_acc(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_s, v_s.at[slot], interpret)
     return acc, m_new, l_i
 
-  init = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), wg),
-          plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wg.reduce(1)),
-          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)))
-  acc, m_i, l_i = lax.fori_loop(0, cnt, body, init)
-  seen = l_i > 0.0
-  l_safe = jnp.where(seen, l_i, 1.0)
-  o_s[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-  lse_s[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, kk, rows])
-  plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, kk, rows])
-  plgpu.wait_smem_to_gmem(0)
+  acc, m_i, l_i = lax.fori_loop(0, cnt, body, _softmax_init(dv))
+  _store(acc, m_i, l_i, o_s, lse_s, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
 
 
 def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
@@ -352,11 +368,7 @@ def _ws_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s
       bits = bits_ref[b, tile, kk, j]
       on = (lax.shift_right_logical(jnp.broadcast_to(bits, (ROWS, BLOCK)), tok) & 1) == 1
       s = jnp.where(on & (blk * BLOCK + c_id <= pos), s, -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
+      p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = p.astype(dtype)
       if pingpong:
@@ -374,20 +386,10 @@ def _ws_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i
 
-    init = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), wg),
-            plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wg.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)))
-    acc, m_i, l_i = lax.fori_loop(0, cnt, body, init)
+    acc, m_i, l_i = lax.fori_loop(0, cnt, body, _softmax_init(dv))
     if pingpong:
       pl.when(wgi == 0)(sync)
-    seen = l_i > 0.0
-    l_safe = jnp.where(seen, l_i, 1.0)
-    o_w[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-    lse_w[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_w, o_ref.at[b, kk, rows])
-    plgpu.copy_smem_to_gmem(lse_w, lse_ref.at[b, kk, rows])
-    plgpu.wait_smem_to_gmem(0)
+    _store(acc, m_i, l_i, o_w, lse_w, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
 
   @pl.when(wgi == 2)
   def _producer():

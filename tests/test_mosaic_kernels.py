@@ -52,6 +52,42 @@ def _inputs(rng, b, t, h, kh, dk, dv, n, bs=64):
 f32 = lambda x: x.astype(jnp.float32)
 
 
+def _assert_select_matches(o, lse, q, k, v, idx):
+  """A selection forward's (o, lse) against the float32 reference of the same bf16 inputs."""
+  (b, t, h, _), dv = q.shape, v.shape[-1]
+  ro, rlse = ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
+  assert o.shape == (b, t, h, dv) and o.dtype == q.dtype and lse.shape == (b, t, h)
+  np.testing.assert_allclose(f32(o), ro, atol=TOL, rtol=TOL)
+  fin = jnp.isfinite(rlse)
+  assert bool(jnp.all(jnp.isfinite(lse) == fin))
+  np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
+
+
+def _select_lowered(g, dk, dv, kh=2, **kw):
+  """CUDA text (abstract H100-class device) of value_and_grad of select_attention(**kw) at
+  b=1, T=300, n=16, G query heads a group: what the Mosaic GPU lowering checks (layout
+  inference, wgmma / TMA shapes, barrier counts, the shared-memory limit) run on."""
+  b, t, n = 1, 300, 16
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, t, g * kh, dk), jnp.bfloat16), sd((b, t, kh, dk), jnp.bfloat16),
+          sd((b, t, kh, dv), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
+
+  def f(q, k, v, idx):
+    def loss(q, k, v):
+      o, lse = select_attention(q, k, v, idx, 64, **kw)
+      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+  return _cuda_text(f, args)
+
+
+def _cuda_text(f, args):
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+  return text
+
+
 # (b, t, h, kh, dk, dv, n): G = 16 (4 tokens a tile), 8, 4 (16 tokens a tile); d_k != d_v; T not
 # a multiple of 64 or of the tile
 CASES = [(1, 150, 16, 1, 192, 128, 5), (2, 130, 16, 2, 64, 64, 4), (1, 200, 8, 2, 128, 64, 3),
@@ -65,12 +101,7 @@ def test_forward_matches_reference(case):
   q, k, v, idx, _ = _inputs(rng, b, t, h, kh, dk, dv, n)
   maps = C.tile_maps(idx, mgpu.tiling_for(h // kh, 64))
   o, lse = mgpu.forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, interpret=INTERPRET)
-  ro, rlse = ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
-  assert o.shape == (b, t, h, dv) and o.dtype == q.dtype and lse.shape == (b, t, h)
-  np.testing.assert_allclose(f32(o), ro, atol=TOL, rtol=TOL)
-  fin = jnp.isfinite(rlse)
-  assert bool(jnp.all(jnp.isfinite(lse) == fin))
-  np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
+  _assert_select_matches(o, lse, q, k, v, idx)
 
 
 @pytest.mark.parametrize("shape", [(1, 140, 16, 1, 128, 64, 4), (1, 130, 8, 2, 64, 128, 3)],
@@ -123,22 +154,7 @@ def test_lowers_for_cuda(g, dk, dv):
   inference, wgmma operand and TMA shape checks, barrier counts and the shared-memory limit run at
   lowering); dK/dV is the Mosaic kernel exactly where dkv_supports says so, else the Triton one."""
   import re
-  b, t, kh, n = 1, 300, 2, 16
-  h = g * kh
-  sd = jax.ShapeDtypeStruct
-  args = (sd((b, t, h, dk), jnp.bfloat16), sd((b, t, kh, dk), jnp.bfloat16),
-          sd((b, t, kh, dv), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
-
-  def f(q, k, v, idx):
-    def loss(q, k, v):
-      o, lse = select_attention(q, k, v, idx, 64, backend="mosaic")
-      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
-
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+  text = _select_lowered(g, dk, dv, backend="mosaic")
   assert not re.search(r"nsa_select_(fwd|dq)", text), "forward and dq must be the Mosaic kernels"
   triton_dkv = re.search(r"nsa_select_dkv(?!_reduce)", text) is not None
   assert triton_dkv == (not mgpu.dkv_supports(g, dk, dv)[0]), (g, dk, dv)
@@ -220,10 +236,7 @@ def test_cmp_lowers_for_cuda():
       return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
     return jax.value_and_grad(loss, (0, 1, 2))(q, kc, vc)
 
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+  text = _cuda_text(f, args)
   for name in ("nsa_cmp_dq", "nsa_cmp_dkv"):  # the Triton backward
     assert name in text, f"{name} missing from the lowered module"
 
@@ -340,21 +353,7 @@ def test_auto_lowers_for_cuda(kh):
   beside the Triton kernels of the other lax.cond branch (G = 16: per-token tile, G = 4: 4-token
   union tile)."""
   import re
-  b, t, h, n, d = 1, 300, 16, 16, 64
-  sd = jax.ShapeDtypeStruct
-  args = (sd((b, t, h, d), jnp.bfloat16), sd((b, t, kh, d), jnp.bfloat16),
-          sd((b, t, kh, d), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
-
-  def f(q, k, v, idx):
-    def loss(q, k, v):
-      o, lse = select_attention(q, k, v, idx, 64, backend="auto")
-      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
-
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+  text = _select_lowered(16 // kh, 64, 64, kh=kh, backend="auto")
   assert re.search(r"nsa_select_(fwd|dq)", text), "the Triton branch of the lax.cond is missing"
 
 
@@ -377,12 +376,7 @@ def test_ws_forward_matches_reference(case):
   maps = C.tile_maps(idx, mgpu.ws_tiling_for(h // kh, 64))
   o, lse = mgpu.ws_forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, pingpong=pingpong,
                            interpret=INTERPRET)
-  ro, rlse = ref.select_attention(f32(q), f32(k), f32(v), idx, 64)
-  assert o.shape == (b, t, h, dv) and o.dtype == q.dtype and lse.shape == (b, t, h)
-  np.testing.assert_allclose(f32(o), ro, atol=TOL, rtol=TOL)
-  fin = jnp.isfinite(rlse)
-  assert bool(jnp.all(jnp.isfinite(lse) == fin))
-  np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
+  _assert_select_matches(o, lse, q, k, v, idx)
 
 
 def test_ws_gradients_through_select_attention():
@@ -416,23 +410,8 @@ WS_LOWER = [(g, dk, dv) for g in (8, 16, 32) for dk, dv in ((64, 64), (128, 128)
 def test_ws_lowers_for_cuda(g, dk, dv):
   """value_and_grad through the two-warpgroup forward lowers for CUDA (three warpgroups, register
   reallocation, P from registers, the shared-memory limit with ws_slots(dk, dv) slots)."""
-  b, t, kh, n = 1, 300, 2, 16
-  h = g * kh
-  sd = jax.ShapeDtypeStruct
-  args = (sd((b, t, h, dk), jnp.bfloat16), sd((b, t, kh, dk), jnp.bfloat16),
-          sd((b, t, kh, dv), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
-  til = mgpu.ws_tiling_for(g, 64)
-
-  def f(q, k, v, idx):
-    def loss(q, k, v):
-      o, lse = select_attention(q, k, v, idx, 64, backend="mosaic", tiling=til)
-      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
-
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and mgpu.ws_slots(dk, dv) >= 2
+  _select_lowered(g, dk, dv, backend="mosaic", tiling=mgpu.ws_tiling_for(g, 64))
+  assert mgpu.ws_slots(dk, dv) >= 2
 
 
 def test_ws_refusals_name_the_problem():
