@@ -5,6 +5,7 @@ Run on the H200 (writes <out>/select_<tag>.json + .md and prints the Markdown ta
   python3 -m experiments.bench_kernels --check            # compiled kernels vs the reference first
   python3 -m experiments.bench_kernels --plan sweep --T 65536  # tiling variants (tuning)
   python3 -m experiments.bench_kernels --check --plan final --iters 5  # 64k targets, defaults first
+  python3 -m experiments.bench_kernels --plot benchmarks/results/select_h200_mosaic.json  # PNG (CPU)
 Index patterns (issue 4): "random" = forced initial block + 2 local blocks + (n-3) random earlier
 blocks per token; "clustered" = the tokens of one l'-block share n-4 random blocks, 1 drawn per token.
 Each op is one bench_* function returning records; the timer and record writer are in bench_common.
@@ -358,6 +359,54 @@ def plan_jobs(name, ts, groups, patterns, block):
   raise ValueError(f"--plan {name!r}")
 
 
+def plot(path):
+  """Bar chart next to a results JSON: ms of every implementation, forward and backward, one
+  panel per (T, G, pattern), cuDNN's time as a line."""
+  import json
+  import os
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  recs = [r for r in json.load(open(path)) if r.get("op") == "select"]
+  if not recs:
+    raise SystemExit(f"{path}: no selection records to plot")
+  keys = sorted({(r["T"], r["kv_heads"], r["pattern"]) for r in recs})
+  fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.6), squeeze=False)
+  for ax, (t, kh, pat) in zip(axes[0], keys):
+    rows = [r for r in recs if (r["T"], r["kv_heads"], r["pattern"]) == (t, kh, pat)]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    top = max(r["ms"] for r in rows)
+    dense = []
+    for i, pass_ in enumerate(("fwd", "bwd")):
+      ms = [next((r["ms"] for r in rows if r["impl"] == im and r["pass"] == pass_), 0.0)
+            for im in impls]
+      bars = ax.bar([j + 0.4 * i for j in range(len(impls))], ms, 0.4, label=pass_)
+      ax.bar_label(bars, fmt="%.2f", fontsize=6)
+      base = next((r["cudnn_ms"] for r in rows if r["pass"] == pass_ and r.get("cudnn_ms")), None)
+      if base:
+        dense.append(f"{pass_} {base:.1f}")
+        if base < 1.4 * top:  # off the chart otherwise (named in the title)
+          ax.axhline(base, ls=":" if pass_ == "fwd" else "--", color="grey",
+                     label=f"cuDNN dense {pass_}")
+    ax.set_xticks([j + 0.2 for j in range(len(impls))])
+    ax.set_xticklabels([im.split(";")[0].replace("pallas-", "").replace(" union", "\nunion")
+                        + ("\n2 warpgroups" if "2 consumer" in im else "")
+                        + ("\nauto" if "auto" in im else "") for im in impls], fontsize=7)
+    r0 = rows[0]
+    ax.set_title(f"T={t}, G={r0['q_heads'] // kh}, {pat}\n{r0['q_heads']} q heads, "
+                 f"{r0['d_k']}/{r0['d_v']}, B={r0.get('batch', 1)}; cuDNN dense ms: "
+                 + ", ".join(dense), fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_ylim(0, 1.45 * top)  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+  fig.suptitle(f"NSA selection kernels, {recs[0].get('hardware')}, {recs[0].get('date')}", fontsize=10)
+  fig.tight_layout()
+  out = os.path.splitext(path)[0] + ".png"
+  fig.savefig(out, dpi=110)
+  print(f"wrote {out}")
+  return out
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--T", default="8192,16384,32768,65536")
@@ -375,7 +424,10 @@ def main(argv=None):
   p.add_argument("--check", action="store_true")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--no-bench", action="store_true")
+  p.add_argument("--plot", default="", help="a results JSON: draw its bar chart (PNG) and exit")
   a = p.parse_args(argv)
+  if a.plot:
+    return plot(a.plot)
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
   checks = {"mosaic": check_mosaic,

@@ -455,3 +455,22 @@ def test_bench_kernels_registry_labels(monkeypatch):
   recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ws-nopp")
   assert "no ping-pong" in recs[0]["impl"] and seen == [False]
   assert bk.select_attention_mgpu.WS_PINGPONG
+
+
+def test_bench_kernels_plot_draws_every_panel(tmp_path):
+  """bench_kernels --plot: a PNG next to the JSON (one panel per T, G, pattern); a file without
+  selection records is refused with its name."""
+  from experiments import bench_kernels as bk
+  recs = [dict(op="select", impl=impl, pass_=None, T=8192, q_heads=16, kv_heads=kh, d_k=64, d_v=64,
+               batch=8, pattern=pat, ms=ms, cudnn_ms=2.6, hardware="test", date="today")
+          for impl, ms in (("pallas-mosaic-gpu union tq4", 1.4), ("pallas-triton union tq4", 1.6))
+          for kh in (1, 4) for pat in ("clustered", "random")]
+  for r in recs:
+    r["pass"] = r.pop("pass_") or "fwd"
+  path = tmp_path / "select_test.json"
+  path.write_text(json.dumps(recs))
+  out = bk.main(["--plot", str(path)])
+  assert out.endswith("select_test.png") and (tmp_path / "select_test.png").stat().st_size > 10_000
+  (tmp_path / "empty.json").write_text("[]")
+  with pytest.raises(SystemExit, match="empty.json"):
+    bk.main(["--plot", str(tmp_path / "empty.json")])
