@@ -131,25 +131,23 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   q, k, v, do = make_qkv(jax.random.key(2), b, t, h, kh, dk, dv)
   idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
   g = h // kh
-  backend, switch = "triton", None
+  backend, call_backend, pingpong = "triton", None, True  # call_backend: None = backend
   if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
   elif tiling in ("mosaic-ws", "mosaic-ws-nopp"):  # 128-row tiles, producer + 2 consumers
-    nopp = tiling == "mosaic-ws-nopp"
+    pingpong = tiling == "mosaic-ws"
     backend, tiling = "mosaic", select_attention_mgpu.ws_tiling_for(g, bs)
-    impl_note += " 2 consumer warpgroups" + (", no ping-pong" if nopp else "")
+    impl_note += " 2 consumer warpgroups" + ("" if pingpong else ", no ping-pong")
   elif tiling == "registry":  # backend="auto": what implementation="pallas" runs
-    backend, tiling = "auto", None
+    call_backend, tiling = "auto", None
     chosen, _ = sk.auto_backend(q.shape, k.shape, v.shape, bs, False, q.dtype, False)
-    if chosen == "mosaic":  # its lax.cond: Mosaic's union tile vs a Triton tile
-      union = select_attention_mgpu.tiling_for(g, bs)
-      if kc.clustered_tiling(g, bs) != union:
-        switch = (union.tokens_per_tile, sk.MOSAIC_G4_SWITCH)
+    if chosen == "mosaic":  # its lax.cond: Mosaic's union tile vs a Triton tile (the label)
+      union, _, switch = sk.auto_union(g, bs, chosen)
       took = bool(kc.use_union(idx, switch))
       tiling = union if took else kc.default_tiling(g, bs)
-      impl_note += (f" (registry: {'mosaic' if took else 'triton'} branch, mean union "
-                    f"{float(kc.mean_union(idx, (switch or (kc.UNION_TOKENS,))[0])):.1f})")
-      backend = "mosaic" if took else "triton"  # for the label; the call passes backend="auto"
+      backend = "mosaic" if took else "triton"
+      impl_note += (f" (registry: {backend} branch, mean union "
+                    f"{float(kc.mean_union(idx, switch[0])):.1f})")
   auto, union = tiling is None, kc.clustered_tiling(g, bs)
   mean_union = float(kc.mean_union(idx, kc.UNION_TOKENS))
   if auto and union is not None and bool(kc.use_union(idx)):  # what the call will run
@@ -157,12 +155,11 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   elif auto:
     tiling = kc.default_tiling(g, bs)
     impl_note += f" (auto: mean union {mean_union:.1f})" if union is not None else ""
-  call_backend, call_tiling = backend, None if auto else tiling
-  if "(registry:" in impl_note:
-    call_backend, call_tiling = "auto", None
+  call_tiling = None if auto or call_backend else tiling
   f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=call_tiling,
-                                            deterministic=deterministic, backend=call_backend)[0]
-  select_attention_mgpu.WS_PINGPONG = "no ping-pong" not in impl_note  # read when traced
+                                            deterministic=deterministic,
+                                            backend=call_backend or backend)[0]
+  select_attention_mgpu.WS_PINGPONG = pingpong  # read when traced
   try:
     fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   finally:

@@ -378,8 +378,8 @@ def _cmp_mosaic(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, h
 
 def _cmp_mosaic_fwd(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg,
                     interpret):
-  o, lse = _cmp_mosaic(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, has_seg,
-                       interpret)
+  o, lse = mgpu.cmp_forward(q, kc, vc, nc=nc, block=block, stride=stride, scale=scale,
+                            interpret=interpret)
   return (o, lse), (q, kc, vc, seg, bseg, bpure, o, lse)
 
 
@@ -407,8 +407,8 @@ def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=N
                        interpret=False, tiling=None, backend="triton"):
   """Compression-branch attention; see the module docstring. Returns (o, lse).
 
-  backend: "triton" (default) or "mosaic" (experimental Mosaic GPU forward, Triton backward; no
-  segment ids; not yet measured on the H200)."""
+  backend: "triton" (default) or "mosaic" (Mosaic GPU forward, Triton backward; no segment ids;
+  slower than Triton on the H200 at 64k, so only on request)."""
   if backend not in ("triton", "mosaic"):
     raise ValueError(f"backend={backend!r}: expected 'triton' or 'mosaic'")
   ok, why = supports(q.shape, k_cmp.shape, v_cmp.shape)

@@ -179,7 +179,7 @@ def _select_bwd(block_size, scale, tiling, has_seg, interpret, deterministic, re
 _select.defvjp(_select_fwd, _select_bwd)
 
 
-# Experimental: the Mosaic GPU (TMA + wgmma) forward, dq and (G >= 8) dK/dV partials over the inverse
+# The Mosaic GPU (TMA + wgmma) forward, dq and (G >= 8) dK/dV partials over the inverse
 # lists, summed by the Triton reduce kernel in a fixed order (G = 4: the Triton dK/dV)
 # (select_attention_mgpu.py; backend="auto" picks it where it was measured faster).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
@@ -348,6 +348,19 @@ def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpre
   return "mosaic", f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster on the H200"
 
 
+def auto_union(g, block_size, backend):
+  """The lax.cond a call without a tiling runs, given the backend auto_backend chose (or
+  "triton"): (union tiling or None, the union branch's backend, switch = (tokens, factor) for
+  C.use_union). Mosaic: its 64-row union tile (G = 16: the same 4 tokens as Triton's, switched at
+  C.UNION_SWITCH; G = 4: 16 tokens, MOSAIC_G4_SWITCH). Triton: G >= 16's 4-token union tile
+  (clustered_tiling; None for G < 16, whose default tile already stacks tokens)."""
+  if backend == "mosaic":
+    union = mgpu.tiling_for(g, block_size)
+    g4 = C.clustered_tiling(g, block_size) != union
+    return union, "mosaic", (union.tokens_per_tile, MOSAIC_G4_SWITCH if g4 else C.UNION_SWITCH)
+  return C.clustered_tiling(g, block_size), "triton", (C.UNION_TOKENS, C.UNION_SWITCH)
+
+
 # name -> differentiable implementation. "mosaic": the Mosaic GPU kernels (Hopper), see
 # select_attention_mgpu.py; backend="auto" picks between the two (auto_backend).
 BACKENDS = {"triton": _select, "mosaic": _select_mosaic}
@@ -379,21 +392,22 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
     raise ValueError(f"block_idx {block_idx.shape} must be [B, T, K, n] = {k.shape[:3]} + (n,)")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}): cast them to one")
-  union_backend, switch, union = "triton", None, None
+  chosen = None  # what backend="auto" chose
   if backend == "auto":
     backend, why = ("triton", "a tiling was given") if tiling is not None else auto_backend(
         q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype, interpret)
+    chosen = backend
     C.log_once(("auto", backend, q.shape, k.shape, v.shape), "select_attention: auto backend %s "
                "for q=%s k=%s v=%s (%s)", backend, q.shape, k.shape, v.shape, why)
-    if backend == "mosaic":  # the union branch of _select_auto runs Mosaic's 64-row tile
-      backend, union_backend, union = "triton", "mosaic", mgpu.tiling_for(g, block_size)
-      if C.clustered_tiling(g, block_size) != union:  # G = 4: 16-token tiles vs Triton's 4
-        switch = (union.tokens_per_tile, MOSAIC_G4_SWITCH)
-  # No tiling given, G >= 16: the call picks, from the block lists themselves, the 4-token union
-  # tile when neighbouring tokens share most blocks and the per-token tile otherwise (lax.cond; both
-  # are exact, C.UNION_SWITCH says where they cross on the H200; see _select_auto).
-  if union is None and tiling is None and backend == "triton":
-    union = C.clustered_tiling(g, block_size)
+  # No tiling given: the call picks, from the block lists themselves, a union tile when
+  # neighbouring tokens share most blocks and the other tile otherwise (lax.cond; both exact; the
+  # switch says where they cross on the H200; see _select_auto and auto_union). A chosen Mosaic
+  # backend runs that union branch; the other branch is Triton. (An explicit backend="mosaic"
+  # runs Mosaic only.)
+  union = union_backend = switch = None
+  if tiling is None and (backend == "triton" or chosen == "mosaic"):
+    union, union_backend, switch = auto_union(g, block_size, backend)
+    backend = "triton"
   if backend == "mosaic":
     ok, why = mgpu.supports(q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype)
     if not ok:
@@ -424,10 +438,9 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
               interpret),
              "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s%s interpret=%s",
              backend, q.shape, k.shape, v.shape, n, block_size, tiling,
-             "" if union is None else (
-                 f"; when {(switch or (C.UNION_TOKENS,))[0]}-token tiles average <= "
-                 f"{(switch or (0, C.UNION_SWITCH))[1] * n:g} distinct blocks: {union_backend} "
-                 f"{union}"), interpret)
+             "" if union is None else (f"; when {switch[0]}-token tiles average <= "
+                                       f"{switch[1] * n:g} distinct blocks: {union_backend} "
+                                       f"{union}"), interpret)
   if union is None:
     return BACKENDS[backend](q, k, v, idx, seg, block_size, scale, tiling, has_seg, interpret,
                              deterministic)

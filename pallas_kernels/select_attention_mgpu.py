@@ -76,6 +76,12 @@ def supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
   return _check(q_shape[2], k_shape[2], q_shape[3], v_shape[3], has_seg, dtype)
 
 
+def _tiles(t, g, rows=ROWS):
+  """(tokens a tile, tiles) for T tokens in tiles of `rows` rows = tokens x the G heads of a group."""
+  tq = rows // g
+  return tq, C.cdiv(t, tq)
+
+
 def _rows_major(x, kh, tp):
   """[B,T,H,...] -> [B, K, tp*G, ...]: the G heads of a group token-major, T zero-padded to tp."""
   b, t, h = x.shape[:3]
@@ -277,8 +283,7 @@ def forward(q, k, v, maps, *, block_size, scale, interpret=False):
     raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
   b, t, h, _ = q.shape
   kh = k.shape[2]
-  tq = ROWS // (h // kh)
-  nt = C.cdiv(t, tq)
+  tq, nt = _tiles(t, h // kh)
   return _run(_select_blocks, maps, q, _blocks_major(k), _blocks_major(v), kh=kh, nt=nt, tq=tq,
               scale=scale, interpret=interpret)
 
@@ -423,8 +428,7 @@ def ws_forward(q, k, v, maps, *, block_size, scale, pingpong=None, interpret=Fal
   b, t, h, dk = q.shape
   kh, dv, dtype = k.shape[2], v.shape[3], q.dtype
   g = h // kh
-  tq = WS_ROWS // g
-  nt = C.cdiv(t, tq)
+  tq, nt = _tiles(t, g, WS_ROWS)
   slots = ws_slots(dk, dv)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
 
@@ -472,8 +476,7 @@ def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):
     raise ValueError(f"compress_attention[mosaic] does not support this call: {why}")
   b, t, h, _ = q.shape
   kh = kc.shape[1]
-  tq = ROWS // (h // kh)
-  nt = C.cdiv(t, tq)
+  tq, nt = _tiles(t, h // kh)
   blocks = functools.partial(_cmp_blocks, tq=tq, t=t, nc=nc, block=block, stride=stride)
   return _run(blocks, (), q, kc, vc, kh=kh, nt=nt, tq=tq, scale=scale, interpret=interpret)
 
@@ -536,8 +539,7 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
   b, t, h, dk = q.shape
   kh, dv = k.shape[2], v.shape[3]
   g, dtype = h // kh, q.dtype
-  tq = ROWS // g
-  nt = C.cdiv(t, tq)
+  tq, nt = _tiles(t, g)
   tp = nt * tq
   rows_major = functools.partial(_rows_major, kh=kh, tp=tp)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))

@@ -98,10 +98,15 @@ layouts_kv2() {
   layout_run kv2_tp2 0,1 --config.model.n_kv_heads=2 --config.mesh.data=1 --config.mesh.tensor=2
 }
 
-context_pair() {  # context_pair <seq_len> <batch>
-  local f="--config.data.seq_len=$1 --config.model.max_seq_len=$1 --config.data.global_batch_size=$2
+ctx_flags() {  # ctx_flags <seq_len> <batch>: the throughput runs' overrides (CTX_STEPS, CTX_LOG)
+  echo "--config.data.seq_len=$1 --config.model.max_seq_len=$1 --config.data.global_batch_size=$2
     --config.train.stop_after=${CTX_STEPS:-20} --config.train.log_every=${CTX_LOG:-5}
     --config.train.eval_every=100000"
+}
+
+context_pair() {  # context_pair <seq_len> <batch>
+  local f
+  f=$(ctx_flags "$1" "$2")
   CUDA_VISIBLE_DEVICES=0 timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
     --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
@@ -114,10 +119,8 @@ context_pair() {  # context_pair <seq_len> <batch>
 context8() { context_pair 8192 8; }
 impl8() {  # NSA at 8k x 8 with two kernel implementations side by side (IMPL_A on GPU 0, IMPL_B
   # on GPU 1; default pallas-mosaic vs pallas), CTX_STEPS steps: the training throughput of each
-  local a=${IMPL_A:-pallas-mosaic} b=${IMPL_B:-pallas} i=0 impl
-  local f="--config.data.seq_len=8192 --config.model.max_seq_len=8192 --config.data.global_batch_size=8
-    --config.train.stop_after=${CTX_STEPS:-20} --config.train.log_every=${CTX_LOG:-5}
-    --config.train.eval_every=100000"
+  local a=${IMPL_A:-pallas-mosaic} b=${IMPL_B:-pallas} i=0 impl f
+  f=$(ctx_flags 8192 8)
   for impl in $a $b; do
     CUDA_VISIBLE_DEVICES=$i timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
       --workdir=$T/impl8/$impl --config.model.nsa.implementation=$impl $f \

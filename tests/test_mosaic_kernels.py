@@ -52,6 +52,22 @@ def _inputs(rng, b, t, h, kh, dk, dv, n, bs=64):
 f32 = lambda x: x.astype(jnp.float32)
 
 
+def _assert_grads_match(ours, theirs, args, do, dlse, names="qkv"):
+  """Gradients of sum(o * do) + sum(lse * dlse) (finite lse) through `ours` (bf16 args) and
+  `theirs` (the float32 reference of the same values), each within TOL of the reference's scale."""
+  def loss(fn, *a):
+    o, lse = fn(*a)
+    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
+
+  idx = tuple(range(len(args)))
+  g = jax.grad(lambda *a: loss(ours, *a), idx)(*args)
+  rg = jax.grad(lambda *a: loss(theirs, *a), idx)(*map(f32, args))
+  for name, a, r in zip(names, g, rg):
+    scale = float(jnp.max(jnp.abs(r)))
+    err = float(jnp.max(jnp.abs(f32(a) - r)))
+    assert err <= TOL * max(scale, 1.0), (f"d{name}", err, scale)
+
+
 def _assert_select_matches(o, lse, q, k, v, idx):
   """A selection forward's (o, lse) against the float32 reference of the same bf16 inputs."""
   (b, t, h, _), dv = q.shape, v.shape[-1]
@@ -111,19 +127,9 @@ def test_gradients_through_select_attention(shape):
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
   dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-
-  def loss(fn, q, k, v):
-    o, lse = fn(q, k, v)
-    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
-
   ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", interpret=INTERPRET)
   theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
-  g = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, k, v)
-  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(k), f32(v))
-  for name, a, r in zip("qkv", g, rg):
-    scale = float(jnp.max(jnp.abs(r)))
-    err = float(jnp.max(jnp.abs(f32(a) - r)))
-    assert err <= TOL * max(scale, 1.0), (f"d{name}", err, scale)
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
 def test_refusals_name_the_problem():
@@ -194,20 +200,10 @@ def test_cmp_gradients_through_compress_attention():
   rng = np.random.default_rng(_seed())
   q, kc, vc, do = _cmp_inputs(rng, b, t, h, kh, dk, dv)
   dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-
-  def loss(fn, q, kc, vc):
-    o, lse = fn(q, kc, vc)
-    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
-
   ours = lambda q, kc, vc: compress_attention(q, kc, vc, 32, 16, backend="mosaic",
                                               interpret=INTERPRET)
   theirs = lambda q, kc, vc: ref.compressed_attention(q, kc, vc, 32, 16)[:2]
-  g = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, kc, vc)
-  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(kc), f32(vc))
-  for name, a, r in zip(("q", "k_cmp", "v_cmp"), g, rg):
-    scale = float(jnp.max(jnp.abs(r)))
-    err = float(jnp.max(jnp.abs(f32(a) - r)))
-    assert err <= TOL * max(scale, 1.0), (f"d{name}", err, scale)
+  _assert_grads_match(ours, theirs, (q, kc, vc), do, dlse, names=("q", "k_cmp", "v_cmp"))
 
 
 def test_cmp_refusals_name_the_problem():
@@ -330,21 +326,12 @@ def test_auto_cond_matches_reference(kh, switch, mosaic):
     assert C.clustered_tiling(g, 64) == tilings[1]
   seg = jnp.zeros((b, t), jnp.int32)
   dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-
-  def loss(fn, q, k, v):
-    o, lse = fn(q, k, v)
-    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
-
   ours = lambda q, k, v: sk._select_auto(q, k, v, idx, seg, 64, dk ** -0.5, tilings, False,
                                          INTERPRET, True, "mosaic", switch)
   theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
   o, _ = ours(q, k, v)
   np.testing.assert_allclose(f32(o), theirs(f32(q), f32(k), f32(v))[0], atol=TOL, rtol=TOL)
-  gr = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, k, v)
-  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(k), f32(v))
-  for name, a, r in zip("qkv", gr, rg):
-    scale = float(jnp.max(jnp.abs(r)))
-    assert float(jnp.max(jnp.abs(f32(a) - r))) <= TOL * max(scale, 1.0), f"d{name}"
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
 @pytest.mark.parametrize("kh", [1, 4], ids=["G16_cond", "G4_cond"])
@@ -387,19 +374,10 @@ def test_ws_gradients_through_select_attention():
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
   dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
   til = mgpu.ws_tiling_for(h // kh, 64)
-
-  def loss(fn, q, k, v):
-    o, lse = fn(q, k, v)
-    return jnp.sum(f32(o) * f32(do)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0.0))
-
   ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", tiling=til,
                                           interpret=INTERPRET)
   theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
-  gr = jax.grad(lambda *a: loss(ours, *a), (0, 1, 2))(q, k, v)
-  rg = jax.grad(lambda *a: loss(theirs, *a), (0, 1, 2))(f32(q), f32(k), f32(v))
-  for name, a, r in zip("qkv", gr, rg):
-    scale = float(jnp.max(jnp.abs(r)))
-    assert float(jnp.max(jnp.abs(f32(a) - r))) <= TOL * max(scale, 1.0), f"d{name}"
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
 WS_LOWER = [(g, dk, dv) for g in (8, 16, 32) for dk, dv in ((64, 64), (128, 128), (192, 128),
