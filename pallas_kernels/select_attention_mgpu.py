@@ -290,6 +290,10 @@ def forward(q, k, v, maps, *, block_size, scale, interpret=False):
 
 # ----------------------------------------------------------------------------- selection forward,
 # two consumer warpgroups
+# Measured on the H200 (2026-11-30, benchmarks/results/select_h200_mosaicws*.md): correct, but slower
+# than the 64-row forward at every measured shape (64k G=16 clustered 9.42 vs 9.07 ms, random 29.6 vs
+# 20.8; 8k layer 2.25 vs 1.36). At G=16 its 128 rows are 8 tokens, whose union of block lists is
+# larger than 4 tokens', so each row does more work. The registry does not pick it.
 
 WS_ROWS = 2 * ROWS        # a tile: two 64-row halves, one per consumer warpgroup
 WS_SMEM = 220 * 1024      # bytes of shared memory the slots may fill up to (H200: 227 KiB a block)

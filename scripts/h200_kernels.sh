@@ -30,11 +30,12 @@
 #          "pallas-triton", with a compiled check of each; ~2 min measured.
 # registry  the selection kernel through backend="auto" (what implementation="pallas" runs: Mosaic
 #          GPU or Triton per shape, G=4's lax.cond on 16-token unions), compiled check, 64k, G=16
-#          and 4, both patterns, then the 8k layer shape (not run yet; ~3 min estimated).
+#          and 4, both patterns, then the 8k layer shape (295 s measured, 2026-11-30).
 # mosaicws  the two-warpgroup Mosaic GPU selection forward (128-row tiles: a TMA producer warpgroup,
 #          two consumers with a ping-pong barrier; select_attention_mgpu.ws_forward) against the
 #          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
-#          layer shape, each with and without the ping-pong barrier (not run yet; ~5 min estimated).
+#          layer shape, each with and without the ping-pong barrier (~4 min; measured 2026-11-30:
+#          correct, slower than the 64-row kernel at every shape, see docs/STATUS.md).
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
