@@ -22,6 +22,10 @@
 #          grows with it).
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
+# selgain  does selection pay off with more tokens? `nsa` (n = 16) on GPU 0 and `n_forced_only`
+#          (n = 3, forced blocks only) on GPU 1, same code, SG_STEPS steps (default 600, ~6.5 min
+#          estimated from the 300-step runs' 207-237 s); after 300 steps n_forced_only was 0.041
+#          lower (docs/RESULTS.md §0b, older-code nsa reference).
 # impl8    NSA at 8k x 8, implementation=pallas-mosaic (GPU 0) vs pallas (GPU 1), CTX_STEPS steps.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
@@ -191,6 +195,18 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
 branches() { sweep_pair branches no_cmp,no_slc no_win; }
 design() { sweep_pair design shared_kv,gate_sum quest,mean_phi; }
 blocks() { sweep_pair blocks finer,coarser n_forced_only,n_x2; }
+selgain() {
+  local s=${SG_STEPS:-600}
+  local a="--runs_root=$T/runs --out_dir=$R/selgain_gpu --config.train.num_steps=$s
+    --config.train.eval_every=$((s / 4)) --config.checkpoint.every_steps=$s"
+  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu --run=nsa $a \
+    > "$R/selgain_gpu0.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu \
+    --run=n_forced_only $a > "$R/selgain_gpu1.log" 2>&1 &
+  wait_runs
+  python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu --report_only $a >> "$R/selgain_gpu0.log" 2>&1
+  for r in "$T"/runs/*/; do [ -f "$r/metrics.jsonl" ] && keep "$r" "selgain_$(basename "$r")"; done
+}
 
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
 # A device call is killed at its limit with nothing packed: pack what exists before that.

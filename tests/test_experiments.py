@@ -359,7 +359,7 @@ def _script_phases(name):
 def test_h200_runs_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_runs.sh")
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
-                "blocks", "context8", "context16", "context32", "impl8"):
+                "blocks", "context8", "context16", "context32", "impl8", "selgain"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
 
