@@ -474,3 +474,31 @@ def test_bench_kernels_plot_draws_every_panel(tmp_path):
   (tmp_path / "empty.json").write_text("[]")
   with pytest.raises(SystemExit, match="empty.json"):
     bk.main(["--plot", str(tmp_path / "empty.json")])
+
+
+def test_plot_ablations_chart_table_and_errors(tmp_path):
+  """Deltas against the reference, one bar per config hash (the shared reference drawn once), the
+  FILE:RUN extras, and clear errors for a missing reference, file or run."""
+  from experiments import plot_ablations
+  def rec(run, h, loss):
+    return {"run": run, "config_hash": h, "val_loss": loss, "params": 1000}
+  a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  a.write_text("\n".join(json.dumps(r) for r in [rec("nsa", "h0", 1.5), rec("x", "h1", 1.7)]) + "\n")
+  b.write_text("\n".join(json.dumps(r) for r in [rec("nsa", "h0", 1.5), rec("y", "h2", 1.4),
+                                                   rec("dense", "h3", 1.9)]) + "\n")
+  out = tmp_path / "c.png"
+  table = plot_ablations.main([str(a), f"--extra={b}:dense", "--extra", f"{b}:y", "--out", str(out)])
+  assert out.stat().st_size > 1000
+  lines = [l for l in table.splitlines() if l.startswith("| ") and not l.startswith("| run")]
+  assert [l.split(" | ")[0][2:] for l in lines] == ["y", "x", "dense"]  # sorted by delta
+  assert "-0.1000" in lines[0] and "+0.2000" in lines[1] and "+0.4000" in lines[2]
+  ref, rows = plot_ablations.deltas(plot_ablations.load_records([str(a), str(b)]))
+  assert ref["val_loss"] == 1.5 and len(rows) == 3  # nsa once, though it is in both files
+  with pytest.raises(ValueError, match="no run named 'base'"):
+    plot_ablations.deltas(plot_ablations.load_records([str(a)]), "base")
+  with pytest.raises(FileNotFoundError, match="no such results file"):
+    plot_ablations.load_records([str(tmp_path / "missing.jsonl")])
+  with pytest.raises(ValueError, match="no run named 'zzz'"):
+    plot_ablations.load_records([], [f"{b}:zzz"])
+  with pytest.raises(ValueError, match="expected FILE:RUN"):
+    plot_ablations.load_records([], ["nocolon"])
