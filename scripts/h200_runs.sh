@@ -21,7 +21,8 @@
 #          did not get past the plateau in 1500 steps (PK_STEPS1 raises them; the stage's timeout
 #          grows with it).
 # branches, design, blocks
-#          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU.
+#          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
+#          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
 # selgain  does selection pay off with more tokens? `nsa` (n = 16) on GPU 0 and `n_forced_only`
 #          (n = 3, forced blocks only) on GPU 1, same code, SG_STEPS steps (default 600, ~6.5 min
 #          estimated from the 300-step runs' 207-237 s); after 300 steps n_forced_only was 0.041
@@ -194,7 +195,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
 # Paper ablations at GPU scale (each ~8 min on 2 GPUs; nsa itself is reused from pair's record).
 branches() { sweep_pair branches no_cmp,no_slc no_win; }
 design() { sweep_pair design shared_kv,gate_sum quest,mean_phi; }
-blocks() { sweep_pair blocks finer,coarser n_forced_only,n_x2; }
+blocks() { sweep_pair blocks finer,coarser n_x2; }  # n_forced_only: ran alone (RESULTS §0b)
 selgain() {
   local s=${SG_STEPS:-600}
   local a="--runs_root=$T/runs --out_dir=$R/selgain_gpu --config.train.num_steps=$s
