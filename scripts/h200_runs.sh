@@ -26,7 +26,8 @@
 # selgain  does selection pay off with more tokens? `nsa` (n = 16) on GPU 0 and `n_forced_only`
 #          (n = 3, forced blocks only) on GPU 1, same code, SG_STEPS steps (default 600, ~6.5 min
 #          estimated from the 300-step runs' 207-237 s); after 300 steps n_forced_only was 0.041
-#          lower (docs/RESULTS.md §0b, older-code nsa reference).
+#          lower (docs/RESULTS.md §0b, older-code nsa reference, one seed; at CPU scale that pair's
+#          difference flips sign across init seeds, §4b): SG_SEED=1, 2 for more seeds.
 # impl8    NSA at 8k x 8, implementation=pallas-mosaic (GPU 0) vs pallas (GPU 1), CTX_STEPS steps.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
@@ -199,7 +200,8 @@ blocks() { sweep_pair blocks finer,coarser n_x2; }  # n_forced_only: ran alone (
 selgain() {
   local s=${SG_STEPS:-600}
   local a="--runs_root=$T/runs --out_dir=$R/selgain_gpu --config.train.num_steps=$s
-    --config.train.eval_every=$((s / 4)) --config.checkpoint.every_steps=$s"
+    --config.train.eval_every=$((s / 4)) --config.checkpoint.every_steps=$s
+    ${SG_SEED:+--config.train.seed=$SG_SEED}"
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu --run=nsa $a \
     > "$R/selgain_gpu0.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu \
