@@ -13,34 +13,28 @@ the chart shows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 
 def load_records(paths: list[str], extra: list[str] = ()) -> list[dict]:
   """Records from results.jsonl files (all runs) and FILE:RUN entries (that run only), one per
-  config hash, in reading order."""
-  by_hash = {}
-  def read(path, only=None):
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{path}: no such results file (an experiments.ablate results.jsonl)")
-    found = False
-    with open(path) as f:
-      for line in f:
-        rec = json.loads(line)
-        if only is None or rec["run"] == only:
-          by_hash.pop(rec["config_hash"], None)
-          by_hash[rec["config_hash"]] = rec
-          found = True
-    if only is not None and not found:
-      raise ValueError(f"{path} has no run named {only!r}")
-  for path in paths:
-    read(path)
+  config hash (the last one read wins)."""
+  from experiments.ablate import records_by_hash
+  picks = []
   for item in extra:
     path, sep, run = item.rpartition(":")
     if not sep or not path or not run:
       raise ValueError(f"--extra {item!r}: expected FILE:RUN")
-    read(path, run)
+    picks.append((path, run))
+  for path in [*paths, *(p for p, _ in picks)]:
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path}: no such results file (an experiments.ablate results.jsonl)")
+  by_hash = records_by_hash(paths)
+  for path, run in picks:
+    chosen = {h: r for h, r in records_by_hash([path]).items() if r["run"] == run}
+    if not chosen:
+      raise ValueError(f"{path} has no run named {run!r}")
+    by_hash.update(chosen)
   return list(by_hash.values())
 
 

@@ -27,7 +27,8 @@
 #          (n = 3, forced blocks only) on GPU 1, same code, SG_STEPS steps (default 600, ~6.5 min
 #          estimated from the 300-step runs' 207-237 s); after 300 steps n_forced_only was 0.041
 #          lower (docs/RESULTS.md §0b, older-code nsa reference, one seed; at CPU scale that pair's
-#          difference flips sign across init seeds, §4b): SG_SEED=1, 2 for more seeds.
+#          difference flips sign across init seeds, §4b): SG_SEED=1, 2 for more seeds (SG_STEPS=300
+#          without a seed would reuse the recorded older-code nsa run).
 # impl8    NSA at 8k x 8, implementation=pallas-mosaic (GPU 0) vs pallas (GPU 1), CTX_STEPS steps.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
@@ -139,14 +140,17 @@ impl8() {  # NSA at 8k x 8 with two kernel implementations side by side (IMPL_A 
 context16() { context_pair 16384 4; }
 context32() { context_pair 32768 2; }
 
-sweep_pair() {  # sweep_pair <sweep> <runs on GPU 0> <runs on GPU 1>: two runs each fit one call
-  local a="--runs_root=$T/runs --out_dir=$R/${1}_gpu --reuse_from=docs/results/nsa_vs_dense_gpu.jsonl"
-  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --run=$2 $a \
-    > "$R/${1}_gpu0.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --run=$3 $a \
-    > "$R/${1}_gpu1.log" 2>&1 &
+sweep_pair() {  # sweep_pair <sweep> <runs on GPU 0> <runs on GPU 1> [<name> [ablate flags...]]:
+  # two runs each fit one call; results and logs under <name> (default <sweep>)_gpu
+  local sweep=$1 gpu0=$2 gpu1=$3 name=${4:-$1}
+  shift $(( $# < 4 ? $# : 4 ))
+  local a="--runs_root=$T/runs --out_dir=$R/${name}_gpu --reuse_from=docs/results/nsa_vs_dense_gpu.jsonl $*"
+  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.ablate --config=configs/sweep_$sweep.py:gpu --run=$gpu0 $a \
+    > "$R/${name}_gpu0.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=configs/sweep_$sweep.py:gpu --run=$gpu1 $a \
+    > "$R/${name}_gpu1.log" 2>&1 &
   wait_runs
-  python3 -m experiments.ablate --config=configs/sweep_$1.py:gpu --report_only $a >> "$R/${1}_gpu0.log" 2>&1
+  python3 -m experiments.ablate --config=configs/sweep_$sweep.py:gpu --report_only $a >> "$R/${name}_gpu0.log" 2>&1
 }
 
 passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA and dense at once
@@ -199,15 +203,9 @@ design() { sweep_pair design shared_kv,gate_sum quest,mean_phi; }
 blocks() { sweep_pair blocks finer,coarser n_x2; }  # n_forced_only: ran alone (RESULTS §0b)
 selgain() {
   local s=${SG_STEPS:-600}
-  local a="--runs_root=$T/runs --out_dir=$R/selgain_gpu --config.train.num_steps=$s
-    --config.train.eval_every=$((s / 4)) --config.checkpoint.every_steps=$s
-    ${SG_SEED:+--config.train.seed=$SG_SEED}"
-  CUDA_VISIBLE_DEVICES=0 python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu --run=nsa $a \
-    > "$R/selgain_gpu0.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu \
-    --run=n_forced_only $a > "$R/selgain_gpu1.log" 2>&1 &
-  wait_runs
-  python3 -m experiments.ablate --config=configs/sweep_blocks.py:gpu --report_only $a >> "$R/selgain_gpu0.log" 2>&1
+  sweep_pair blocks nsa n_forced_only selgain --config.train.num_steps=$s \
+    --config.train.eval_every=$((s / 4)) --config.checkpoint.every_steps=$s \
+    ${SG_SEED:+--config.train.seed=$SG_SEED}
   for r in "$T"/runs/*/; do [ -f "$r/metrics.jsonl" ] && keep "$r" "selgain_$(basename "$r")"; done
 }
 
