@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import bench_common as bc
-from nsa_jax import ops, xla
+from nsa_jax import cmp_fold, ops, xla
 from nsa_jax.config import NSAConfig
 from pallas_kernels import _common as C
 from pallas_kernels.compress_attention import compress_attention
@@ -175,6 +175,9 @@ def bench_branches(bench, key, t, cfg, dense, args):
   ct = jax.random.normal(jax.random.fold_in(key, 9), (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   cmp = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, interpret=INTERPRET)
   bench.add("compress", "pallas", t, cfg, bench.time_pair(cmp, [q, kc, vc], ct), dense)
+  if ON_GPU:  # the same branch as one cuDNN call on folded queries (what "pallas" runs)
+    fold = lambda q, kc, vc: cmp_fold.compressed_attention(q, kc, vc, l, d)
+    bench.add("compress", "cudnn-fold", t, cfg, bench.time_pair(fold, [q, kc, vc], ct), dense)
   _, lse = jax.jit(cmp)(q, kc, vc)
   topn = lambda q, kc, lse: (select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
                                          num_selected=cfg.num_selected, interpret=INTERPRET),)
@@ -283,6 +286,16 @@ def check(key, t, cfg):
              lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(lse) == fin)),
              topn_slots_equal_frac=float(jnp.mean(idx == xidx)),
              topn_rows_equal_frac=float(jnp.mean(jnp.all(idx == xidx, axis=-1))))
+  if ON_GPU:  # the cuDNN fold of the compression branch, and the top-n fed by its lse
+    fo, flse = jax.jit(lambda q, kc, vc: cmp_fold.compressed_attention(
+        q, kc, vc, cfg.cmp_block, cfg.cmp_stride))(q, kc, vc)
+    fidx = jax.jit(lambda q, kc, lse: select_topn(
+        q, kc, lse, block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
+        num_selected=cfg.num_selected))(q, kc, flse)
+    out.update(fold_o_maxerr=float(jnp.max(jnp.abs(f32(fo) - f32(xo)))),
+               fold_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(flse - xlse), 0.0))),
+               fold_lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(flse) == fin)),
+               fold_topn_rows_equal_frac=float(jnp.mean(jnp.all(fidx == xidx, axis=-1))))
   ct = jax.random.normal(key, (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   op = lambda impl: (lambda *a: (ops.nsa_attention(*a, cfg, implementation=impl),))
   for name, impl in (("pallas", IMPL), ("xla", "xla")):

@@ -5,7 +5,9 @@ Implementations:
   "xla":       memory-sane plain JAX (nsa_jax.xla); any backend.
   "pallas":    Pallas GPU kernels (pallas_kernels): compression attention (fwd + bwd), fused block
                scoring + top-n, selection attention; the window branch on cuDNN's local window
-               (plain JAX with segment ids). The Quest selector's scores stay in plain JAX.
+               (plain JAX with segment ids). On a GPU without segment ids the compression branch
+               runs as one cuDNN flash-attention call on queries folded by the compression
+               stride (nsa_jax.cmp_fold); "pallas-triton" / "pallas-mosaic" keep it in kernels. The Quest selector's scores stay in plain JAX.
                Requested off a GPU, the same kernels run in Pallas' interpreter (slow; tests).
                Backward: the compression kernel saves its inputs, o and lse and recomputes p; the
                top-n indices carry no gradient; the selection kernel keeps its own residuals.
@@ -173,8 +175,22 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
   return "auto"
 
 
+def _auto_cmp_backend(q, v_cmp, segment_ids):
+  """Compression branch for implementation="pallas": cuDNN flash attention on the folded queries
+  (nsa_jax.cmp_fold) on a GPU where it applies, else the Triton kernels; logged with the reason."""
+  from nsa_jax import cmp_fold
+  if not on_gpu():
+    return "triton"
+  ok, why = cmp_fold.supports(q.shape, q.shape[-1], v_cmp.shape[-1], q.dtype,
+                              segment_ids is not None)
+  log_once(logging.INFO, f"NSA compress branch for q{tuple(q.shape)}: " +
+           ("cuDNN flash attention on queries folded by compression stride (nsa_jax.cmp_fold)"
+            if ok else f"Triton kernels (cuDNN fold does not apply: {why})"))
+  return "cudnn" if ok else "triton"
+
+
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-                return_aux, block_idx=None, kernels="auto"):
+                return_aux, block_idx=None, kernels="auto", cmp_backend=None):
   from pallas_kernels.compress_attention import compress_attention
   from pallas_kernels.select_attention import select_attention as select_kernel
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
@@ -183,16 +199,29 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   interpret = not on_gpu()
   cmp_be, slc_be = {"mosaic": lambda: _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids),
                     "triton": lambda: ("triton", "triton"),
-                    "auto": lambda: ("triton", _auto_select_backend(q, k_slc, v_slc, cfg,
-                                                                    segment_ids, interpret))
+                    "auto": lambda: (_auto_cmp_backend(q, v_cmp, segment_ids),
+                                     _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids,
+                                                          interpret))
                     }[kernels]()
+  # cmp_backend (tests, benchmarks): "triton", "mosaic", "cudnn" or "fold-xla" (cmp_fold's fold
+  # through XLA attention, any backend) instead of the choice above.
+  cmp_be = cmp_backend or cmp_be
   outs, aux = {}, {}
   want_idx = "slc" in cfg.branches
   # Like the reference, the compression branch also runs when it only feeds the NSA selector
   # (its log-sum-exp turns the top-n kernel's logits into probabilities).
   if "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa"):
-    o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
-                                        segment_ids, scale, interpret=interpret, backend=cmp_be)
+    if cmp_be in ("cudnn", "fold-xla"):
+      from nsa_jax import cmp_fold
+      if segment_ids is not None:
+        raise ValueError(f"compression backend {cmp_be!r} does not take segment ids (one "
+                         "visibility rule per folded group). Fix: use the Triton kernels")
+      o_cmp, lse_cmp = cmp_fold.compressed_attention(
+          q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale,
+          implementation="cudnn" if cmp_be == "cudnn" else "xla")
+    else:
+      o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
+                                          segment_ids, scale, interpret=interpret, backend=cmp_be)
     outs["cmp"] = o_cmp
   if want_idx:
     idx = block_idx if block_idx is not None else _pallas_indices(

@@ -36,6 +36,10 @@
 #          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
 #          layer shape, each with and without the ping-pong barrier (~4 min; measured 2026-11-30:
 #          correct, slower than the 64-row kernel at every shape, see docs/STATUS.md).
+# cmpfold  the compression branch as one cuDNN call on folded queries (nsa_jax.cmp_fold, what
+#          implementation="pallas" now runs) against the Triton kernels: compiled checks, the 8k
+#          training layer shape with "pallas" and "pallas-triton", then 64k and 16k at both head
+#          dims with the branch breakdown at 64k; ~7 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -109,6 +113,15 @@ registry() {
     --patterns clustered,random --iters 5 --out "$OUT/registry" --tag h200_registry
   timeout 150 python3 -m experiments.bench_kernels --plan registry --T 8192 --heads 16 --d 64 \
     --batch 8 --patterns clustered,random --iters 10 --out "$OUT/registry8k" --tag h200_registry8k
+}
+cmpfold() {
+  for impl in pallas pallas-triton; do
+    timeout 150 python3 -m experiments.bench_nsa --impl $impl --check --heads 16/1 --dims 64/64 \
+      --batch 8 --T 8192 --breakdown_T="$([ $impl = pallas ] && echo 8192)" --iters 10 \
+      --out "$OUT/cmpfold8k_$impl"
+  done
+  timeout 300 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 192/128,128/128 \
+    --breakdown_T 65536 --iters 5 --budget_s 220 --out "$OUT/cmpfold"
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \

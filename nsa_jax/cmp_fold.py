@@ -1,0 +1,108 @@
+"""The compression branch (Eq. 7-8) as ONE causal attention call, so that cuDNN's flash attention
+can run it on a GPU.
+
+Query t sees compressed block i iff i*d + l - 1 <= t (nsa_jax.reference.cmp_visible_mask, no
+segments). Shift the queries by l - 1 (s = t - l + 1; the first l - 1 queries see nothing) and the
+rule becomes i <= s // d: the d consecutive queries of group g = s // d all see exactly blocks
+0..g. So fold each group's d positions into the head axis,
+
+  q [B, T, K*G, D] -> drop the first l-1 rows, pad to Nc*d -> [B, Nc, K * d * G, D],
+
+and the branch is plain causal attention (query group g sees keys 0..g, top-left aligned) with
+Nc queries, Nc keys and d*G query heads per KV head (the GQA order cuDNN expects: KV head major).
+The number of groups equals Nc = (T - l) // d + 1 exactly, the padded rows at the end see real
+keys and are sliced off. Same FLOPs as the Pallas kernel, but in cuDNN's tuned flash kernels
+(forward and backward).
+
+Returns (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log, -inf for queries that see
+no block), the contract of pallas_kernels.compress_attention. lse carries no gradient here (the NSA
+op only feeds it to the top-n, whose block indices are integers); o is differentiable.
+
+implementation="cudnn" (GPU, bf16/fp16) or "xla" (any backend; jax's reference attention, used by
+the tests to check the fold itself on a CPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def supports(q_shape, dk, dv, dtype, has_seg):
+  """(ok, reason): whether the cuDNN fold applies (no segment ids, bf16/fp16, head dims cuDNN takes
+  after padding d_v up to d_k or the reverse)."""
+  if has_seg:
+    return False, "segment ids (the fold needs one visibility rule for every query of a group)"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return False, f"dtype {jnp.dtype(dtype).name} (cuDNN flash takes bfloat16/float16)"
+  dim = max(dk, dv)
+  if dim > 256 or dim % 8:
+    return False, f"head dim {dim} (cuDNN needs <= 256 and a multiple of 8)"
+  return True, "ok"
+
+
+def fold_queries(q, block, stride, num_cmp, kv_heads):
+  """q [B, T, K*G, D] -> [B, Nc, K*stride*G, D] (see the module docstring)."""
+  b, t, h, dim = q.shape
+  g = h // kv_heads
+  qs = q[:, block - 1:]
+  qs = jnp.pad(qs, ((0, 0), (0, num_cmp * stride - qs.shape[1]), (0, 0), (0, 0)))
+  qs = qs.reshape(b, num_cmp, stride, kv_heads, g, dim).transpose(0, 1, 3, 2, 4, 5)
+  return qs.reshape(b, num_cmp, kv_heads * stride * g, dim)
+
+
+def unfold(x, t, block, stride, kv_heads, fill):
+  """Inverse of fold_queries for [B, Nc, K*stride*G, ...] -> [B, T, K*G, ...]; the first block-1
+  positions (which see no compressed block) get `fill`."""
+  b, nc, hf = x.shape[:3]
+  g = hf // (kv_heads * stride)
+  rest = x.shape[3:]
+  y = x.reshape((b, nc, kv_heads, stride, g) + rest)
+  y = jnp.moveaxis(y, 3, 2).reshape((b, nc * stride, kv_heads * g) + rest)
+  y = y[:, :t - block + 1]
+  head = jnp.full((b, block - 1, kv_heads * g) + rest, fill, x.dtype)
+  return jnp.concatenate([head, y], axis=1)
+
+
+def _attention(qf, k, v, scale, implementation):
+  """Causal attention with the log-sum-exp: (o [B, N, Hq, D], lse [B, N, Hq] float32)."""
+  if implementation == "cudnn":
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    o, lse = fa.dot_product_attention(qf, k, v, scale=scale, mask_type=fa.MaskType.CAUSAL,
+                                      qkv_layout="BTNH", return_residual=True)
+    return o, jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)  # cuDNN returns [B, Hq, N]
+  if implementation == "xla":
+    b, n, hq, dim = qf.shape
+    kh = k.shape[2]
+    qg = qf.reshape(b, n, kh, hq // kh, dim)
+    s = jnp.einsum("bnkgd,bmkd->bkgnm", qg, k, preferred_element_type=jnp.float32) * scale
+    causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+    s = jnp.where(causal, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, N]
+    p = jnp.exp(s - lse[..., None])
+    o = jnp.einsum("bkgnm,bmkd->bnkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return (o.reshape(b, n, hq, -1).astype(qf.dtype),
+            jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, n, hq))
+  raise ValueError(f"implementation={implementation!r}: expected 'cudnn' or 'xla'")
+
+
+def compressed_attention(q, k_cmp, v_cmp, block, stride, scale=None, *, implementation="cudnn"):
+  """Compression-branch attention without segment ids: (o [B,T,H,Dv], lse [B,T,H] float32)."""
+  b, t, h, dk = q.shape
+  nc, kh, dv = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[-1]
+  if h % kh:
+    raise ValueError(f"{h} query heads are not a multiple of {kh} KV heads")
+  expect = 0 if t < block else (t - block) // stride + 1
+  if nc != expect:
+    raise ValueError(f"k_cmp has {nc} blocks, expected {expect} for T={t}, l={block}, d={stride}")
+  if nc == 0:
+    return jnp.zeros((b, t, h, dv), q.dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32)
+  scale = float(dk ** -0.5 if scale is None else scale)
+  dim = max(dk, dv)
+  pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
+  qf = fold_queries(pad(q), block, stride, nc, kh)
+  o, lse = _attention(qf, pad(k_cmp).astype(q.dtype), pad(v_cmp).astype(q.dtype), scale,
+                      implementation)
+  o = unfold(o[..., :dv], t, block, stride, kh, 0).astype(q.dtype)
+  lse = unfold(jax.lax.stop_gradient(lse), t, block, stride, kh, -jnp.inf)
+  return o, lse

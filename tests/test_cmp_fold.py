@@ -1,0 +1,135 @@
+"""The compression branch as one causal attention on folded queries (nsa_jax.cmp_fold) against the
+reference (o, lse, gradients), and the whole Pallas op with the fold feeding the top-n kernel.
+
+On a CPU the fold runs through XLA attention ("xla"); the cuDNN call itself is checked on the
+H200 by `experiments.bench_nsa --check` (scripts/h200_kernels.sh cmpfold).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa_jax import cmp_fold, ops, reference
+from nsa_jax.config import NSAConfig
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _seed():
+  return int.from_bytes(os.urandom(4), "little")
+
+
+def _inputs(seed, b, t, h, kv, dk, dv, l, d):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  nc = 0 if t < l else (t - l) // d + 1
+  return (jax.random.normal(ks[0], (b, t, h, dk)), jax.random.normal(ks[1], (b, nc, kv, dk)),
+          jax.random.normal(ks[2], (b, nc, kv, dv)), jax.random.normal(ks[3], (b, t, h, dv)))
+
+
+# T aligned and not with the stride, T < l (no block), T = l (one block), GQA with K > 1 (the fold
+# transposes), d_k < d_v and d_k > d_v (padding), l = d (no overlap).
+@pytest.mark.parametrize("b,t,h,kv,dk,dv,l,d", [
+    (2, 100, 4, 2, 16, 8, 32, 16), (1, 64, 2, 1, 8, 8, 8, 4), (2, 37, 6, 3, 16, 24, 8, 8),
+    (1, 20, 2, 1, 8, 8, 32, 16), (1, 32, 4, 1, 8, 8, 32, 16), (1, 161, 16, 1, 8, 8, 32, 16),
+    (1, 90, 8, 4, 24, 16, 16, 4),
+])
+def test_fold_matches_reference(b, t, h, kv, dk, dv, l, d):
+  seed = _seed()
+  q, kc, vc, w = _inputs(seed, b, t, h, kv, dk, dv, l, d)
+  o, lse = cmp_fold.compressed_attention(q, kc, vc, l, d, implementation="xla")
+  ro, rlse, _ = reference.compressed_attention(q, kc, vc, l, d)
+  assert o.shape == ro.shape and lse.shape == rlse.shape and lse.dtype == jnp.float32
+  np.testing.assert_allclose(o, ro, atol=2e-5, err_msg=f"o (seed {seed})")
+  assert np.array_equal(np.isfinite(lse), np.isfinite(rlse)), f"-inf pattern (seed {seed})"
+  np.testing.assert_allclose(np.where(np.isfinite(rlse), lse, 0), np.where(np.isfinite(rlse), rlse, 0),
+                             atol=2e-5, err_msg=f"lse (seed {seed})")
+  if kc.shape[1] == 0:
+    return
+  loss = lambda f: (lambda q, kc, vc: jnp.sum(f(q, kc, vc)[0] * w))
+  g = jax.grad(loss(lambda *a: cmp_fold.compressed_attention(*a, l, d, implementation="xla")),
+               (0, 1, 2))(q, kc, vc)
+  rg = jax.grad(loss(lambda *a: reference.compressed_attention(*a, l, d)), (0, 1, 2))(q, kc, vc)
+  for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), g, rg):
+    np.testing.assert_allclose(a, r, atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(r)))),
+                               err_msg=f"{name} (seed {seed})")
+
+
+def test_fold_layout_mutation_is_caught():
+  """The fold's head order matters: with the KV-head and position axes swapped the GQA mapping
+  is wrong for K > 1 (a check that this test file can fail)."""
+  q, kc, vc, _ = _inputs(1, 1, 64, 4, 2, 8, 8, 8, 4)
+  good = cmp_fold.fold_queries(q, 8, 4, kc.shape[1], 2)
+  b, t, h, dim = q.shape
+  qs = jnp.pad(q[:, 7:], ((0, 0), (0, kc.shape[1] * 4 - (t - 7)), (0, 0), (0, 0)))
+  wrong = qs.reshape(b, kc.shape[1], 4 * h, dim)  # position-major: wrong KV head for K > 1
+  assert not np.allclose(good, wrong)
+  back = cmp_fold.unfold(good, t, 8, 4, 2, 0.0)
+  np.testing.assert_array_equal(back[:, 7:], q[:, 7:])
+  assert np.all(back[:, :7] == 0)
+
+
+def test_supports_reasons():
+  assert cmp_fold.supports((1, 64, 4, 64), 64, 64, jnp.bfloat16, False) == (True, "ok")
+  ok, why = cmp_fold.supports((1, 64, 4, 64), 64, 64, jnp.bfloat16, True)
+  assert not ok and "segment ids" in why
+  ok, why = cmp_fold.supports((1, 64, 4, 64), 64, 64, jnp.float32, False)
+  assert not ok and "float32" in why
+  ok, why = cmp_fold.supports((1, 64, 4, 320), 320, 64, jnp.bfloat16, False)
+  assert not ok and "320" in why
+  with pytest.raises(ValueError, match="k_cmp has 8 blocks, expected 5 for T=100"):
+    q, kc, vc, _ = _inputs(0, 1, 100, 2, 1, 8, 8, 8, 4)
+    cmp_fold.compressed_attention(q, kc[:, :8], vc[:, :8], 32, 16, implementation="xla")
+
+
+def test_whole_op_with_fold_matches_reference():
+  """The Pallas op (interpreted on a CPU) with the fold's lse feeding the top-n kernel: same block
+  indices as the reference, same output and gradients."""
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 9)
+  b, t, h, kv, dk, dv = 1, 100, 4, 2, 32, 16
+  cfg = NSAConfig(num_heads=h, num_kv_heads=kv, head_dim=dk, head_dim_v=dv, cmp_block=16,
+                  cmp_stride=8, sel_block=16, num_selected=4, window=24)
+  nc = cfg.num_cmp_blocks(t)
+  shapes = [(b, t, h, dk), (b, nc, kv, dk), (b, nc, kv, dv), (b, t, kv, dk), (b, t, kv, dv),
+            (b, t, kv, dk), (b, t, kv, dv)]
+  args = [jax.random.normal(k, s) for k, s in zip(ks, shapes)]
+  args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))))
+  w = jax.random.normal(ks[8], (b, t, h, dv))
+
+  def run(fn):
+    def f(*a):
+      o, aux = fn(*a)
+      return jnp.sum(o * w), aux["block_idx"]
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True))(*args)
+
+  fold = lambda *a: ops._pallas_nsa(*a, cfg, None, None, True, kernels="triton",
+                                    cmp_backend="fold-xla")
+  ref = lambda *a: reference.nsa_attention(*a, cfg, return_aux=True)
+  (val, idx), grads = run(fold)
+  (rval, ridx), rgrads = run(ref)
+  assert np.array_equal(idx, ridx), f"block indices differ (seed {seed})"
+  np.testing.assert_allclose(val, rval, rtol=1e-5, err_msg=f"loss (seed {seed})")
+  for name, a, r in zip(("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"),
+                        grads, rgrads):
+    np.testing.assert_allclose(a, r, atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(r)))),
+                               err_msg=f"d{name} (seed {seed})")
+
+
+def test_fold_refuses_segment_ids_and_cpu_auto_keeps_kernels():
+  cfg = NSAConfig(num_heads=2, num_kv_heads=1, head_dim=8, head_dim_v=8, cmp_block=8,
+                  cmp_stride=4, sel_block=8, num_selected=3, window=8)
+  q = jnp.zeros((1, 32, 2, 8))
+  kc = jnp.zeros((1, cfg.num_cmp_blocks(32), 1, 8))
+  kv = jnp.zeros((1, 32, 1, 8))
+  gates = jnp.ones((1, 32, 2, 3))
+  seg = jnp.zeros((1, 32), jnp.int32)
+  with pytest.raises(ValueError, match="segment ids"):
+    ops._pallas_nsa(q, kc, kc, kv, kv, kv, kv, gates, cfg, seg, None, False, kernels="triton",
+                    cmp_backend="fold-xla")
+  assert ops._auto_cmp_backend(q.astype(jnp.bfloat16), kc, None) == "triton"  # not on a GPU
+
