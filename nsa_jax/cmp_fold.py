@@ -10,9 +10,9 @@ rule becomes i <= s // d: the d consecutive queries of group g = s // d all see 
 
 and the branch is plain causal attention (query group g sees keys 0..g, top-left aligned) with
 Nc queries, Nc keys and d*G query heads per KV head (the GQA order cuDNN expects: KV head major).
-The number of groups equals Nc = (T - l) // d + 1 exactly, the padded rows at the end see real
-keys and are sliced off. Same FLOPs as the Pallas kernel, but in cuDNN's tuned flash kernels
-(forward and backward).
+The number of groups equals Nc = (T - l) // d + 1 exactly (padded to an even count for cuDNN:
+extra groups and zero keys at the end, seen only by each other, sliced off). Same FLOPs as the
+Pallas kernel, but in cuDNN's tuned flash kernels (forward and backward).
 
 Returns (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log, -inf for queries that see
 no block), the contract of pallas_kernels.compress_attention. lse carries no gradient here (the NSA
@@ -41,8 +41,14 @@ def supports(q_shape, dk, dv, dtype, has_seg):
   return True, "ok"
 
 
+def padded_groups(nc):
+  """Query groups (= keys) after padding Nc: even, and a multiple of 64 beyond 64."""
+  return -(-nc // 64) * 64 if nc > 64 else nc + nc % 2
+
+
 def fold_queries(q, block, stride, num_cmp, kv_heads):
-  """q [B, T, K*G, D] -> [B, Nc, K*stride*G, D] (see the module docstring)."""
+  """q [B, T, K*G, D] -> [B, num_cmp, K*stride*G, D] (see the module docstring; num_cmp may
+  exceed the real Nc, the extra groups are zero rows)."""
   b, t, h, dim = q.shape
   g = h // kv_heads
   qs = q[:, block - 1:]
@@ -100,9 +106,12 @@ def compressed_attention(q, k_cmp, v_cmp, block, stride, scale=None, *, implemen
   scale = float(dk ** -0.5 if scale is None else scale)
   dim = max(dk, dv)
   pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
-  qf = fold_queries(pad(q), block, stride, nc, kh)
-  o, lse = _attention(qf, pad(k_cmp).astype(q.dtype), pad(v_cmp).astype(q.dtype), scale,
-                      implementation)
+  # cuDNN's training path refuses odd lengths; a multiple of 64 also fills its tiles. Extra zero
+  # keys k >= Nc are seen only by the extra query groups g >= Nc (causal), which are sliced off.
+  ncp = padded_groups(nc)
+  pad_k = lambda x: jnp.pad(pad(x), ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).astype(q.dtype)
+  qf = fold_queries(pad(q), block, stride, ncp, kh)
+  o, lse = _attention(qf, pad_k(k_cmp), pad_k(v_cmp), scale, implementation)
   o = unfold(o[..., :dv], t, block, stride, kh, 0).astype(q.dtype)
   lse = unfold(jax.lax.stop_gradient(lse), t, block, stride, kh, -jnp.inf)
   return o, lse
