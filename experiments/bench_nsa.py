@@ -37,6 +37,7 @@ CMP_TILING = "v2: bwd 128-row tiles, 8 warps"  # v1 (first H200 run): 64-row dq 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
 BATCH = 1  # --batch: sequences per call (every op, cuDNN and layer call)
+HEADS = (64, 4)  # --heads: query / KV heads
 IMPL = "pallas"  # --impl: the whole op's implementation ("pallas", "pallas-triton", "pallas-mosaic")
 
 
@@ -247,6 +248,45 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   return out
 
 
+def fold_sweep(key, ts, dims_list, out_dir):
+  """The compression branch three ways at each T and head dims (--heads, --batch): the Triton
+  kernels, the cuDNN fold forward + backward (nsa_jax.cmp_fold) and the cuDNN fold forward with
+  the Triton backward (compress_attention(backend="cudnn")). Where ops.FOLD_MIN_BLOCKS comes
+  from. Saved as nsa_foldsweep.json: [{T, d_k, d_v, batch, variant, fwd_ms, fwd_bwd_ms}]."""
+  bench = Bench("/tmp", 5, 1e9)
+  rows = []
+  for dims in dims_list:
+    dk, dv = (int(x) for x in dims.split("/"))
+    for t in ts:
+      cfg = paper_cfg(HEADS[0], HEADS[1], dk, dv)
+      q, kc, vc = make_inputs(key, t, cfg)[:3]
+      l, d = cfg.cmp_block, cfg.cmp_stride
+      ct = jax.random.normal(key, (BATCH, t, cfg.num_heads, dv), jnp.bfloat16)
+      variants = {
+          "triton": lambda q, kc, vc: compress_attention(q, kc, vc, l, d, interpret=INTERPRET),
+          "cudnn-fold": lambda q, kc, vc: cmp_fold.compressed_attention(
+              q, kc, vc, l, d, implementation="cudnn" if ON_GPU else "xla"),
+          "cudnn-fwd+triton-bwd": lambda q, kc, vc: compress_attention(
+              q, kc, vc, l, d, interpret=INTERPRET, backend="cudnn")}
+      for name, fn in variants.items():
+        try:
+          r = bench.time_pair(fn, [q, kc, vc], ct)
+          rows.append(dict(T=t, d_k=dk, d_v=dv, batch=BATCH, q_heads=cfg.num_heads,
+                           kv_heads=cfg.num_kv_heads, num_cmp=cfg.num_cmp_blocks(t), variant=name,
+                           fwd_ms=round(r["fwd"], 4), fwd_bwd_ms=round(r["fwd_bwd"], 4)))
+        except Exception as e:  # record it, go on
+          rows.append(dict(T=t, d_k=dk, d_v=dv, batch=BATCH, variant=name,
+                           failed=f"{type(e).__name__}: {str(e)[:300]}"))
+        print("FOLD", json.dumps(rows[-1]), flush=True)
+      del q, kc, vc
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "nsa_foldsweep.json"), "w") as f:
+    json.dump(dict(hardware=bc.hardware(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   command="python3 -m experiments.bench_nsa " + " ".join(sys.argv[1:]),
+                   rows=rows), f, indent=1)
+  return rows
+
+
 def profile(key, t, cfg, out_dir):
   """Device kernels (jax.profiler) of one forward and one forward+backward of the whole op at T=t:
   where the time goes, XLA glue included. Saved as nsa_profile.json."""
@@ -418,6 +458,10 @@ def main(argv=None):
   p.add_argument("--sweep_parts", default="cmp,topn",
                  help="which kernels --sweep_T varies: cmp, topn, mosaic (Mosaic GPU compression "
                       "forward vs Triton)")
+  p.add_argument("--fold_sweep_T", default="",
+                 help="time the compression branch as Triton kernels, the cuDNN fold, and the "
+                      "cuDNN fold forward + Triton backward at these T (each --dims entry, "
+                      "--heads, --batch); writes nsa_foldsweep.json")
   p.add_argument("--plot", default="")
   p.add_argument("--profile_T", type=int, default=0,
                  help="also save the device kernels of the whole op (fwd, fwd+bwd) at this T and "
@@ -433,6 +477,8 @@ def main(argv=None):
     raise SystemExit(f"--batch={a.batch}: needs a positive batch size")
   BATCH = a.batch
   h, kh = ints(a.heads.replace("/", ","))
+  global HEADS
+  HEADS = (h, kh)
   bench = Bench(a.out, a.iters, a.budget_s)
   key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
   if a.check:
@@ -448,6 +494,8 @@ def main(argv=None):
   if a.profile_T:
     dk, dv = ints(a.dims.split(",")[-1].replace("/", ","))
     profile(key, a.profile_T, paper_cfg(h, kh, dk, dv), a.out)
+  if a.fold_sweep_T:
+    fold_sweep(key, ints(a.fold_sweep_T), a.dims.split(","), a.out)
   if a.sweep_T:
     res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128), parts=a.sweep_parts.split(","))
     with open(os.path.join(a.out, "nsa_sweep.json"), "w") as f:

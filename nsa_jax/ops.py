@@ -5,9 +5,11 @@ Implementations:
   "xla":       memory-sane plain JAX (nsa_jax.xla); any backend.
   "pallas":    Pallas GPU kernels (pallas_kernels): compression attention (fwd + bwd), fused block
                scoring + top-n, selection attention; the window branch on cuDNN's local window
-               (plain JAX with segment ids). On a GPU without segment ids the compression branch
-               runs as one cuDNN flash-attention call on queries folded by the compression
-               stride (nsa_jax.cmp_fold); "pallas-triton" / "pallas-mosaic" keep it in kernels. The Quest selector's scores stay in plain JAX.
+               (plain JAX with segment ids). On a GPU without segment ids and from
+               FOLD_MIN_BLOCKS compressed blocks on, the compression branch runs as one cuDNN
+               flash-attention call on queries folded by the compression stride
+               (nsa_jax.cmp_fold; with d_k != d_v only its forward, the Triton backward);
+               "pallas-triton" / "pallas-mosaic" keep it in kernels. The Quest selector's scores stay in plain JAX.
                Requested off a GPU, the same kernels run in Pallas' interpreter (slow; tests).
                Backward: the compression kernel saves its inputs, o and lse and recomputes p; the
                top-n indices carry no gradient; the selection kernel keeps its own residuals.
@@ -175,18 +177,31 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
   return "auto"
 
 
+# The cuDNN fold of the compression branch (nsa_jax.cmp_fold) pays off from this many compressed
+# blocks on (H200 measurements in docs/STATUS.md, issue 5): at 8k (511 blocks) it ties the
+# Triton kernels, at 64k (4095) it wins.
+FOLD_MIN_BLOCKS = 2048
+
+
 def _auto_cmp_backend(q, v_cmp, segment_ids):
-  """Compression branch for implementation="pallas": cuDNN flash attention on the folded queries
-  (nsa_jax.cmp_fold) on a GPU where it applies, else the Triton kernels; logged with the reason."""
+  """Compression branch for implementation="pallas", logged with the reason:
+  "cudnn": cuDNN flash attention on the folded queries, forward and backward (d_k == d_v);
+  "cudnn-fwd": the cuDNN fold forward with the Triton backward (d_k != d_v: cuDNN would pad d_v
+  and its backward loses to Triton's there); "triton" where the fold does not apply or is short."""
   from nsa_jax import cmp_fold
   if not on_gpu():
     return "triton"
-  ok, why = cmp_fold.supports(q.shape, q.shape[-1], v_cmp.shape[-1], q.dtype,
-                              segment_ids is not None)
-  log_once(logging.INFO, f"NSA compress branch for q{tuple(q.shape)}: " +
-           ("cuDNN flash attention on queries folded by compression stride (nsa_jax.cmp_fold)"
-            if ok else f"Triton kernels (cuDNN fold does not apply: {why})"))
-  return "cudnn" if ok else "triton"
+  dk, dv, nc = q.shape[-1], v_cmp.shape[-1], v_cmp.shape[1]
+  ok, why = cmp_fold.supports(q.shape, dk, dv, q.dtype, segment_ids is not None)
+  if ok and nc < FOLD_MIN_BLOCKS:
+    ok, why = False, f"{nc} compressed blocks < {FOLD_MIN_BLOCKS}, where it measured no gain"
+  be = ("cudnn" if dk == dv else "cudnn-fwd") if ok else "triton"
+  log_once(logging.INFO, f"NSA compress branch for q{tuple(q.shape)}: " + {
+      "cudnn": "cuDNN flash attention on queries folded by the compression stride "
+               "(nsa_jax.cmp_fold), forward and backward",
+      "cudnn-fwd": "cuDNN fold forward (nsa_jax.cmp_fold), Triton backward",
+      "triton": f"Triton kernels (cuDNN fold not used: {why})"}[be])
+  return be
 
 
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
@@ -203,8 +218,8 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
                                      _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids,
                                                           interpret))
                     }[kernels]()
-  # cmp_backend (tests, benchmarks): "triton", "mosaic", "cudnn" or "fold-xla" (cmp_fold's fold
-  # through XLA attention, any backend) instead of the choice above.
+  # cmp_backend (tests, benchmarks): "triton", "mosaic", "cudnn", "cudnn-fwd" or "fold-xla"
+  # (cmp_fold's fold through XLA attention, any backend) instead of the choice above.
   cmp_be = cmp_backend or cmp_be
   outs, aux = {}, {}
   want_idx = "slc" in cfg.branches
@@ -221,7 +236,8 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
           implementation="cudnn" if cmp_be == "cudnn" else "xla")
     else:
       o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
-                                          segment_ids, scale, interpret=interpret, backend=cmp_be)
+                                          segment_ids, scale, interpret=interpret,
+                                          backend="cudnn" if cmp_be == "cudnn-fwd" else cmp_be)
     outs["cmp"] = o_cmp
   if want_idx:
     idx = block_idx if block_idx is not None else _pallas_indices(

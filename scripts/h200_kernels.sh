@@ -40,6 +40,9 @@
 #          implementation="pallas" now runs) against the Triton kernels: compiled checks, the 8k
 #          training layer shape with "pallas" and "pallas-triton", then 64k and 16k at both head
 #          dims with the branch breakdown at 64k; ~7 min.
+# foldsweep  the compression branch alone three ways (Triton; cuDNN fold fwd+bwd; cuDNN fold fwd
+#          + Triton bwd) at 16k-64k, paper heads, both head dims, and at the 8k/16k training layer
+#          shape (16/1 heads, 64/64, batch 8): where ops.FOLD_MIN_BLOCKS comes from; ~3 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -122,6 +125,12 @@ cmpfold() {
   done
   timeout 300 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 192/128,128/128 \
     --breakdown_T 65536 --iters 5 --budget_s 220 --out "$OUT/cmpfold"
+}
+foldsweep() {
+  timeout 240 python3 -m experiments.bench_nsa --fold_sweep_T 16384,32768,65536 \
+    --dims 192/128,128/128 --T '' --iters 5 --out "$OUT/foldsweep"
+  timeout 150 python3 -m experiments.bench_nsa --fold_sweep_T 8192,16384 --heads 16/1 \
+    --dims 64/64 --batch 8 --T '' --iters 10 --out "$OUT/foldsweep8"
 }
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \

@@ -86,7 +86,40 @@ def test_supports_reasons():
     cmp_fold.compressed_attention(q, kc[:, :8], vc[:, :8], 32, 16, implementation="xla")
 
 
-def test_whole_op_with_fold_matches_reference():
+@pytest.mark.parametrize("g,kv,t,dk,dv", [(4, 2, 90, 32, 16), (16, 1, 70, 16, 16)])
+def test_cudnn_forward_triton_backward_matches_reference(g, kv, t, dk, dv):
+  """compress_attention(backend="cudnn"): the fold's forward (XLA attention off a GPU) with the
+  Triton backward kernels on its o and lse, lse's cotangent included."""
+  from pallas_kernels.compress_attention import compress_attention
+  seed = _seed()
+  l, d = 16, 8
+  q, kc, vc, w = _inputs(seed, 1, t, g * kv, kv, dk, dv, l, d)
+  wl = jax.random.normal(jax.random.key(seed + 1), (1, t, g * kv))
+  fin = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)
+
+  def loss(fn):
+    def f(q, kc, vc):
+      o, lse = fn(q, kc, vc)
+      return jnp.sum(o * w) + jnp.sum(fin(lse) * wl)
+    return f
+
+  hyb = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, interpret=True, backend="cudnn")
+  ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d)[:2]
+  (o, lse), (ro, rlse) = hyb(q, kc, vc), ref(q, kc, vc)
+  np.testing.assert_allclose(o, ro, atol=2e-5, err_msg=f"o (seed {seed})")
+  np.testing.assert_allclose(fin(lse), fin(rlse), atol=2e-5, err_msg=f"lse (seed {seed})")
+  g1 = jax.grad(loss(hyb), (0, 1, 2))(q, kc, vc)
+  g2 = jax.grad(loss(ref), (0, 1, 2))(q, kc, vc)
+  for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), g1, g2):
+    np.testing.assert_allclose(a, r, atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(r)))),
+                               err_msg=f"{name} (seed {seed})")
+  with pytest.raises(ValueError, match="segment ids"):
+    compress_attention(q, kc, vc, l, d, jnp.zeros((1, t), jnp.int32), interpret=True,
+                       backend="cudnn")
+
+
+@pytest.mark.parametrize("cmp_backend", ["fold-xla", "cudnn-fwd"])
+def test_whole_op_with_fold_matches_reference(cmp_backend):
   """The Pallas op (interpreted on a CPU) with the fold's lse feeding the top-n kernel: same block
   indices as the reference, same output and gradients."""
   seed = _seed()
@@ -108,7 +141,7 @@ def test_whole_op_with_fold_matches_reference():
     return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True))(*args)
 
   fold = lambda *a: ops._pallas_nsa(*a, cfg, None, None, True, kernels="triton",
-                                    cmp_backend="fold-xla")
+                                    cmp_backend=cmp_backend)
   ref = lambda *a: reference.nsa_attention(*a, cfg, return_aux=True)
   (val, idx), grads = run(fold)
   (rval, ridx), rgrads = run(ref)

@@ -414,7 +414,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
   documented = set(re.findall(r"^# ([a-z0-9_]+) {2,}", header, re.M))
   assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode",
                                     "train8k", "sel8k", "mosaic", "mosaic8k", "mosaiccmp",
-                                    "mosaicnsa", "auto8k", "registry", "mosaicws", "cmpfold"}
+                                    "mosaicnsa", "auto8k", "registry", "mosaicws", "cmpfold",
+                                    "foldsweep"}
 
 
 def test_needle_key_blocks_and_coverage():
