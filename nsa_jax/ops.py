@@ -178,9 +178,14 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
 
 
 # The cuDNN fold of the compression branch (nsa_jax.cmp_fold) pays off from this many compressed
-# blocks on (H200 measurements in docs/STATUS.md, issue 5): at 8k (511 blocks) it ties the
-# Triton kernels, at 64k (4095) it wins.
-FOLD_MIN_BLOCKS = 2048
+# blocks on (H200, `bash scripts/h200_kernels.sh foldsweep`, benchmarks/results/
+# nsa_h200_foldsweep*.json; fwd+bwd ms, Triton vs fold):
+#   d_k == d_v (fold forward and backward): 128/128 paper heads 16k 4.47 vs 3.97, 32k 15.0 vs
+#     10.5, 64k 53.9 vs 33.4; 64/64 16/1 heads batch 8: 8k 1.96 vs 2.18, 16k 5.39 vs 4.85.
+#   d_k != d_v (fold forward, Triton backward; cuDNN pads d_v and its backward loses), 192/128:
+#     16k 5.25 vs 5.40, 32k 17.6 vs 17.2, 64k 64.9 vs 62.6.
+FOLD_MIN_BLOCKS = 1000       # d_k == d_v: from T = 16k on (l = 32, d = 16)
+FOLD_FWD_MIN_BLOCKS = 2000   # d_k != d_v: from T = 32k on
 
 
 def _auto_cmp_backend(q, v_cmp, segment_ids):
@@ -193,8 +198,9 @@ def _auto_cmp_backend(q, v_cmp, segment_ids):
     return "triton"
   dk, dv, nc = q.shape[-1], v_cmp.shape[-1], v_cmp.shape[1]
   ok, why = cmp_fold.supports(q.shape, dk, dv, q.dtype, segment_ids is not None)
-  if ok and nc < FOLD_MIN_BLOCKS:
-    ok, why = False, f"{nc} compressed blocks < {FOLD_MIN_BLOCKS}, where it measured no gain"
+  least = FOLD_MIN_BLOCKS if dk == dv else FOLD_FWD_MIN_BLOCKS
+  if ok and nc < least:
+    ok, why = False, f"{nc} compressed blocks < {least}, where it measured no gain"
   be = ("cudnn" if dk == dv else "cudnn-fwd") if ok else "triton"
   log_once(logging.INFO, f"NSA compress branch for q{tuple(q.shape)}: " + {
       "cudnn": "cuDNN flash attention on queries folded by the compression stride "
