@@ -33,6 +33,11 @@ def supports(q_shape, dk, dv, dtype, has_seg):
   after padding d_v up to d_k or the reverse)."""
   if has_seg:
     return False, "segment ids (the fold needs one visibility rule for every query of a group)"
+  try:  # a private jax module (public jax.nn.dot_product_attention casts lse to bfloat16)
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    fa.dot_product_attention, fa.MaskType.CAUSAL  # noqa: B018
+  except (ImportError, AttributeError) as e:
+    return False, f"jax's cuDNN attention module is not where jax 0.11.2 has it ({e})"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False, f"dtype {jnp.dtype(dtype).name} (cuDNN flash takes bfloat16/float16)"
   dim = max(dk, dv)
@@ -71,7 +76,12 @@ def unfold(x, t, block, stride, kv_heads, fill):
 
 
 def _attention(qf, k, v, scale, implementation):
-  """Causal attention with the log-sum-exp: (o [B, N, Hq, D], lse [B, N, Hq] float32)."""
+  """Causal attention with the log-sum-exp: (o [B, N, Hq, D], lse [B, N, Hq] float32).
+
+  "cudnn" calls jax's own cuDNN flash-attention wrapper below the public
+  jax.nn.dot_product_attention, because the public one returns the log-sum-exp cast to the
+  output dtype (bfloat16: ~3% error in p = exp(s - lse), enough to reorder the top-n); this one
+  returns cuDNN's float32 softmax statistics. It is a private module (checked by `supports`)."""
   if implementation == "cudnn":
     from jax._src.cudnn import fused_attention_stablehlo as fa
     o, lse = fa.dot_product_attention(qf, k, v, scale=scale, mask_type=fa.MaskType.CAUSAL,
