@@ -127,13 +127,19 @@ def kernel_profile(fn, args, trace_dir, top=25):
   """Device kernels of one call of fn(*args) (after a warm-up), from a jax.profiler trace:
   [(kernel name, launches, total microseconds)], longest first. Written for a GPU; on a backend
   whose trace has no device plane the list is empty."""
-  import glob
   jax.block_until_ready(fn(*args))
   jax.profiler.start_trace(trace_dir)
   try:
     jax.block_until_ready(fn(*args))
   finally:
     jax.profiler.stop_trace()
+  return trace_kernels(trace_dir, top)
+
+
+def trace_kernels(trace_dir, top=25):
+  """[(kernel name, launches, total microseconds)] of the newest jax.profiler trace under
+  trace_dir, longest first ([] when the trace has no GPU device plane, e.g. on a CPU)."""
+  import glob
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
                  key=os.path.getmtime)
   if not paths:
@@ -151,4 +157,4 @@ def kernel_profile(fn, args, trace_dir, top=25):
         n, us = totals.get(key, (0, 0.0))
         totals[key] = (n + 1, us + ev.duration_ns / 1e3)
   rows = sorted(((k, n, round(us, 2)) for k, (n, us) in totals.items()), key=lambda r: -r[2])
-  return rows[:top]
+  return rows[:top] if top else rows

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import bench_common as bc
-from nsa_jax import cmp_fold, ops, xla
+from nsa_jax import ops, xla
+from pallas_kernels import compress_fold as cmp_fold
 from nsa_jax.config import NSAConfig
 from pallas_kernels import _common as C
 from pallas_kernels.compress_attention import compress_attention
@@ -250,7 +251,7 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
 
 def fold_sweep(key, ts, dims_list, out_dir):
   """The compression branch three ways at each T and head dims (--heads, --batch): the Triton
-  kernels, the cuDNN fold forward + backward (nsa_jax.cmp_fold) and the cuDNN fold forward with
+  kernels, the cuDNN fold forward + backward (pallas_kernels.compress_fold) and the cuDNN fold forward with
   the Triton backward (compress_attention(backend="cudnn")). Where ops.FOLD_MIN_BLOCKS comes
   from. Saved as nsa_foldsweep.json: [{T, d_k, d_v, batch, variant, fwd_ms, fwd_bwd_ms}]."""
   bench = Bench("/tmp", 5, 1e9)
@@ -308,6 +309,12 @@ def profile(key, t, cfg, out_dir):
   return res
 
 
+def relerr(a, b):
+  """||a - b|| / ||b|| in float32."""
+  return float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
+               (jnp.linalg.norm(b.astype(jnp.float32)) + 1e-30))
+
+
 def check(key, t, cfg):
   """Compiled kernels vs the plain-JAX path (bf16 inputs): errors and top-n agreement."""
   args = make_inputs(key, t, cfg)
@@ -326,27 +333,39 @@ def check(key, t, cfg):
              lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(lse) == fin)),
              topn_slots_equal_frac=float(jnp.mean(idx == xidx)),
              topn_rows_equal_frac=float(jnp.mean(jnp.all(idx == xidx, axis=-1))))
-  if ON_GPU:  # the cuDNN fold of the compression branch, and the top-n fed by its lse
-    fo, flse = jax.jit(lambda q, kc, vc: cmp_fold.compressed_attention(
-        q, kc, vc, cfg.cmp_block, cfg.cmp_stride))(q, kc, vc)
-    fidx = jax.jit(lambda q, kc, lse: select_topn(
-        q, kc, lse, block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
-        num_selected=cfg.num_selected))(q, kc, flse)
-    out.update(fold_o_maxerr=float(jnp.max(jnp.abs(f32(fo) - f32(xo)))),
-               fold_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(flse - xlse), 0.0))),
-               fold_lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(flse) == fin)),
-               fold_topn_rows_equal_frac=float(jnp.mean(jnp.all(fidx == xidx, axis=-1))))
+  # The cuDNN fold of the compression branch (XLA attention in its place off a GPU): its o and
+  # lse, the top-n fed by that lse, and the gradients of the fold (cuDNN backward), of the fold
+  # forward + Triton backward, and of the Triton kernels, each against the plain-JAX branch.
+  l, d = cfg.cmp_block, cfg.cmp_stride
+  fold_impl = "cudnn" if ON_GPU else "xla"
+  fold = lambda q, kc, vc: cmp_fold.compressed_attention(q, kc, vc, l, d, implementation=fold_impl)
+  fo, flse = jax.jit(fold)(q, kc, vc)
+  fidx = jax.jit(lambda q, kc, lse: select_topn(
+      q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
+      interpret=INTERPRET))(q, kc, flse)
+  out.update(fold_impl=fold_impl, fold_o_maxerr=float(jnp.max(jnp.abs(f32(fo) - f32(xo)))),
+             fold_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(flse - xlse), 0.0))),
+             fold_lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(flse) == fin)),
+             fold_topn_rows_equal_frac=float(jnp.mean(jnp.all(fidx == xidx, axis=-1))))
+  cto = jax.random.normal(jax.random.fold_in(key, 3), fo.shape, jnp.float32)
+  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f32(f(*a)[0]) * cto), (0, 1, 2)))(q, kc, vc)
+  gx = grads(lambda q, kc, vc: xla.compressed_attention_and_select(q, kc, vc, ks_, cfg))
+  for name, f in (("fold", fold),
+                  ("fold_fwd_triton_bwd", lambda q, kc, vc: compress_attention(
+                      q, kc, vc, l, d, interpret=INTERPRET, backend="cudnn")),
+                  ("triton", lambda q, kc, vc: compress_attention(q, kc, vc, l, d,
+                                                                  interpret=INTERPRET))):
+    out[f"{name}_grad_relerr"] = {n: relerr(a, b) for n, a, b in
+                                  zip(("q", "k_cmp", "v_cmp"), grads(f), gx)}
   ct = jax.random.normal(key, (BATCH, t, cfg.num_heads, cfg.dim_v), jnp.bfloat16)
   op = lambda impl: (lambda *a: (ops.nsa_attention(*a, cfg, implementation=impl),))
   for name, impl in (("pallas", IMPL), ("xla", "xla")):
     out[name] = (jax.jit(op(impl))(*args)[0].astype(jnp.float32),
                  jax.jit(with_grad(op(impl)))(args, ct))
   (po, pg), (xo2, xg) = out.pop("pallas"), out.pop("xla")
-  rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
-                           (jnp.linalg.norm(b.astype(jnp.float32)) + 1e-30))
-  out["nsa_o_relerr"] = rel(po, xo2)
+  out["nsa_o_relerr"] = relerr(po, xo2)
   names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
-  out["nsa_grad_relerr"] = {n: rel(a, b) for n, a, b in zip(names, pg, xg)}
+  out["nsa_grad_relerr"] = {n: relerr(a, b) for n, a, b in zip(names, pg, xg)}
   return out
 
 

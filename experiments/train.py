@@ -11,6 +11,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.cli import parse_flags
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/*.py)",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "work directory: checkpoints, logs, plots")
@@ -44,18 +46,6 @@ def main(argv):
   print(f"done: step {summary['step']}, train loss {fmt(summary['train'])}, val loss "
         f"{fmt(summary['val'])}" + (f" (stopped by {summary['stopped']})" if summary["stopped"] else ""))
   return 0
-
-
-def parse_flags(argv):
-  """absl parsing, but a bad --config override is one clear line (exit 2), not a traceback."""
-  try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
-    msg = str(e).replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
-    if len(msg) > 1 and msg[0] == msg[-1] == "'":  # ml_collections wraps its message in quotes
-      msg = msg[1:-1]
-    print(f"error: bad command line: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":

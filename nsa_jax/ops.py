@@ -8,7 +8,7 @@ Implementations:
                (plain JAX with segment ids). On a GPU without segment ids and from
                FOLD_MIN_BLOCKS compressed blocks on, the compression branch runs as one cuDNN
                flash-attention call on queries folded by the compression stride
-               (nsa_jax.cmp_fold; with d_k != d_v only its forward, the Triton backward);
+               (pallas_kernels.compress_fold; with d_k != d_v only its forward, the Triton backward);
                "pallas-triton" / "pallas-mosaic" keep it in kernels. The Quest selector's scores stay in plain JAX.
                Requested off a GPU, the same kernels run in Pallas' interpreter (slow; tests).
                Backward: the compression kernel saves its inputs, o and lse and recomputes p; the
@@ -177,7 +177,7 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
   return "auto"
 
 
-# The cuDNN fold of the compression branch (nsa_jax.cmp_fold) pays off from this many compressed
+# The cuDNN fold of the compression branch (pallas_kernels.compress_fold) pays off from this many compressed
 # blocks on (H200, `bash scripts/h200_kernels.sh foldsweep`, benchmarks/results/
 # nsa_h200_foldsweep*.json; fwd+bwd ms, Triton vs fold):
 #   d_k == d_v (fold forward and backward): 128/128 paper heads 16k 4.47 vs 3.97, 32k 15.0 vs
@@ -193,7 +193,7 @@ def _auto_cmp_backend(q, v_cmp, segment_ids):
   "cudnn": cuDNN flash attention on the folded queries, forward and backward (d_k == d_v);
   "cudnn-fwd": the cuDNN fold forward with the Triton backward (d_k != d_v: cuDNN would pad d_v
   and its backward loses to Triton's there); "triton" where the fold does not apply or is short."""
-  from nsa_jax import cmp_fold
+  from pallas_kernels import compress_fold as cmp_fold
   if not on_gpu():
     return "triton"
   dk, dv, nc = q.shape[-1], v_cmp.shape[-1], v_cmp.shape[1]
@@ -204,8 +204,8 @@ def _auto_cmp_backend(q, v_cmp, segment_ids):
   be = ("cudnn" if dk == dv else "cudnn-fwd") if ok else "triton"
   log_once(logging.INFO, f"NSA compress branch for q{tuple(q.shape)}: " + {
       "cudnn": "cuDNN flash attention on queries folded by the compression stride "
-               "(nsa_jax.cmp_fold), forward and backward",
-      "cudnn-fwd": "cuDNN fold forward (nsa_jax.cmp_fold), Triton backward",
+               "(pallas_kernels.compress_fold), forward and backward",
+      "cudnn-fwd": "cuDNN fold forward (pallas_kernels.compress_fold), Triton backward",
       "triton": f"Triton kernels (cuDNN fold not used: {why})"}[be])
   return be
 
@@ -220,9 +220,8 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   interpret = not on_gpu()
   cmp_be, slc_be = {"mosaic": lambda: _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids),
                     "triton": lambda: ("triton", "triton"),
-                    "auto": lambda: (_auto_cmp_backend(q, v_cmp, segment_ids),
-                                     _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids,
-                                                          interpret))
+                    "auto": lambda: ("auto", _auto_select_backend(q, k_slc, v_slc, cfg,
+                                                                  segment_ids, interpret))
                     }[kernels]()
   # cmp_backend (tests, benchmarks): "triton", "mosaic", "cudnn", "cudnn-fwd" or "fold-xla"
   # (cmp_fold's fold through XLA attention, any backend) instead of the choice above.
@@ -232,8 +231,10 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   # Like the reference, the compression branch also runs when it only feeds the NSA selector
   # (its log-sum-exp turns the top-n kernel's logits into probabilities).
   if "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa"):
+    if cmp_be == "auto":  # decided (and logged) only where the branch runs
+      cmp_be = _auto_cmp_backend(q, v_cmp, segment_ids)
     if cmp_be in ("cudnn", "fold-xla"):
-      from nsa_jax import cmp_fold
+      from pallas_kernels import compress_fold as cmp_fold
       if segment_ids is not None:
         raise ValueError(f"compression backend {cmp_be!r} does not take segment ids (one "
                          "visibility rule per folded group). Fix: use the Triton kernels")

@@ -386,7 +386,7 @@ def _cmp_mosaic_fwd(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tilin
 _cmp_mosaic.defvjp(_cmp_mosaic_fwd, _cmp_bwd)
 
 
-# cuDNN flash attention on folded queries for the forward (nsa_jax.cmp_fold: the d queries that
+# cuDNN flash attention on folded queries for the forward (pallas_kernels.compress_fold: the d queries that
 # see the same compressed blocks become heads of one causal call), the Triton backward on its
 # o and lse. No segment ids. Faster than the Triton forward at long T (H200: 11.8 vs 14.4 ms at
 # 64k, 192/128), while the Triton backward beats cuDNN's there (51.4 vs 55.5 ms, d_v padded).
@@ -396,7 +396,7 @@ def _cmp_cudnn(q, kc, vc, seg, bseg, bpure, nc, block, stride, scale, tiling, ha
 
 
 def _cudnn_forward(q, kc, vc, nc, block, stride, scale, interpret):
-  from nsa_jax import cmp_fold
+  from pallas_kernels import compress_fold as cmp_fold
   unpad = lambda x: x[:, :, :nc].transpose(0, 2, 1, 3)  # [B, K, ncp, D] -> [B, Nc, K, D]
   return cmp_fold.compressed_attention(q, unpad(kc), unpad(vc), block, stride, scale,
                                        implementation="xla" if interpret else "cudnn")
@@ -434,7 +434,7 @@ def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=N
 
   backend: "triton" (default), "mosaic" (Mosaic GPU forward, Triton backward; no segment ids;
   slower than Triton on the H200 at 64k, so only on request) or "cudnn" (cuDNN flash attention
-  on folded queries for the forward, nsa_jax.cmp_fold, Triton backward; no segment ids; XLA
+  on folded queries for the forward, pallas_kernels.compress_fold, Triton backward; no segment ids; XLA
   attention in place of cuDNN when interpret=True)."""
   if backend not in ("triton", "mosaic", "cudnn"):
     raise ValueError(f"backend={backend!r}: expected 'triton', 'mosaic' or 'cudnn'")

@@ -36,7 +36,7 @@
 #          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
 #          layer shape, each with and without the ping-pong barrier (~4 min; measured 2026-11-30:
 #          correct, slower than the 64-row kernel at every shape, see docs/STATUS.md).
-# cmpfold  the compression branch as one cuDNN call on folded queries (nsa_jax.cmp_fold, what
+# cmpfold  the compression branch as one cuDNN call on folded queries (pallas_kernels.compress_fold, what
 #          implementation="pallas" now runs) against the Triton kernels: compiled checks, the 8k
 #          training layer shape with "pallas" and "pallas-triton", then 64k and 16k at both head
 #          dims with the branch breakdown at 64k; ~7 min.

@@ -29,6 +29,9 @@
 #          lower (docs/RESULTS.md §0b, older-code nsa reference, one seed; at CPU scale that pair's
 #          difference flips sign across init seeds, §4b): SG_SEED=1, 2 for more seeds (SG_STEPS=300
 #          without a seed would reuse the recorded older-code nsa run).
+# prof8k   where the 8k training step's GPU time goes: experiments.profile_step on the NSA config
+#          and its dense twin (sequentially on GPU 0; kernels grouped per step, ms/step, tokens/s),
+#          the question behind issue 7's 8k throughput gap; ~2 min estimated, not yet run.
 # impl8    NSA at 8k x 8, implementation=pallas-mosaic (GPU 0) vs pallas (GPU 1), CTX_STEPS steps.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
@@ -201,6 +204,11 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
 branches() { sweep_pair branches no_cmp,no_slc no_win; }
 design() { sweep_pair design shared_kv,gate_sum quest,mean_phi; }
 blocks() { sweep_pair blocks finer,coarser n_x2; }  # n_forced_only: ran alone (RESULTS §0b)
+prof8k() {
+  CUDA_VISIBLE_DEVICES=0 timeout -k 30 420 python3 -m experiments.profile_step \
+    --config=configs/small_gpu_nsa.py --compare=configs/small_gpu_dense.py --out="$R/prof8k" \
+    > "$R/prof8k.log" 2>&1
+}
 selgain() {
   local s=${SG_STEPS:-600}
   sweep_pair blocks nsa n_forced_only selgain --config.train.num_steps=$s \

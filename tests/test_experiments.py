@@ -359,7 +359,7 @@ def _script_phases(name):
 def test_h200_runs_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_runs.sh")
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
-                "blocks", "context8", "context16", "context32", "impl8", "selgain"):
+                "blocks", "context8", "context16", "context32", "impl8", "selgain", "prof8k"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
 
@@ -407,6 +407,19 @@ def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
   assert {(r["op"], r["impl"]) for r in recs} == {("nsa", "pallas-mosaic")}
   chk = json.load(open(out / "nsa_check.json"))
   assert chk["impl"] == "pallas-mosaic" and chk["nsa_o_relerr"] < 3e-2, chk
+  # the compression fold's check (XLA attention in cuDNN's place here): o, lse, gradients
+  assert chk["fold_impl"] == "xla" and chk["fold_lse_maxerr"] < 1e-3, chk
+  for name in ("fold", "fold_fwd_triton_bwd", "triton"):
+    assert max(chk[f"{name}_grad_relerr"].values()) < 3e-2, (name, chk)
+
+
+def test_bench_nsa_fold_sweep_runs_on_cpu(tmp_path):
+  from experiments import bench_nsa
+  bench_nsa.main(["--T", "", "--fold_sweep_T", "128", "--dims", "32/32", "--heads", "4/2",
+                  "--iters", "1", "--out", str(tmp_path)])
+  rows = json.load(open(tmp_path / "nsa_foldsweep.json"))["rows"]
+  assert [r["variant"] for r in rows] == ["triton", "cudnn-fold", "cudnn-fwd+triton-bwd"]
+  assert all(r["T"] == 128 and r["fwd_ms"] > 0 and math.isfinite(r["fwd_bwd_ms"]) for r in rows)
 
 
 def test_h200_kernels_script_parses_and_defines_every_documented_phase():
@@ -503,3 +516,33 @@ def test_plot_ablations_chart_table_and_errors(tmp_path):
     plot_ablations.load_records([], [f"{b}:zzz"])
   with pytest.raises(ValueError, match="expected FILE:RUN"):
     plot_ablations.load_records([], ["nocolon"])
+
+
+def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
+  """experiments.profile_step on the tiny CPU config and its dense twin: timings and tables are
+  written (a CPU trace has no device plane, so the groups are empty here), and the kernel-name
+  grouping sorts real GPU kernel names from the H200 profiles into the right groups."""
+  from experiments import profile_step as ps
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-m", "experiments.profile_step",
+                      "--config=configs/tiny_cpu.py", "--compare=configs/tiny_cpu.py",
+                      "--compare.model.attention=dense", f"--out={tmp_path}", "--warmup=1",
+                      "--timed=1", "--steps=1"], cwd=root, capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 0, r.stderr[-2000:]
+  doc = json.load(open(tmp_path / "step_profile.json"))
+  assert [run["tag"] for run in doc["runs"]] == ["config:nsa", "compare:dense"]
+  assert all(run["ms_per_step"] > 0 and run["tokens_per_s"] > 0 for run in doc["runs"])
+  assert doc["runs"][0]["implementation"] == "auto" and doc["runs"][1]["implementation"] is None
+  assert "compare:dense" in open(tmp_path / "step_profile.md").read()
+  names = {"[Stream #14] nsa_select_topn": "NSA top-n (Pallas)",
+           "[Stream #14] entry_mosaic_gpu_kernel": "NSA selection (Pallas Triton / Mosaic GPU)",
+           "[Stream #14] nsa_select_dkv_reduce": "NSA selection (Pallas Triton / Mosaic GPU)",
+           "[Stream #14] nsa_cmp_dkv": "NSA compression (Pallas)",
+           "[Stream #14] cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16":
+               "cuDNN attention (dense, window, fold)",
+           "[Stream #14] sm90_xmma_gemm_bf16bf16_bf16f32": "matmuls (cuBLAS / XLA)",
+           "[Stream #14] sort_20_1": "sorts", "[Stream #14] MemcpyD2D": "copies, memsets, transposes",
+           "[Stream #14] loop_add_fusion_3": "other XLA fusions", "[Stream #14] weird": "other"}
+  for name, group in names.items():
+    assert ps.group_of(name) == group, name

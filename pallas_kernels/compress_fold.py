@@ -18,8 +18,14 @@ Returns (o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32, natural log, -inf fo
 no block), the contract of pallas_kernels.compress_attention. lse carries no gradient here (the NSA
 op only feeds it to the top-n, whose block indices are integers); o is differentiable.
 
-implementation="cudnn" (GPU, bf16/fp16) or "xla" (any backend; jax's reference attention, used by
+implementation="cudnn" (GPU, bf16/fp16) or "xla" (any backend; plain-JAX attention, used by
 the tests to check the fold itself on a CPU).
+
+Checked on the H200: the forward (o, lse and the top-n indices fed by this lse, against the
+plain-JAX path). NOT yet checked numerically on the GPU: the gradients through cuDNN's backward
+(the fold's own reshapes are checked on the CPU; `bench_nsa --check` now compares them on the next
+GPU run). Lives in pallas_kernels (which never imports nsa_jax) next to the Triton kernels it
+stands in for.
 """
 
 from __future__ import annotations
@@ -28,11 +34,28 @@ import jax
 import jax.numpy as jnp
 
 
-def supports(q_shape, dk, dv, dtype, has_seg):
-  """(ok, reason): whether the cuDNN fold applies (no segment ids, bf16/fp16, head dims cuDNN takes
-  after padding d_v up to d_k or the reverse)."""
+# The private cuDNN entry point and its residual layout were read in this jax minor version only.
+CHECKED_JAX = (0, 11)
+
+
+def _device_capability():
+  """Compute capability of the first device as (major, minor), or None if it has none."""
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return tuple(int(x) for x in str(cc).split(".")[:2]) if cc else None
+  except ValueError:
+    return None
+
+
+def supports(q_shape, dk, dv, dtype, has_seg, capability=None):
+  """(ok, reason): whether the cuDNN fold applies: no segment ids, bf16/fp16, head dims cuDNN
+  takes after padding d_v up to d_k or the reverse, a Hopper-or-newer GPU (`capability`, default:
+  the first device's; head dims above 128 need it), and the jax minor version it was checked in."""
   if has_seg:
     return False, "segment ids (the fold needs one visibility rule for every query of a group)"
+  if tuple(jax.__version_info__[:2]) != CHECKED_JAX:
+    return False, (f"jax {jax.__version__}: the private cuDNN call was checked with jax "
+                   f"{CHECKED_JAX[0]}.{CHECKED_JAX[1]} only")
   try:  # a private jax module (public jax.nn.dot_product_attention casts lse to bfloat16)
     from jax._src.cudnn import fused_attention_stablehlo as fa
     fa.dot_product_attention, fa.MaskType.CAUSAL  # noqa: B018
@@ -43,6 +66,9 @@ def supports(q_shape, dk, dv, dtype, has_seg):
   dim = max(dk, dv)
   if dim > 256 or dim % 8:
     return False, f"head dim {dim} (cuDNN needs <= 256 and a multiple of 8)"
+  cap = capability if capability is not None else _device_capability()
+  if cap is None or cap < (9, 0):
+    return False, f"GPU compute capability {cap} (measured and checked on Hopper, sm_90, only)"
   return True, "ok"
 
 
@@ -86,7 +112,14 @@ def _attention(qf, k, v, scale, implementation):
     from jax._src.cudnn import fused_attention_stablehlo as fa
     o, lse = fa.dot_product_attention(qf, k, v, scale=scale, mask_type=fa.MaskType.CAUSAL,
                                       qkv_layout="BTNH", return_residual=True)
-    return o, jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)  # cuDNN returns [B, Hq, N]
+    b, n, hq, _ = qf.shape
+    # jax 0.11 returns [B, heads, T]; a different layout fails here, except when heads == T,
+    # which only the jax-version gate in `supports` covers.
+    if lse.shape != (b, hq, n):
+      raise NotImplementedError(f"cuDNN softmax stats of shape {lse.shape} for q {qf.shape}: "
+                                "not the [B, heads, T] layout this fold was checked with. Fix: "
+                                "implementation='pallas-triton'")
+    return o, jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
   if implementation == "xla":
     b, n, hq, dim = qf.shape
     kh = k.shape[2]
@@ -123,5 +156,8 @@ def compressed_attention(q, k_cmp, v_cmp, block, stride, scale=None, *, implemen
   qf = fold_queries(pad(q), block, stride, ncp, kh)
   o, lse = _attention(qf, pad_k(k_cmp), pad_k(v_cmp), scale, implementation)
   o = unfold(o[..., :dv], t, block, stride, kh, 0).astype(q.dtype)
+  # Load-bearing: jax's cuDNN backward drops the log-sum-exp's cotangent without a word
+  # (fused_attention_stablehlo: grad_output = grad_output[0]); stop_gradient makes that explicit.
+  # Callers that need lse's gradient use compress_attention(backend="cudnn") (Triton backward).
   lse = unfold(jax.lax.stop_gradient(lse), t, block, stride, kh, -jnp.inf)
   return o, lse

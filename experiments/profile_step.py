@@ -1,0 +1,178 @@
+"""Where a training step's GPU time goes: device kernels of whole jitted train steps, grouped.
+
+  python -m experiments.profile_step --config=configs/small_gpu_nsa.py \
+      --compare=configs/small_gpu_dense.py --out=benchmarks/results/step_profile_8k
+
+For each config: builds the model, optimizer and sharded step exactly as experiments.train does
+(random init, the config's data), runs --warmup steps, times --timed steps (ms/step, tokens/s),
+then traces --steps more with jax.profiler and sums the device kernels per step into groups (NSA
+selection / top-n / compression kernels, cuDNN attention, matmuls, sorts, copies, other XLA
+fusions). Writes <out>/step_profile.json and .md (command, hardware, date). The question it
+answers (issue 7): which kernels make NSA's 8k step slower than the dense twin's. On a CPU the
+trace has no device plane: only the timings are filled in (that is what the tests check).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments.cli import parse_flags
+
+_CONFIG = _COMPARE = _OUT = _WARMUP = _TIMED = _STEPS = None
+
+
+def define_flags():
+  """Flags are defined only when run as a script, so importing this module (tests) never defines
+  absl flags twice (experiments.ablate does the same)."""
+  global _CONFIG, _COMPARE, _OUT, _WARMUP, _TIMED, _STEPS
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)",
+                                            lock_config=True)
+  _COMPARE = config_flags.DEFINE_config_file("compare", None, "a second config profiled the same "
+                                             "way, e.g. the dense twin", lock_config=True)
+  _OUT = flags.DEFINE_string("out", None, "output folder (step_profile.json / .md)")
+  _WARMUP = flags.DEFINE_integer("warmup", 2, "steps before timing (the first compiles)")
+  _TIMED = flags.DEFINE_integer("timed", 5, "steps timed without the profiler")
+  _STEPS = flags.DEFINE_integer("steps", 2, "steps traced with jax.profiler")
+  flags.mark_flags_as_required(["config", "out"])
+
+
+# (group, pattern on the kernel name), first match wins.
+GROUPS = (
+    ("NSA top-n (Pallas)", r"nsa_select_topn"),
+    ("NSA selection (Pallas Triton / Mosaic GPU)", r"nsa_select|mosaic"),
+    ("NSA compression (Pallas)", r"nsa_cmp"),
+    ("cuDNN attention (dense, window, fold)", r"cudnn|sdpa|fmha|flash"),
+    ("matmuls (cuBLAS / XLA)", r"gemm|xmma|cutlass|cublas|dot|matmul|sm90_"),
+    ("sorts", r"^sort"),
+    ("copies, memsets, transposes", r"memcpy|memset|copy|transpose"),
+    ("other XLA fusions", r"fusion"),
+)
+
+
+def group_of(kernel: str) -> str:
+  name = kernel.split("] ", 1)[-1].lower()
+  for group, pattern in GROUPS:
+    if re.search(pattern, name):
+      return group
+  return "other"
+
+
+def profile_config(config, tag, warmup, timed, steps):
+  import jax
+  from experiments import bench_common as bc
+  from nsa_jax.training import sharding as shd
+  from nsa_jax.training import train
+
+  mesh = shd.make_mesh(config.mesh)
+  setup = train.build_setup(config, mesh)
+  train.check_batch_layout(config, mesh, setup.model_cfg)
+  batches, _ = train._iterators(config, setup.model_cfg)
+  state = train.create_train_state(setup)
+  step = train.make_train_step(setup, config.optim.grad_accum_steps)
+  batch = train.to_global(next(batches), setup)  # one batch, reused: the data is not measured
+  with jax.set_mesh(mesh):
+    for _ in range(warmup):
+      state, m = step(state, batch)
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for _ in range(timed):
+      state, m = step(state, batch)
+    jax.block_until_ready(m)
+    ms = (time.perf_counter() - t0) / max(timed, 1) * 1e3
+    trace_dir = tempfile.mkdtemp(prefix="step_trace_")  # traces are large: not under --out
+    jax.profiler.start_trace(trace_dir)
+    try:
+      for _ in range(steps):
+        state, m = step(state, batch)
+      jax.block_until_ready(m)
+    finally:
+      jax.profiler.stop_trace()
+  kernels = bc.trace_kernels(trace_dir, top=0)
+  groups = {}
+  for name, n, us in kernels:
+    g = group_of(name)
+    groups[g] = groups.get(g, 0.0) + us / steps
+  tokens = config.data.seq_len * config.data.global_batch_size
+  return dict(tag=tag, attention=setup.model_cfg.attention_kinds,
+              implementation=(config.model.nsa.implementation
+                              if "nsa" in setup.model_cfg.attention_kinds else None),
+              params=setup.num_params, seq_len=config.data.seq_len,
+              batch=config.data.global_batch_size, ms_per_step=round(ms, 3),
+              tokens_per_s=round(tokens / ms * 1e3, 1),
+              kernel_ms_per_step=round(sum(groups.values()) / 1e3, 3),
+              groups_ms={g: round(v / 1e3, 3) for g, v in sorted(groups.items(),
+                                                                  key=lambda kv: -kv[1])},
+              top_kernels=[(k, n / steps, round(us / steps / 1e3, 3)) for k, n, us in kernels[:20]])
+
+
+def markdown(doc) -> str:
+  runs = doc["runs"]
+  lines = ["# Train-step profile: where the GPU time goes", "",
+           f"Command: `{doc['command']}`", f"Hardware: {doc['hardware']}. Date: {doc['date']}. "
+           f"Code: {doc['code_commit']}.", "",
+           "| | " + " | ".join(r["tag"] for r in runs) + " |",
+           "|---|" + "---|" * len(runs)]
+  rows = [("attention", lambda r: str(r["attention"])),
+          ("batch x seq_len", lambda r: f"{r['batch']} x {r['seq_len']}"),
+          ("ms / step (untraced)", lambda r: f"{r['ms_per_step']:.1f}"),
+          ("tokens / s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+          ("device kernels, ms / step", lambda r: f"{r['kernel_ms_per_step']:.1f}")]
+  groups = []
+  for r in runs:
+    groups += [g for g in r["groups_ms"] if g not in groups]
+  rows += [(g, (lambda g: lambda r: f"{r['groups_ms'].get(g, 0.0):.2f}")(g)) for g in groups]
+  lines += [f"| {name} | " + " | ".join(f(r) for r in runs) + " |" for name, f in rows]
+  for r in runs:
+    lines += ["", f"## {r['tag']}: longest kernels (ms per step, launches per step)", "",
+              "| kernel | launches | ms |", "|---|---|---|"]
+    lines += [f"| `{k[:110]}` | {n:g} | {ms:.3f} |" for k, n, ms in r["top_kernels"]]
+  if not any(r["groups_ms"] for r in runs):
+    lines += ["", "(No device kernels in the trace: not a GPU run, so only the timings above.)"]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  import jax
+  from experiments import bench_common as bc
+  logging.getLogger().setLevel(logging.WARNING)
+  logging.getLogger("nsa_jax").setLevel(logging.INFO)
+  out = _OUT.value
+  os.makedirs(out, exist_ok=True)
+  configs = [("config", _CONFIG.value)] + ([("compare", _COMPARE.value)] if _COMPARE.value else [])
+  runs = []
+  for tag, cfg in configs:
+    name = f"{tag}:{cfg.model.attention}"
+    runs.append(profile_config(cfg, name, _WARMUP.value, _TIMED.value, _STEPS.value))
+    print(f"{name}: {runs[-1]['ms_per_step']:.1f} ms/step, {runs[-1]['tokens_per_s']:,.0f} "
+          f"tokens/s", flush=True)
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    commit = "unknown"
+  doc = dict(command="python -m experiments.profile_step " + " ".join(sys.argv[1:]),
+             hardware=bc.hardware(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             code_commit=commit, jax=jax.__version__, runs=runs)
+  with open(os.path.join(out, "step_profile.json"), "w") as f:
+    json.dump(doc, f, indent=1)
+  text = markdown(doc)
+  with open(os.path.join(out, "step_profile.md"), "w") as f:
+    f.write(text)
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main, flags_parser=parse_flags)
