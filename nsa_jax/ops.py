@@ -6,10 +6,11 @@ Implementations:
   "pallas":    Pallas GPU kernels (pallas_kernels): compression attention (fwd + bwd), fused block
                scoring + top-n, selection attention; the window branch on cuDNN's local window
                (plain JAX with segment ids). On a GPU without segment ids and from
-               FOLD_MIN_BLOCKS compressed blocks on, the compression branch runs as one cuDNN
+               FOLD_MIN_BLOCKS compressed blocks on, the compression forward runs as one cuDNN
                flash-attention call on queries folded by the compression stride
-               (pallas_kernels.compress_fold; with d_k != d_v only its forward, the Triton backward);
-               "pallas-triton" / "pallas-mosaic" keep it in kernels. The Quest selector's scores stay in plain JAX.
+               (pallas_kernels.compress_fold), its backward in the Triton kernels (or in cuDNN
+               with FOLD_CUDNN_BACKWARD); "pallas-triton" / "pallas-mosaic" keep the kernels.
+               The Quest selector's scores stay in plain JAX.
                Requested off a GPU, the same kernels run in Pallas' interpreter (slow; tests).
                Backward: the compression kernel saves its inputs, o and lse and recomputes p; the
                top-n indices carry no gradient; the selection kernel keeps its own residuals.
@@ -177,22 +178,29 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
   return "auto"
 
 
-# The cuDNN fold of the compression branch (pallas_kernels.compress_fold) pays off from this many compressed
-# blocks on (H200, `bash scripts/h200_kernels.sh foldsweep`, benchmarks/results/
-# nsa_h200_foldsweep*.json; fwd+bwd ms, Triton vs fold):
-#   d_k == d_v (fold forward and backward): 128/128 paper heads 16k 4.47 vs 3.97, 32k 15.0 vs
-#     10.5, 64k 53.9 vs 33.4; 64/64 16/1 heads batch 8: 8k 1.96 vs 2.18, 16k 5.39 vs 4.85.
-#   d_k != d_v (fold forward, Triton backward; cuDNN pads d_v and its backward loses), 192/128:
-#     16k 5.25 vs 5.40, 32k 17.6 vs 17.2, 64k 64.9 vs 62.6.
+# The cuDNN fold of the compression branch (pallas_kernels.compress_fold) pays off from this many
+# compressed blocks on (H200, `bash scripts/h200_kernels.sh foldsweep`,
+# benchmarks/results/nsa_h200_foldsweep.md; fwd+bwd ms: Triton / fold fwd + Triton bwd / fold
+# fwd + cuDNN bwd):
+#   128/128, paper heads: 16k 4.47 / 4.33 / 3.97; 32k 15.0 / 13.9 / 10.5; 64k 53.9 / 50.5 / 33.4.
+#   64/64, 16/1 heads, batch 8: 8k 1.96 / 1.93 / 2.18; 16k 5.39 / 5.34 / 4.85.
+#   192/128 (cuDNN pads d_v; its backward loses): 16k 5.25 / 5.40 / 6.92; 32k 17.6 / 17.2 / 19.6;
+#     64k 64.9 / 62.6 / 66.4.
 FOLD_MIN_BLOCKS = 1000       # d_k == d_v: from T = 16k on (l = 32, d = 16)
 FOLD_FWD_MIN_BLOCKS = 2000   # d_k != d_v: from T = 32k on
+# The fold's backward through cuDNN is the fastest at d_k == d_v, but its gradients have not been
+# compared with the reference on a GPU yet (the forward has: o, lse, top-n indices). Until they
+# are (`bash scripts/h200_kernels.sh cmpfold` records fold_grad_relerr), the default runs the
+# fold's forward with the checked Triton backward. Set True to opt in.
+FOLD_CUDNN_BACKWARD = False
 
 
 def _auto_cmp_backend(q, v_cmp, segment_ids):
   """Compression branch for implementation="pallas", logged with the reason:
-  "cudnn": cuDNN flash attention on the folded queries, forward and backward (d_k == d_v);
-  "cudnn-fwd": the cuDNN fold forward with the Triton backward (d_k != d_v: cuDNN would pad d_v
-  and its backward loses to Triton's there); "triton" where the fold does not apply or is short."""
+  "cudnn-fwd": the cuDNN fold forward with the Triton backward (the default where the fold pays);
+  "cudnn": the fold forward and backward in cuDNN (d_k == d_v and FOLD_CUDNN_BACKWARD; at
+  d_k != d_v cuDNN pads d_v and its backward loses to Triton's);
+  "triton": where the fold does not apply or the sequence is short."""
   from pallas_kernels import compress_fold as cmp_fold
   if not on_gpu():
     return "triton"
@@ -201,10 +209,10 @@ def _auto_cmp_backend(q, v_cmp, segment_ids):
   least = FOLD_MIN_BLOCKS if dk == dv else FOLD_FWD_MIN_BLOCKS
   if ok and nc < least:
     ok, why = False, f"{nc} compressed blocks < {least}, where it measured no gain"
-  be = ("cudnn" if dk == dv else "cudnn-fwd") if ok else "triton"
+  be = ("cudnn" if dk == dv and FOLD_CUDNN_BACKWARD else "cudnn-fwd") if ok else "triton"
   log_once(logging.INFO, f"NSA compress branch for q{tuple(q.shape)}: " + {
       "cudnn": "cuDNN flash attention on queries folded by the compression stride "
-               "(pallas_kernels.compress_fold), forward and backward",
+               "(pallas_kernels.compress_fold), forward and backward (FOLD_CUDNN_BACKWARD)",
       "cudnn-fwd": "cuDNN fold forward (pallas_kernels.compress_fold), Triton backward",
       "triton": f"Triton kernels (cuDNN fold not used: {why})"}[be])
   return be
