@@ -36,10 +36,12 @@
 #          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
 #          layer shape, each with and without the ping-pong barrier (~4 min; measured 2026-11-30:
 #          correct, slower than the 64-row kernel at every shape, see docs/STATUS.md).
-# cmpfold  the compression branch as one cuDNN call on folded queries (pallas_kernels.compress_fold, what
-#          implementation="pallas" now runs) against the Triton kernels: compiled checks, the 8k
-#          training layer shape with "pallas" and "pallas-triton", then 64k and 16k at both head
-#          dims with the branch breakdown at 64k; ~7 min.
+# cmpfold  the compression branch as one cuDNN call on folded queries
+#          (pallas_kernels.compress_fold): compiled checks, now including the gradients of the
+#          fold (fold_grad_relerr: the opt-in cuDNN backward) and of the fold forward + Triton
+#          backward (the default) against plain JAX; the 8k training layer shape with "pallas"
+#          and "pallas-triton"; then 64k and 16k at both head dims with the branch breakdown at
+#          64k. 200 s measured (2026-11-30, before the gradient fields).
 # foldsweep  the compression branch alone three ways (Triton; cuDNN fold fwd+bwd; cuDNN fold fwd
 #          + Triton bwd) at 16k-64k, paper heads, both head dims, and at the 8k/16k training layer
 #          shape (16/1 heads, 64/64, batch 8): where ops.FOLD_MIN_BLOCKS comes from; ~3 min.
