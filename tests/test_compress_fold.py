@@ -162,17 +162,11 @@ def test_cudnn_forward_triton_backward_matches_reference(g, kv, t, dk, dv):
 def test_whole_op_with_fold_matches_reference(cmp_backend):
   """The Pallas op (interpreted on a CPU) with the fold's lse feeding the top-n kernel: same block
   indices as the reference, same output and gradients."""
+  from tests.test_compress_kernels import whole_op_case
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 9)
-  b, t, h, kv, dk, dv = 1, 100, 4, 2, 32, 16
-  cfg = NSAConfig(num_heads=h, num_kv_heads=kv, head_dim=dk, head_dim_v=dv, cmp_block=16,
-                  cmp_stride=8, sel_block=16, num_selected=4, window=24)
-  nc = cfg.num_cmp_blocks(t)
-  shapes = [(b, t, h, dk), (b, nc, kv, dk), (b, nc, kv, dv), (b, t, kv, dk), (b, t, kv, dv),
-            (b, t, kv, dk), (b, t, kv, dv)]
-  args = [jax.random.normal(k, s) for k, s in zip(ks, shapes)]
-  args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))))
-  w = jax.random.normal(ks[8], (b, t, h, dv))
+  cfg, args = whole_op_case(ks)
+  w = jax.random.normal(ks[8], args[0].shape[:3] + (cfg.dim_v,))
 
   def run(fn):
     def f(*a):

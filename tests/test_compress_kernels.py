@@ -117,9 +117,9 @@ def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg):
 
 # ----------------------------------------------------------------------------- whole op
 
-def test_whole_op_pallas_matches_reference():
-  seed = _seed()
-  ks = jax.random.split(jax.random.key(seed), 10)
+def whole_op_case(ks):
+  """A small whole-op case (T=100, 4/2 heads, 32/16 dims, l=16, d=8, l'=16, n=4, w=24): cfg and
+  the op's 8 inputs drawn from keys ks[0..7]."""
   b, t, h, kv, dk, dv = 1, 100, 4, 2, 32, 16
   cfg = NSAConfig(num_heads=h, num_kv_heads=kv, head_dim=dk, head_dim_v=dv, cmp_block=16,
                   cmp_stride=8, sel_block=16, num_selected=4, window=24)
@@ -128,6 +128,14 @@ def test_whole_op_pallas_matches_reference():
             (b, t, kv, dk), (b, t, kv, dv)]
   args = [jax.random.normal(k, s) for k, s in zip(ks, shapes)]
   args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))))
+  return cfg, args
+
+
+def test_whole_op_pallas_matches_reference():
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 10)
+  cfg, args = whole_op_case(ks)
+  b, t, h, dv = 1, 100, cfg.num_heads, cfg.dim_v
   seg = _segments(ks[8], b, t)
   w = jax.random.normal(ks[9], (b, t, h, dv))
 
