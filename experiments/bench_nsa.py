@@ -128,6 +128,7 @@ class Bench:
       else:
         ex.update(res.get("fwd_mem", {}))
       ex["cmp_tiling"] = CMP_TILING
+      ex["fold_cudnn_backward"] = ops.FOLD_CUDNN_BACKWARD
       self.records.append(bc.record(op=op, impl=impl, pass_=pass_, ms=ms, cudnn_ms=dms, **base,
                                     **ex))
     self.flush()
@@ -481,6 +482,9 @@ def main(argv=None):
                  help="time the compression branch as Triton kernels, the cuDNN fold, and the "
                       "cuDNN fold forward + Triton backward at these T (each --dims entry, "
                       "--heads, --batch); writes nsa_foldsweep.json")
+  p.add_argument("--fold_cudnn_backward", action="store_true",
+                 help="opt into the cuDNN backward through the compression fold "
+                      "(nsa_jax.ops.FOLD_CUDNN_BACKWARD; default: fold forward, Triton backward)")
   p.add_argument("--plot", default="")
   p.add_argument("--profile_T", type=int, default=0,
                  help="also save the device kernels of the whole op (fwd, fwd+bwd) at this T and "
@@ -492,6 +496,7 @@ def main(argv=None):
   ints = lambda s: [int(x) for x in s.split(",") if x]
   global BATCH, IMPL
   IMPL = a.impl
+  ops.FOLD_CUDNN_BACKWARD = a.fold_cudnn_backward  # recorded in every row (fold_cudnn_backward)
   if a.batch < 1:
     raise SystemExit(f"--batch={a.batch}: needs a positive batch size")
   BATCH = a.batch

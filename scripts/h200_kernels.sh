@@ -42,6 +42,9 @@
 #          backward (the default) against plain JAX; the 8k training layer shape with "pallas"
 #          and "pallas-triton"; then 64k and 16k at both head dims with the branch breakdown at
 #          64k. 200 s measured (2026-11-30, before the gradient fields).
+# foldnsa  the whole op at 64k and 16k, both head dims, with the default compression path (fold
+#          forward + Triton backward) and with --fold_cudnn_backward (the opt-in cuDNN backward),
+#          each with its compiled check: the default's whole-op numbers; ~5 min estimated.
 # foldsweep  the compression branch alone three ways (Triton; cuDNN fold fwd+bwd; cuDNN fold fwd
 #          + Triton bwd) at 16k-64k, paper heads, both head dims, and at the 8k/16k training layer
 #          shape (16/1 heads, 64/64, batch 8): where ops.FOLD_MIN_BLOCKS comes from; ~3 min.
@@ -127,6 +130,12 @@ cmpfold() {
   done
   timeout 300 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 192/128,128/128 \
     --breakdown_T 65536 --iters 5 --budget_s 220 --out "$OUT/cmpfold"
+}
+foldnsa() {
+  timeout 270 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 128/128,192/128 \
+    --breakdown_T '' --iters 5 --budget_s 200 --out "$OUT/foldnsa_default"
+  timeout 270 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 128/128,192/128 \
+    --breakdown_T '' --iters 5 --budget_s 200 --fold_cudnn_backward --out "$OUT/foldnsa_cudnnbwd"
 }
 foldsweep() {
   timeout 240 python3 -m experiments.bench_nsa --fold_sweep_T 16384,32768,65536 \
