@@ -37,8 +37,8 @@ START = time.time()
 CMP_TILING = "v2: bwd 128-row tiles, 8 warps"  # v1 (first H200 run): 64-row dq / dK-dV tiles
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
+FOLD_IMPL = "cudnn" if ON_GPU else "xla"  # compress_fold: XLA attention stands in off a GPU
 BATCH = 1  # --batch: sequences per call (every op, cuDNN and layer call)
-HEADS = (64, 4)  # --heads: query / KV heads
 IMPL = "pallas"  # --impl: the whole op's implementation ("pallas", "pallas-triton", "pallas-mosaic")
 
 
@@ -250,7 +250,7 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   return out
 
 
-def fold_sweep(key, ts, dims_list, out_dir):
+def fold_sweep(key, ts, dims_list, heads, out_dir):
   """The compression branch three ways at each T and head dims (--heads, --batch): the Triton
   kernels, the cuDNN fold forward + backward (pallas_kernels.compress_fold) and the cuDNN fold forward with
   the Triton backward (compress_attention(backend="cudnn")). Where ops.FOLD_MIN_BLOCKS comes
@@ -260,14 +260,14 @@ def fold_sweep(key, ts, dims_list, out_dir):
   for dims in dims_list:
     dk, dv = (int(x) for x in dims.split("/"))
     for t in ts:
-      cfg = paper_cfg(HEADS[0], HEADS[1], dk, dv)
+      cfg = paper_cfg(*heads, dk, dv)
       q, kc, vc = make_inputs(key, t, cfg)[:3]
       l, d = cfg.cmp_block, cfg.cmp_stride
       ct = jax.random.normal(key, (BATCH, t, cfg.num_heads, dv), jnp.bfloat16)
       variants = {
           "triton": lambda q, kc, vc: compress_attention(q, kc, vc, l, d, interpret=INTERPRET),
           "cudnn-fold": lambda q, kc, vc: cmp_fold.compressed_attention(
-              q, kc, vc, l, d, implementation="cudnn" if ON_GPU else "xla"),
+              q, kc, vc, l, d, implementation=FOLD_IMPL),
           "cudnn-fwd+triton-bwd": lambda q, kc, vc: compress_attention(
               q, kc, vc, l, d, interpret=INTERPRET, backend="cudnn")}
       for name, fn in variants.items():
@@ -283,9 +283,7 @@ def fold_sweep(key, ts, dims_list, out_dir):
       del q, kc, vc
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "nsa_foldsweep.json"), "w") as f:
-    json.dump(dict(hardware=bc.hardware(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   command="python3 -m experiments.bench_nsa " + " ".join(sys.argv[1:]),
-                   rows=rows), f, indent=1)
+    json.dump(dict(**bc.provenance(), rows=rows), f, indent=1)
   return rows
 
 
@@ -338,13 +336,12 @@ def check(key, t, cfg):
   # lse, the top-n fed by that lse, and the gradients of the fold (cuDNN backward), of the fold
   # forward + Triton backward, and of the Triton kernels, each against the plain-JAX branch.
   l, d = cfg.cmp_block, cfg.cmp_stride
-  fold_impl = "cudnn" if ON_GPU else "xla"
-  fold = lambda q, kc, vc: cmp_fold.compressed_attention(q, kc, vc, l, d, implementation=fold_impl)
+  fold = lambda q, kc, vc: cmp_fold.compressed_attention(q, kc, vc, l, d, implementation=FOLD_IMPL)
   fo, flse = jax.jit(fold)(q, kc, vc)
   fidx = jax.jit(lambda q, kc, lse: select_topn(
       q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
       interpret=INTERPRET))(q, kc, flse)
-  out.update(fold_impl=fold_impl, fold_o_maxerr=float(jnp.max(jnp.abs(f32(fo) - f32(xo)))),
+  out.update(fold_impl=FOLD_IMPL, fold_o_maxerr=float(jnp.max(jnp.abs(f32(fo) - f32(xo)))),
              fold_lse_maxerr=float(jnp.max(jnp.where(fin, jnp.abs(flse - xlse), 0.0))),
              fold_lse_inf_pattern_equal=bool(jnp.all(jnp.isfinite(flse) == fin)),
              fold_topn_rows_equal_frac=float(jnp.mean(jnp.all(fidx == xidx, axis=-1))))
@@ -501,8 +498,6 @@ def main(argv=None):
     raise SystemExit(f"--batch={a.batch}: needs a positive batch size")
   BATCH = a.batch
   h, kh = ints(a.heads.replace("/", ","))
-  global HEADS
-  HEADS = (h, kh)
   bench = Bench(a.out, a.iters, a.budget_s)
   key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
   if a.check:
@@ -519,7 +514,7 @@ def main(argv=None):
     dk, dv = ints(a.dims.split(",")[-1].replace("/", ","))
     profile(key, a.profile_T, paper_cfg(h, kh, dk, dv), a.out)
   if a.fold_sweep_T:
-    fold_sweep(key, ints(a.fold_sweep_T), a.dims.split(","), a.out)
+    fold_sweep(key, ints(a.fold_sweep_T), a.dims.split(","), (h, kh), a.out)
   if a.sweep_T:
     res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128), parts=a.sweep_parts.split(","))
     with open(os.path.join(a.out, "nsa_sweep.json"), "w") as f:

@@ -18,8 +18,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -156,14 +154,7 @@ def main(argv):
     runs.append(profile_config(cfg, name, _WARMUP.value, _TIMED.value, _STEPS.value))
     print(f"{name}: {runs[-1]['ms_per_step']:.1f} ms/step, {runs[-1]['tokens_per_s']:,.0f} "
           f"tokens/s", flush=True)
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    commit = "unknown"
-  doc = dict(command="python -m experiments.profile_step " + " ".join(sys.argv[1:]),
-             hardware=bc.hardware(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             code_commit=commit, jax=jax.__version__, runs=runs)
+  doc = dict(**bc.provenance(), jax=jax.__version__, runs=runs)
   with open(os.path.join(out, "step_profile.json"), "w") as f:
     json.dump(doc, f, indent=1)
   text = markdown(doc)

@@ -205,7 +205,7 @@ def _auto_cmp_backend(q, v_cmp, segment_ids):
   if not on_gpu():
     return "triton"
   dk, dv, nc = q.shape[-1], v_cmp.shape[-1], v_cmp.shape[1]
-  ok, why = cmp_fold.supports(q.shape, dk, dv, q.dtype, segment_ids is not None)
+  ok, why = cmp_fold.supports(dk, dv, q.dtype, segment_ids is not None)
   least = FOLD_MIN_BLOCKS if dk == dv else FOLD_FWD_MIN_BLOCKS
   if ok and nc < least:
     ok, why = False, f"{nc} compressed blocks < {least}, where it measured no gain"

@@ -47,7 +47,7 @@ def _device_capability():
     return None
 
 
-def supports(q_shape, dk, dv, dtype, has_seg, capability=None):
+def supports(dk, dv, dtype, has_seg, capability=None):
   """(ok, reason): whether the cuDNN fold applies: no segment ids, bf16/fp16, head dims cuDNN
   takes after padding d_v up to d_k or the reverse, a Hopper-or-newer GPU (`capability`, default:
   the first device's; head dims above 128 need it), and the jax minor version it was checked in."""

@@ -132,10 +132,11 @@ cmpfold() {
     --breakdown_T 65536 --iters 5 --budget_s 220 --out "$OUT/cmpfold"
 }
 foldnsa() {
-  timeout 270 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 128/128,192/128 \
-    --breakdown_T '' --iters 5 --budget_s 200 --out "$OUT/foldnsa_default"
-  timeout 270 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 128/128,192/128 \
-    --breakdown_T '' --iters 5 --budget_s 200 --fold_cudnn_backward --out "$OUT/foldnsa_cudnnbwd"
+  for bwd in default cudnnbwd; do
+    timeout 270 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 128/128,192/128 \
+      --breakdown_T '' --iters 5 --budget_s 200 $([ $bwd = cudnnbwd ] && echo --fold_cudnn_backward) \
+      --out "$OUT/foldnsa_$bwd"
+  done
 }
 foldsweep() {
   timeout 240 python3 -m experiments.bench_nsa --fold_sweep_T 16384,32768,65536 \

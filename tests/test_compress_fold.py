@@ -107,19 +107,19 @@ def test_auto_rule_picks_fold_only_where_measured(monkeypatch):
   assert pick(4095, 128, 128) == "triton"
   monkeypatch.setattr(cmp_fold, "CHECKED_JAX", (0, 99))
   monkeypatch.setattr(cmp_fold, "_device_capability", lambda: (9, 0))
-  ok, why = cmp_fold.supports((1, 8, 4, 64), 64, 64, bf, False)
+  ok, why = cmp_fold.supports(64, 64, bf, False)
   assert not ok and "checked with jax 0.99" in why
 
 
 def test_supports_reasons():
-  assert cmp_fold.supports((1, 64, 4, 64), 64, 64, jnp.bfloat16, False, (9, 0)) == (True, "ok")
-  ok, why = cmp_fold.supports((1, 64, 4, 64), 64, 64, jnp.bfloat16, True)
+  assert cmp_fold.supports(64, 64, jnp.bfloat16, False, (9, 0)) == (True, "ok")
+  ok, why = cmp_fold.supports(64, 64, jnp.bfloat16, True)
   assert not ok and "segment ids" in why
-  ok, why = cmp_fold.supports((1, 64, 4, 64), 64, 64, jnp.float32, False)
+  ok, why = cmp_fold.supports(64, 64, jnp.float32, False)
   assert not ok and "float32" in why
-  ok, why = cmp_fold.supports((1, 64, 4, 320), 320, 64, jnp.bfloat16, False, (9, 0))
+  ok, why = cmp_fold.supports(320, 64, jnp.bfloat16, False, (9, 0))
   assert not ok and "320" in why
-  ok, why = cmp_fold.supports((1, 64, 4, 64), 64, 64, jnp.bfloat16, False, None)  # no GPU here
+  ok, why = cmp_fold.supports(64, 64, jnp.bfloat16, False, None)  # no GPU here
   assert not ok and "compute capability None" in why
   with pytest.raises(ValueError, match="k_cmp has 8 blocks, expected 5 for T=100"):
     q, kc, vc, _ = _inputs(0, 1, 100, 2, 1, 8, 8, 8, 4)
