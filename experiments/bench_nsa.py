@@ -479,9 +479,9 @@ def main(argv=None):
                  help="time the compression branch as Triton kernels, the cuDNN fold, and the "
                       "cuDNN fold forward + Triton backward at these T (each --dims entry, "
                       "--heads, --batch); writes nsa_foldsweep.json")
-  p.add_argument("--fold_cudnn_backward", action="store_true",
-                 help="opt into the cuDNN backward through the compression fold "
-                      "(nsa_jax.ops.FOLD_CUDNN_BACKWARD; default: fold forward, Triton backward)")
+  p.add_argument("--fold_backward", choices=("cudnn", "triton"), default="cudnn",
+                 help="backward under the compression fold's forward at d_k == d_v: cuDNN (the "
+                      "default, nsa_jax.ops.FOLD_CUDNN_BACKWARD) or the Triton kernels")
   p.add_argument("--plot", default="")
   p.add_argument("--profile_T", type=int, default=0,
                  help="also save the device kernels of the whole op (fwd, fwd+bwd) at this T and "
@@ -493,7 +493,7 @@ def main(argv=None):
   ints = lambda s: [int(x) for x in s.split(",") if x]
   global BATCH, IMPL
   IMPL = a.impl
-  ops.FOLD_CUDNN_BACKWARD = a.fold_cudnn_backward  # recorded in every row (fold_cudnn_backward)
+  ops.FOLD_CUDNN_BACKWARD = a.fold_backward == "cudnn"  # recorded in every row
   if a.batch < 1:
     raise SystemExit(f"--batch={a.batch}: needs a positive batch size")
   BATCH = a.batch

@@ -3,6 +3,7 @@ layer, chosen by `ModelConfig.attention` / `layer_attention`."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -51,6 +52,15 @@ class Block(nnx.Module):
     return (x, aux) if return_aux else x
 
 
+# Vocabularies up to this size are embedded as one_hot(tokens) @ table instead of a gather. The
+# gather's gradient is a scatter-add of B*T rows into `vocab` rows; with the 256-token byte
+# vocabulary every row takes ~256 colliding atomic adds. On the H200 that one scatter took 67 ms
+# of the 274 ms 8k training step (8 x 8192 tokens; `h200_runs.sh prof8k`, 2026-11-30), where the
+# one-hot matmul and its transpose are ~50 GFLOP. The forward values are the same (one nonzero
+# term per row). Above the limit the one-hot tensor [B, T, vocab] would cost more than it saves.
+ONE_HOT_EMBED_MAX_VOCAB = 1024
+
+
 class TransformerLM(nnx.Module):
   """tokens [B, T] int -> logits [B, T, vocab] float32.
 
@@ -75,6 +85,16 @@ class TransformerLM(nnx.Module):
         self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dt,
                               param_dtype=pdt, rngs=rngs)
 
+  def embed_tokens(self, tokens):
+    """tokens [B, T] int -> [B, T, d_model]: the embedding rows, as a one-hot matmul for small
+    vocabularies (ONE_HOT_EMBED_MAX_VOCAB: its gradient is a matmul, not a colliding scatter)."""
+    if self.cfg.vocab_size > ONE_HOT_EMBED_MAX_VOCAB:
+      return self.embed(tokens)
+    dt = dtype_of(self.cfg.dtype)
+    table = self.embed.embedding[...].astype(dt)
+    one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dt)
+    return jnp.einsum("btv,vd->btd", one_hot, table, precision=jax.lax.Precision.HIGHEST)
+
   @property
   def uses_aux_selector(self) -> bool:
     return self.cfg.uses_aux_selector
@@ -86,7 +106,7 @@ class TransformerLM(nnx.Module):
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")
-    x = constrain_rows(self.embed(tokens))
+    x = constrain_rows(self.embed_tokens(tokens))
     auxes, sel_losses = [], []
     run = lambda blk, y: blk(y, segment_ids, positions, return_selector_loss=return_selector_loss)
     for block in self.blocks:

@@ -8,8 +8,9 @@ Implementations:
                (plain JAX with segment ids). On a GPU without segment ids and from
                FOLD_MIN_BLOCKS compressed blocks on, the compression forward runs as one cuDNN
                flash-attention call on queries folded by the compression stride
-               (pallas_kernels.compress_fold), its backward in the Triton kernels (or in cuDNN
-               with FOLD_CUDNN_BACKWARD); "pallas-triton" / "pallas-mosaic" keep the kernels.
+               (pallas_kernels.compress_fold), its backward in cuDNN too at d_k == d_v
+               (FOLD_CUDNN_BACKWARD) and in the Triton kernels at d_k != d_v;
+               "pallas-triton" / "pallas-mosaic" keep the kernels.
                The Quest selector's scores stay in plain JAX.
                Requested off a GPU, the same kernels run in Pallas' interpreter (slow; tests).
                Backward: the compression kernel saves its inputs, o and lse and recomputes p; the
@@ -188,18 +189,20 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
 #     64k 64.9 / 62.6 / 66.4.
 FOLD_MIN_BLOCKS = 1000       # d_k == d_v: from T = 16k on (l = 32, d = 16)
 FOLD_FWD_MIN_BLOCKS = 2000   # d_k != d_v: from T = 32k on
-# The fold's backward through cuDNN is the fastest at d_k == d_v, but its gradients have not been
-# compared with the reference on a GPU yet (the forward has: o, lse, top-n indices). Until they
-# are (`bash scripts/h200_kernels.sh cmpfold` records fold_grad_relerr), the default runs the
-# fold's forward with the checked Triton backward. Set True to opt in.
-FOLD_CUDNN_BACKWARD = False
+# The fold's backward through cuDNN is the fastest at d_k == d_v. Its gradients were compared with
+# plain JAX on the H200 (2026-11-30, `h200_kernels.sh foldnsa`, T = 2048, bf16): relative errors
+# q 0.0034, k 0.0041, v 0.0032, the Triton backward's 0.0034 / 0.0038 / 0.0028. Whole op, 64k,
+# 128/128, backward: 69.3 ms with it, 86.9 ms with the Triton backward (cuDNN 344 ms). Default on;
+# set False to keep the Triton backward under the fold forward.
+FOLD_CUDNN_BACKWARD = True
 
 
 def _auto_cmp_backend(q, v_cmp, segment_ids):
   """Compression branch for implementation="pallas", logged with the reason:
-  "cudnn-fwd": the cuDNN fold forward with the Triton backward (the default where the fold pays);
-  "cudnn": the fold forward and backward in cuDNN (d_k == d_v and FOLD_CUDNN_BACKWARD; at
-  d_k != d_v cuDNN pads d_v and its backward loses to Triton's);
+  "cudnn": the fold forward and backward in cuDNN (d_k == d_v and FOLD_CUDNN_BACKWARD, the
+  default there);
+  "cudnn-fwd": the cuDNN fold forward with the Triton backward (d_k != d_v, where cuDNN pads d_v
+  and its backward loses to Triton's, or FOLD_CUDNN_BACKWARD off);
   "triton": where the fold does not apply or the sequence is short."""
   from pallas_kernels import compress_fold as cmp_fold
   if not on_gpu():

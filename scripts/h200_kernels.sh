@@ -42,9 +42,9 @@
 #          backward (the default) against plain JAX; the 8k training layer shape with "pallas"
 #          and "pallas-triton"; then 64k and 16k at both head dims with the branch breakdown at
 #          64k. 200 s measured (2026-11-30, before the gradient fields).
-# foldnsa  the whole op at 64k and 16k, both head dims, with the default compression path (fold
-#          forward + Triton backward) and with --fold_cudnn_backward (the opt-in cuDNN backward),
-#          each with its compiled check: the default's whole-op numbers; ~5 min estimated.
+# foldnsa  the whole op at 64k and 16k, both head dims, with the compression fold's backward in
+#          cuDNN (the default at d_k == d_v) and in Triton (--fold_backward triton), each with its
+#          compiled check (fold gradients included); 195 s measured (2026-11-30, cold).
 # foldsweep  the compression branch alone three ways (Triton; cuDNN fold fwd+bwd; cuDNN fold fwd
 #          + Triton bwd) at 16k-64k, paper heads, both head dims, and at the 8k/16k training layer
 #          shape (16/1 heads, 64/64, batch 8): where ops.FOLD_MIN_BLOCKS comes from; ~3 min.
@@ -132,10 +132,9 @@ cmpfold() {
     --breakdown_T 65536 --iters 5 --budget_s 220 --out "$OUT/cmpfold"
 }
 foldnsa() {
-  for bwd in default cudnnbwd; do
+  for bwd in cudnn triton; do
     timeout 270 python3 -m experiments.bench_nsa --check --T 65536,16384 --dims 128/128,192/128 \
-      --breakdown_T '' --iters 5 --budget_s 200 $([ $bwd = cudnnbwd ] && echo --fold_cudnn_backward) \
-      --out "$OUT/foldnsa_$bwd"
+      --breakdown_T '' --iters 5 --budget_s 200 --fold_backward $bwd --out "$OUT/foldnsa_$bwd"
   done
 }
 foldsweep() {

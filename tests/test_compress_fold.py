@@ -92,12 +92,12 @@ def test_auto_rule_picks_fold_only_where_measured(monkeypatch):
   pick = lambda nc, dk, dv, dtype=bf, seg=None: ops._auto_cmp_backend(
       jnp.zeros((1, 8, 4, dk), dtype), jnp.zeros((1, nc, 1, dv), dtype), seg)
   monkeypatch.setattr(cmp_fold, "_device_capability", lambda: (9, 0))
-  assert pick(ops.FOLD_MIN_BLOCKS, 128, 128) == "cudnn-fwd"  # cuDNN backward: opt-in
-  assert pick(ops.FOLD_MIN_BLOCKS - 1, 128, 128) == "triton"
-  monkeypatch.setattr(ops, "FOLD_CUDNN_BACKWARD", True)
+  assert ops.FOLD_CUDNN_BACKWARD is True  # the default since its GPU gradient check
   assert pick(ops.FOLD_MIN_BLOCKS, 128, 128) == "cudnn"
+  assert pick(ops.FOLD_MIN_BLOCKS - 1, 128, 128) == "triton"
   assert pick(ops.FOLD_FWD_MIN_BLOCKS, 192, 128) == "cudnn-fwd"  # d_v padded: never
   monkeypatch.setattr(ops, "FOLD_CUDNN_BACKWARD", False)
+  assert pick(ops.FOLD_MIN_BLOCKS, 128, 128) == "cudnn-fwd"
   assert pick(ops.FOLD_FWD_MIN_BLOCKS, 192, 128) == "cudnn-fwd"
   assert pick(ops.FOLD_FWD_MIN_BLOCKS - 1, 192, 128) == "triton"
   assert pick(4095, 128, 128, jnp.float32) == "triton"

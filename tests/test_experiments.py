@@ -414,22 +414,22 @@ def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
 
 
 def test_bench_nsa_fold_sweep_runs_on_cpu(tmp_path):
-  """--fold_sweep_T times the three compression paths; --fold_cudnn_backward sets the opt-in
-  flag and every record says which way it was (the flag is reset for the other tests)."""
+  """--fold_sweep_T times the three compression paths; --fold_backward=triton clears the
+  default-on flag and every record says which way it was (the flag is reset for the other tests)."""
   from experiments import bench_nsa
   from nsa_jax import ops
   try:
     bench_nsa.main(["--T", "128", "--breakdown_T", "", "--fold_sweep_T", "128", "--dims",
-                    "32/32", "--heads", "4/2", "--iters", "1", "--fold_cudnn_backward", "--out",
+                    "32/32", "--heads", "4/2", "--iters", "1", "--fold_backward", "triton", "--out",
                     str(tmp_path)])
-    assert ops.FOLD_CUDNN_BACKWARD is True
+    assert ops.FOLD_CUDNN_BACKWARD is False
   finally:
-    ops.FOLD_CUDNN_BACKWARD = False
+    ops.FOLD_CUDNN_BACKWARD = True
   rows = json.load(open(tmp_path / "nsa_foldsweep.json"))["rows"]
   assert [r["variant"] for r in rows] == ["triton", "cudnn-fold", "cudnn-fwd+triton-bwd"]
   assert all(r["T"] == 128 and r["fwd_ms"] > 0 and math.isfinite(r["fwd_bwd_ms"]) for r in rows)
   recs = json.load(open(tmp_path / "nsa_h200.json"))
-  assert recs and all(r["fold_cudnn_backward"] is True for r in recs)
+  assert recs and all(r["fold_cudnn_backward"] is False for r in recs)
 
 
 def test_h200_kernels_script_parses_and_defines_every_documented_phase():

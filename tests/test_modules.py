@@ -149,6 +149,30 @@ def test_lm_mixed_layers_and_bf16():
   assert auxes[1]["block_idx"].shape == (1, 40, 2, 3) and auxes[1]["gates"].shape == (1, 40, 4, 3)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_hot_embedding_matches_the_gather(dtype, monkeypatch):
+  """The small-vocabulary one-hot embedding (model.ONE_HOT_EMBED_MAX_VOCAB) gives the gather's
+  rows exactly and the same table gradient (a matmul instead of a scatter-add), tokens repeated."""
+  from nsa_jax import model as model_mod
+  cfg = tiny_model_cfg("dense", dtype=dtype)
+  model = TransformerLM(cfg, rngs=nnx.Rngs(int(SEED % 1000)))
+  tokens = jax.random.randint(fresh_key(10), (2, 48), 0, 8)  # 8 of 64 ids: many repeats
+  cot = jax.random.normal(fresh_key(11), (2, 48, cfg.d_model), jnp.float32)
+
+  def rows_and_grad(limit):
+    monkeypatch.setattr(model_mod, "ONE_HOT_EMBED_MAX_VOCAB", limit)
+    f = lambda m: jnp.sum(m.embed_tokens(tokens).astype(jnp.float32) * cot)
+    return model.embed_tokens(tokens), nnx.grad(f)(model).embed.embedding[...]
+
+  (x1, g1), (x0, g0) = rows_and_grad(1024), rows_and_grad(0)
+  np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x0, np.float32))
+  np.testing.assert_array_equal(np.asarray(x0, np.float32),
+                                np.asarray(model.embed(tokens), np.float32))
+  tol = 1e-5 if dtype == "float32" else 2e-2
+  np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=tol, atol=tol)
+  assert float(jnp.abs(g0).sum()) > 0 and float(jnp.abs(g1[8:]).max()) == 0.0  # unused ids
+
+
 def test_lm_rejects_too_long_input():
   model = TransformerLM(tiny_model_cfg("dense"), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="max_seq_len"):
