@@ -136,16 +136,16 @@ def kernel_profile(fn, args, trace_dir, top=25):
   return trace_kernels(trace_dir, top)
 
 
-def trace_kernels(trace_dir, top=25):
-  """[(kernel name, launches, total microseconds)] of the newest jax.profiler trace under
-  trace_dir, longest first ([] when the trace has no GPU device plane, e.g. on a CPU)."""
+def trace_kernel_events(trace_dir):
+  """Yields (f"[{stream line}] {kernel name}", microseconds, stats dict) for every device kernel
+  of the newest jax.profiler trace under trace_dir (nothing when it has no GPU device plane, e.g.
+  on a CPU). The stats carry XLA's op metadata (the JAX name stack, with jax.named_scope names)."""
   import glob
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
                  key=os.path.getmtime)
   if not paths:
-    return []
+    return
   data = jax.profiler.ProfileData.from_file(paths[-1])
-  totals = {}
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU"):
       continue
@@ -153,8 +153,15 @@ def trace_kernels(trace_dir, top=25):
       if "module" in line.name.lower() or "step" in line.name.lower():  # not single kernels
         continue
       for ev in line.events:
-        key = f"[{line.name}] {ev.name}"
-        n, us = totals.get(key, (0, 0.0))
-        totals[key] = (n + 1, us + ev.duration_ns / 1e3)
+        yield f"[{line.name}] {ev.name}", ev.duration_ns / 1e3, dict(ev.stats)
+
+
+def trace_kernels(trace_dir, top=25):
+  """[(kernel name, launches, total microseconds)] of the newest jax.profiler trace under
+  trace_dir, longest first ([] when the trace has no GPU device plane, e.g. on a CPU)."""
+  totals = {}
+  for key, us, _ in trace_kernel_events(trace_dir):
+    n, tot = totals.get(key, (0, 0.0))
+    totals[key] = (n + 1, tot + us)
   rows = sorted(((k, n, round(us, 2)) for k, (n, us) in totals.items()), key=lambda r: -r[2])
   return rows[:top] if top else rows

@@ -57,6 +57,30 @@ GROUPS = (
 )
 
 
+# jax.named_scope names set in the model (nsa_jax/model.py, attention.py, ops.py, training/train.py)
+# and, under nsa_op, the op's branches. A kernel is labelled with the outermost top-level scope in
+# its op metadata, plus the branch under nsa_op, plus " (bwd)" for the backward pass.
+SCOPES = ("embed", "attn_norm", "nsa_q", "nsa_kv_cmp", "nsa_kv", "nsa_gates", "nsa_op", "nsa_out",
+          "dense_qkv", "dense_op", "dense_out", "mlp", "lm_head", "loss", "optimizer")
+OP_SCOPES = ("cmp", "topn", "slc", "win", "combine")
+
+
+def scope_of(stats: dict) -> str:
+  """The scope label of one kernel from its trace stats (XLA's op metadata: the JAX name stack)."""
+  text = " ".join(str(v) for k, v in stats.items() if isinstance(v, str))
+  text = re.sub(r"jit\([^()]*\)", "", text)  # jitted functions' names are not scopes
+  found = lambda names: [n for n in names if re.search(rf"(?<![\w]){n}(?![\w])", text)]
+  top = found(SCOPES)
+  if not top:
+    return "(no scope)"
+  first = min(top, key=lambda n: re.search(rf"(?<![\w]){n}(?![\w])", text).start())
+  label = first
+  if first == "nsa_op":
+    sub = found(OP_SCOPES)
+    label += "/" + (sub[0] if sub else "other")
+  return label + (" (bwd)" if "transpose(" in text else "")
+
+
 def group_of(kernel: str) -> str:
   name = kernel.split("] ", 1)[-1].lower()
   for group, pattern in GROUPS:
@@ -100,6 +124,12 @@ def profile_config(config, tag, warmup, timed, steps):
   for name, n, us in kernels:
     g = group_of(name)
     groups[g] = groups.get(g, 0.0) + us / steps
+  # The same kernels by the model's named scopes: which layer part (and pass) the time is in.
+  scopes, stat_keys = {}, set()
+  for name, us, stats in bc.trace_kernel_events(trace_dir):
+    stat_keys.update(stats)
+    sc = scope_of(stats)
+    scopes[sc] = scopes.get(sc, 0.0) + us / steps
   tokens = config.data.seq_len * config.data.global_batch_size
   return dict(tag=tag, attention=setup.model_cfg.attention_kinds,
               implementation=(config.model.nsa.implementation
@@ -110,7 +140,10 @@ def profile_config(config, tag, warmup, timed, steps):
               kernel_ms_per_step=round(sum(groups.values()) / 1e3, 3),
               groups_ms={g: round(v / 1e3, 3) for g, v in sorted(groups.items(),
                                                                   key=lambda kv: -kv[1])},
-              top_kernels=[(k, n / steps, round(us / steps / 1e3, 3)) for k, n, us in kernels[:20]])
+              scopes_ms={g: round(v / 1e3, 3) for g, v in sorted(scopes.items(),
+                                                                  key=lambda kv: -kv[1])},
+              trace_stat_keys=sorted(stat_keys),
+              top_kernels=[(k, n / steps, round(us / steps / 1e3, 3)) for k, n, us in kernels[:40]])
 
 
 def markdown(doc) -> str:
@@ -130,6 +163,15 @@ def markdown(doc) -> str:
     groups += [g for g in r["groups_ms"] if g not in groups]
   rows += [(g, (lambda g: lambda r: f"{r['groups_ms'].get(g, 0.0):.2f}")(g)) for g in groups]
   lines += [f"| {name} | " + " | ".join(f(r) for r in runs) + " |" for name, f in rows]
+  scopes = []
+  for r in runs:
+    scopes += [g for g in r.get("scopes_ms", {}) if g not in scopes]
+  if scopes:
+    lines += ["", "## By named scope (ms per step; nsa_op/<branch>; (bwd) = backward pass)", "",
+              "| scope | " + " | ".join(r["tag"] for r in runs) + " |",
+              "|---|" + "---|" * len(runs)]
+    lines += [f"| {g} | " + " | ".join(f"{r['scopes_ms'].get(g, 0.0):.2f}" for r in runs) + " |"
+              for g in scopes]
   for r in runs:
     lines += ["", f"## {r['tag']}: longest kernels (ms per step, launches per step)", "",
               "| kernel | launches | ms |", "|---|---|---|"]

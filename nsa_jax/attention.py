@@ -115,26 +115,34 @@ class NSAAttention(nnx.Module):
     x = x.astype(self.dtype)
     if positions is None:
       positions = default_positions(b, t, segment_ids)
-    q = apply_rope(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), positions,
-                   self.rope_theta)
-    k_c, v_c = self._kv(x, "cmp")
-    k_cmp, v_cmp = self.compress(k_c, v_c, positions)
-    k_s, v_s = self._kv(x, "slc")
-    k_w, v_w = self._kv(x, "win")
-    k_s = apply_rope(k_s, positions, self.rope_theta)
-    k_w = k_s if cfg.shared_kv else apply_rope(k_w, positions, self.rope_theta)
+    # Named scopes label the kernels in profiles (experiments/profile_step.py groups by them).
+    with jax.named_scope("nsa_q"):
+      q = apply_rope(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), positions,
+                     self.rope_theta)
+    with jax.named_scope("nsa_kv_cmp"):
+      k_c, v_c = self._kv(x, "cmp")
+      k_cmp, v_cmp = self.compress(k_c, v_c, positions)
+    with jax.named_scope("nsa_kv"):
+      k_s, v_s = self._kv(x, "slc")
+      k_w, v_w = self._kv(x, "win")
+      k_s = apply_rope(k_s, positions, self.rope_theta)
+      k_w = k_s if cfg.shared_kv else apply_rope(k_w, positions, self.rope_theta)
     block_idx, sel_loss = None, jnp.zeros((b, t), jnp.float32)
     if cfg.selector == "aux" and "slc" in cfg.branches:
       block_idx, sel_loss = aux_selector.select(q, k_s, self.aux_wq[...], self.aux_wk[...], cfg,
                                                 segment_ids)
-    out = ops.nsa_attention(q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, self.gates(x), cfg,
-                            segment_ids=segment_ids, implementation=implementation,
-                            return_aux=return_aux, block_idx=block_idx)
+    with jax.named_scope("nsa_gates"):
+      gates = self.gates(x)
+    with jax.named_scope("nsa_op"):
+      out = ops.nsa_attention(q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates, cfg,
+                              segment_ids=segment_ids, implementation=implementation,
+                              return_aux=return_aux, block_idx=block_idx)
     o, aux = out if return_aux else (out, None)
-    y = self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.dim_v).astype(self.dtype))
+    with jax.named_scope("nsa_out"):
+      y = self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.dim_v).astype(self.dtype))
     result = (y,)
     if return_aux:
-      aux["gates"] = self.gates(x)
+      aux["gates"] = gates
       result += (aux,)
     if return_selector_loss:
       result += (sel_loss,)
@@ -168,9 +176,12 @@ class DenseAttention(nnx.Module):
     x = x.astype(self.dtype)
     if positions is None:
       positions = default_positions(b, t, segment_ids)
-    q = apply_rope(self.q_proj(x).reshape(b, t, self.h, self.dk), positions, self.rope_theta)
-    k = apply_rope(self.k_proj(x).reshape(b, t, self.kh, self.dk), positions, self.rope_theta)
-    v = self.v_proj(x).reshape(b, t, self.kh, self.dv)
-    o = ops.dense_attention(q, k, v, segment_ids, implementation=implementation or
-                            self.implementation)
-    return self.o_proj(o.reshape(b, t, self.h * self.dv))
+    with jax.named_scope("dense_qkv"):
+      q = apply_rope(self.q_proj(x).reshape(b, t, self.h, self.dk), positions, self.rope_theta)
+      k = apply_rope(self.k_proj(x).reshape(b, t, self.kh, self.dk), positions, self.rope_theta)
+      v = self.v_proj(x).reshape(b, t, self.kh, self.dv)
+    with jax.named_scope("dense_op"):
+      o = ops.dense_attention(q, k, v, segment_ids, implementation=implementation or
+                              self.implementation)
+    with jax.named_scope("dense_out"):
+      return self.o_proj(o.reshape(b, t, self.h * self.dv))

@@ -34,7 +34,8 @@ class Block(nnx.Module):
                return_selector_loss=False):
     """x -> x, or (x, aux) with return_aux, or (x, selector loss [B, T] / None for a dense
     layer) with return_selector_loss (training with selector="aux")."""
-    h = self.attn_norm(x)
+    with jax.named_scope("attn_norm"):
+      h = self.attn_norm(x)
     aux = sel = None
     if self.kind == "nsa" and (return_aux or return_selector_loss):
       y, *extra = self.attn(h, segment_ids=segment_ids, positions=positions,
@@ -46,7 +47,8 @@ class Block(nnx.Module):
     else:
       y = self.attn(h, segment_ids=segment_ids, positions=positions)
     x = constrain_rows(x + y)
-    x = constrain_rows(x + self.mlp(self.mlp_norm(x)))
+    with jax.named_scope("mlp"):
+      x = constrain_rows(x + self.mlp(self.mlp_norm(x)))
     if return_selector_loss:
       return x, sel
     return (x, aux) if return_aux else x
@@ -106,7 +108,8 @@ class TransformerLM(nnx.Module):
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")
-    x = constrain_rows(self.embed_tokens(tokens))
+    with jax.named_scope("embed"):
+      x = constrain_rows(self.embed_tokens(tokens))
     auxes, sel_losses = [], []
     run = lambda blk, y: blk(y, segment_ids, positions, return_selector_loss=return_selector_loss)
     for block in self.blocks:
@@ -121,12 +124,13 @@ class TransformerLM(nnx.Module):
           sel_losses.append(sel)
       else:
         x = out
-    x = self.final_norm(x)
-    if self.cfg.tie_embeddings:
-      logits = self.embed.attend(x)
-    else:
-      logits = self.lm_head(x)
-    logits = logits.astype(jnp.float32)
+    with jax.named_scope("lm_head"):
+      x = self.final_norm(x)
+      if self.cfg.tie_embeddings:
+        logits = self.embed.attend(x)
+      else:
+        logits = self.lm_head(x)
+      logits = logits.astype(jnp.float32)
     if return_selector_loss:
       sel = (sum(sel_losses) / len(sel_losses) if sel_losses
              else jnp.zeros(tokens.shape, jnp.float32))

@@ -244,29 +244,34 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   if "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa"):
     if cmp_be == "auto":  # decided (and logged) only where the branch runs
       cmp_be = _auto_cmp_backend(q, v_cmp, segment_ids)
-    if cmp_be in ("cudnn", "fold-xla"):
-      from pallas_kernels import compress_fold as cmp_fold
-      if segment_ids is not None:
-        raise ValueError(f"compression backend {cmp_be!r} does not take segment ids (one "
-                         "visibility rule per folded group). Fix: use the Triton kernels")
-      o_cmp, lse_cmp = cmp_fold.compressed_attention(
-          q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale,
-          implementation="cudnn" if cmp_be == "cudnn" else "xla")
-    else:
-      o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
-                                          segment_ids, scale, interpret=interpret,
-                                          backend="cudnn" if cmp_be == "cudnn-fwd" else cmp_be)
+    if cmp_be in ("cudnn", "fold-xla") and segment_ids is not None:
+      raise ValueError(f"compression backend {cmp_be!r} does not take segment ids (one "
+                       "visibility rule per folded group). Fix: use the Triton kernels")
+    with jax.named_scope("cmp"):  # scopes label the kernels in profiles (profile_step.py)
+      if cmp_be in ("cudnn", "fold-xla"):
+        from pallas_kernels import compress_fold as cmp_fold
+        o_cmp, lse_cmp = cmp_fold.compressed_attention(
+            q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale,
+            implementation="cudnn" if cmp_be == "cudnn" else "xla")
+      else:
+        o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
+                                            segment_ids, scale, interpret=interpret,
+                                            backend="cudnn" if cmp_be == "cudnn-fwd" else cmp_be)
     outs["cmp"] = o_cmp
   if want_idx:
-    idx = block_idx if block_idx is not None else _pallas_indices(
-        q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg, segment_ids,
-        scale, interpret)
-    outs["slc"], _ = select_kernel(q, k_slc, v_slc, idx, cfg.sel_block, segment_ids, scale,
-                                   interpret=interpret, backend=slc_be)
+    with jax.named_scope("topn"):
+      idx = block_idx if block_idx is not None else _pallas_indices(
+          q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg, segment_ids,
+          scale, interpret)
+    with jax.named_scope("slc"):
+      outs["slc"], _ = select_kernel(q, k_slc, v_slc, idx, cfg.sel_block, segment_ids, scale,
+                                     interpret=interpret, backend=slc_be)
     aux["block_idx"] = idx
   if "win" in cfg.branches:
-    outs["win"] = window_attention(q, k_win, v_win, cfg.window, segment_ids, scale)
-  o = reference.combine(outs, gates, cfg.branches).astype(q.dtype)
+    with jax.named_scope("win"):
+      outs["win"] = window_attention(q, k_win, v_win, cfg.window, segment_ids, scale)
+  with jax.named_scope("combine"):
+    o = reference.combine(outs, gates, cfg.branches).astype(q.dtype)
   if return_aux:
     aux["outputs"] = outs
     return o, aux

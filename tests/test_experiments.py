@@ -556,3 +556,43 @@ def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
            "[Stream #14] loop_add_fusion_3": "other XLA fusions", "[Stream #14] weird": "other"}
   for name, group in names.items():
     assert ps.group_of(name) == group, name
+  # scope labels from the op metadata stats of GPU kernel events (the JAX name stack)
+  stats = {"jit(step)/jit(main)/jvp(nsa_op)/topn/pallas_call": "NSA op forward top-n",
+           "jit(step)/transpose(jvp(nsa_op))/combine/mul": None,
+           "jit(step)/jvp(nsa_gates)/dot_general": None,
+           "jit(step)/transpose(jvp(mlp))/dot_general": None,
+           "jit(step)/optimizer/add": None, "jit(loss)/mul": None}
+  labels = [ps.scope_of({"tf_op": k, "hlo_op": "fusion.1"}) for k in stats]
+  assert labels == ["nsa_op/topn", "nsa_op/combine (bwd)", "nsa_gates", "mlp (bwd)", "optimizer",
+                    "(no scope)"], labels
+
+
+def test_named_scopes_reach_the_compiled_step():
+  """The scopes profile_step groups by are in the HLO op metadata of an NSA LM's gradient step
+  (forward and transposed), so a GPU trace can attribute kernels to them."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from experiments import profile_step as ps
+  from nsa_jax import ModelConfig, NSAConfig
+  from nsa_jax.model import TransformerLM
+  nsa = NSAConfig(num_heads=4, num_kv_heads=2, head_dim=8, cmp_block=8, cmp_stride=4,
+                  sel_block=16, num_selected=3, window=16)
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
+                    ffn_dim=64, max_seq_len=64, attention="nsa", nsa=nsa)
+  model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  tokens = jnp.zeros((1, 64), jnp.int32)
+
+  def loss(p):
+    lg = nnx.merge(graphdef, p)(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(lg, tokens).mean()
+
+  names = re.findall(r'op_name="([^"]*)"', jax.jit(jax.grad(loss)).lower(params).compile().as_text())
+  labels = {ps.scope_of({"tf_op": n}) for n in names}
+  for scope in ("embed", "attn_norm", "nsa_q", "nsa_kv_cmp", "nsa_kv", "nsa_gates", "nsa_out",
+                "mlp", "lm_head"):
+    assert scope in ps.SCOPES and {scope, f"{scope} (bwd)"} <= labels, (scope, sorted(labels))
+  # off the GPU the op runs the "xla" path, which has no branch scopes
+  assert {"nsa_op/other", "nsa_op/other (bwd)"} <= labels, sorted(labels)

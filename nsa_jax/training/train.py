@@ -165,10 +165,11 @@ def _loss_sums(graphdef, params, rest, batch, with_selector=True):
     extra = model.cfg.nsa.aux_loss_weight * sel_sum
   else:
     logits, sel_sum, extra = model(batch["inputs"]), jnp.zeros(()), 0.0
-  logits = logits.astype(jnp.float32)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-  nll_sum = jnp.sum(nll * w)
+  with jax.named_scope("loss"):
+    logits = logits.astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+    nll_sum = jnp.sum(nll * w)
   return nll_sum + extra, (jnp.sum(w), jnp.sum(correct * w), nll_sum, sel_sum)
 
 
@@ -197,9 +198,10 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
   def step(state, batch):
     (_, (wsum, correct, nll_sum, sel_sum)), grads = grads_of(state["params"], state["rest"], batch)
     denom = jnp.maximum(wsum, 1.0)  # sums -> means over weighted tokens, as one big batch would
-    grads = jax.tree.map(lambda g: g / denom, grads)
-    updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    with jax.named_scope("optimizer"):
+      grads = jax.tree.map(lambda g: g / denom, grads)
+      updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
+      params = optax.apply_updates(state["params"], updates)
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rest": state["rest"]}
     # param_norm lets the NaN guard catch an update that broke the weights while the loss and
     # gradients it was computed from were still finite.
