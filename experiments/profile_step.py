@@ -125,11 +125,14 @@ def profile_config(config, tag, warmup, timed, steps):
     g = group_of(name)
     groups[g] = groups.get(g, 0.0) + us / steps
   # The same kernels by the model's named scopes: which layer part (and pass) the time is in.
-  scopes, stat_keys = {}, set()
+  scopes, stat_keys, samples = {}, set(), {}
   for name, us, stats in bc.trace_kernel_events(trace_dir):
     stat_keys.update(stats)
     sc = scope_of(stats)
     scopes[sc] = scopes.get(sc, 0.0) + us / steps
+    # one event's op metadata per kernel name (tf_op / hlo_op), to read what the scopes missed
+    samples.setdefault(name, {k: str(v)[:300] for k, v in stats.items()
+                              if k in ("tf_op", "hlo_op", "name")})
   tokens = config.data.seq_len * config.data.global_batch_size
   return dict(tag=tag, attention=setup.model_cfg.attention_kinds,
               implementation=(config.model.nsa.implementation
@@ -143,6 +146,7 @@ def profile_config(config, tag, warmup, timed, steps):
               scopes_ms={g: round(v / 1e3, 3) for g, v in sorted(scopes.items(),
                                                                   key=lambda kv: -kv[1])},
               trace_stat_keys=sorted(stat_keys),
+              kernel_op_metadata={k: samples.get(k, {}) for k, _, _ in kernels[:60]},
               top_kernels=[(k, n / steps, round(us / steps / 1e3, 3)) for k, n, us in kernels[:40]])
 
 
