@@ -26,13 +26,13 @@ from ml_collections import config_flags
 
 from experiments.cli import parse_flags
 
-_CONFIG = _COMPARE = _OUT = _WARMUP = _TIMED = _STEPS = None
+_CONFIG = _COMPARE = _OUT = _WARMUP = _TIMED = _STEPS = _CMDBUF = None
 
 
 def define_flags():
   """Flags are defined only when run as a script, so importing this module (tests) never defines
   absl flags twice (experiments.ablate does the same)."""
-  global _CONFIG, _COMPARE, _OUT, _WARMUP, _TIMED, _STEPS
+  global _CONFIG, _COMPARE, _OUT, _WARMUP, _TIMED, _STEPS, _CMDBUF
   _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py)",
                                             lock_config=True)
   _COMPARE = config_flags.DEFINE_config_file("compare", None, "a second config profiled the same "
@@ -41,6 +41,12 @@ def define_flags():
   _WARMUP = flags.DEFINE_integer("warmup", 2, "steps before timing (the first compiles)")
   _TIMED = flags.DEFINE_integer("timed", 5, "steps timed without the profiler")
   _STEPS = flags.DEFINE_integer("steps", 2, "steps traced with jax.profiler")
+  _CMDBUF = flags.DEFINE_bool(
+      "command_buffers", True,
+      "keep XLA's CUDA-graph command buffers (as training runs). Inside them the trace names "
+      "only the command buffer, so the by-scope table is empty; --nocommand_buffers turns them "
+      "off for the whole run (XLA_FLAGS=--xla_gpu_enable_command_buffer=) so every kernel "
+      "carries its op metadata, at the cost of per-kernel launches in the step times")
   flags.mark_flags_as_required(["config", "out"])
 
 
@@ -155,6 +161,11 @@ def markdown(doc) -> str:
   lines = ["# Train-step profile: where the GPU time goes", "",
            f"Command: `{doc['command']}`", f"Hardware: {doc['hardware']}. Date: {doc['date']}. "
            f"Code: {doc['code_commit']}.", "",
+           "XLA command buffers (CUDA graphs): " + (
+               "on, as in training (kernels inside them carry no op metadata: few scopes)."
+               if doc.get("command_buffers", True) else
+               "off (--nocommand_buffers), so each kernel has its scope; step times include "
+               "the extra launches."), "",
            "| | " + " | ".join(r["tag"] for r in runs) + " |",
            "|---|" + "---|" * len(runs)]
   rows = [("attention", lambda r: str(r["attention"])),
@@ -193,6 +204,9 @@ def main(argv):
   logging.getLogger("nsa_jax").setLevel(logging.INFO)
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
+  if not _CMDBUF.value:  # read when the GPU backend starts, which is below (first jax use)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_gpu_enable_command_buffer=").strip()
   configs = [("config", _CONFIG.value)] + ([("compare", _COMPARE.value)] if _COMPARE.value else [])
   runs = []
   for tag, cfg in configs:
@@ -200,7 +214,7 @@ def main(argv):
     runs.append(profile_config(cfg, name, _WARMUP.value, _TIMED.value, _STEPS.value))
     print(f"{name}: {runs[-1]['ms_per_step']:.1f} ms/step, {runs[-1]['tokens_per_s']:,.0f} "
           f"tokens/s", flush=True)
-  doc = dict(**bc.provenance(), jax=jax.__version__, runs=runs)
+  doc = dict(**bc.provenance(), jax=jax.__version__, command_buffers=_CMDBUF.value, runs=runs)
   with open(os.path.join(out, "step_profile.json"), "w") as f:
     json.dump(doc, f, indent=1)
   text = markdown(doc)

@@ -31,7 +31,8 @@
 #          without a seed would reuse the recorded older-code nsa run).
 # prof8k   where the 8k training step's GPU time goes: experiments.profile_step on the NSA config
 #          and its dense twin (sequentially on GPU 0; kernels grouped per step, ms/step, tokens/s),
-#          the question behind issue 7's 8k throughput gap; ~2 min estimated, not yet run.
+#          the question behind issue 7's 8k throughput gap; 150-205 s measured (2026-11-30).
+#          PROF_NOCMDBUF=1: without XLA's command buffers, so the by-scope table is filled.
 # impl8    NSA at 8k x 8, implementation=pallas-mosaic (GPU 0) vs pallas (GPU 1), CTX_STEPS steps.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
@@ -207,7 +208,7 @@ blocks() { sweep_pair blocks finer,coarser n_x2; }  # n_forced_only: ran alone (
 prof8k() {
   CUDA_VISIBLE_DEVICES=0 timeout -k 30 420 python3 -m experiments.profile_step \
     --config=configs/small_gpu_nsa.py --compare=configs/small_gpu_dense.py --out="$R/prof8k" \
-    > "$R/prof8k.log" 2>&1
+    ${PROF_NOCMDBUF:+--nocommand_buffers} > "$R/prof8k.log" 2>&1
 }
 selgain() {
   local s=${SG_STEPS:-600}
