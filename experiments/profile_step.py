@@ -72,8 +72,9 @@ OP_SCOPES = ("cmp", "topn", "slc", "win", "combine")
 
 
 def scope_of(stats: dict) -> str:
-  """The scope label of one kernel from its trace stats (XLA's op metadata: the JAX name stack)."""
-  text = " ".join(str(v) for k, v in stats.items() if isinstance(v, str))
+  """The scope label of one kernel from its trace stats ("name" / "tf_op": XLA's op metadata, the
+  JAX name stack). With remat, recomputed forward kernels sit under transpose and count as bwd."""
+  text = " ".join(str(stats[k]) for k in ("name", "tf_op") if isinstance(stats.get(k), str))
   text = re.sub(r"jit\([^()]*\)", "", text)  # jitted functions' names are not scopes
   found = lambda names: [n for n in names if re.search(rf"(?<![\w]){n}(?![\w])", text)]
   top = found(SCOPES)
@@ -85,6 +86,59 @@ def scope_of(stats: dict) -> str:
     sub = found(OP_SCOPES)
     label += "/" + (sub[0] if sub else "other")
   return label + (" (bwd)" if "transpose(" in text else "")
+
+
+_HLO_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+
+
+def fusion_scopes(hlo_text: str) -> dict:
+  """{instruction name: scope label} for the instructions of a compiled HLO module (its
+  as_text()) that call computations (fusions), from the op names of every instruction inside
+  them, nested calls included: "mlp (bwd)" when they agree, else "mixed: A + B" (the two scopes
+  with the most instructions, "+k" when more). XLA names a fused kernel's trace event only with
+  the name stack its fused ops share, which is often none."""
+  comp_ops, comp_calls, calls, current = {}, {}, {}, None
+  for line in hlo_text.splitlines():
+    head = _HLO_HEADER.match(line)
+    if head and "=" not in line.split("(")[0]:
+      current = head.group(1)
+      comp_ops[current], comp_calls[current] = [], []
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    ins = _HLO_INSTR.match(line)
+    if not ins or current is None:
+      continue
+    op = re.search(r'op_name="([^"]*)"', line)
+    if op:
+      comp_ops[current].append(op.group(1))
+    called = re.search(r"\bcalls=(%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)", line)
+    if called:
+      names = [c.strip().lstrip("%") for c in called.group(1).split(",")]
+      calls[ins.group(1)] = names
+      comp_calls[current] += names
+
+  def ops_in(comp, depth=0):
+    ops = list(comp_ops.get(comp, []))
+    if depth < 8:
+      for sub in comp_calls.get(comp, []):
+        ops += ops_in(sub, depth + 1)
+    return ops
+
+  labels = {}
+  for inst, comps in calls.items():
+    counts = {}
+    for o in (o for c in comps for o in ops_in(c)):
+      sc = scope_of({"name": o})
+      if sc != "(no scope)":
+        counts[sc] = counts.get(sc, 0) + 1
+    if counts:
+      ranked = sorted(counts, key=lambda k: (-counts[k], k))
+      labels[inst] = ranked[0] if len(ranked) == 1 else (
+          "mixed: " + " + ".join(ranked[:2]) + (f" +{len(ranked) - 2}" if len(ranked) > 2 else ""))
+  return labels
 
 
 def group_of(kernel: str) -> str:
@@ -109,6 +163,9 @@ def profile_config(config, tag, warmup, timed, steps):
   step = train.make_train_step(setup, config.optim.grad_accum_steps)
   batch = train.to_global(next(batches), setup)  # one batch, reused: the data is not measured
   with jax.set_mesh(mesh):
+    # Compiled once up front so that its HLO can name the fusions' scopes (same executable).
+    step = step.lower(state, batch).compile()
+    fused = fusion_scopes(step.as_text() or "")
     for _ in range(warmup):
       state, m = step(state, batch)
     jax.block_until_ready(m)
@@ -135,6 +192,8 @@ def profile_config(config, tag, warmup, timed, steps):
   for name, us, stats in bc.trace_kernel_events(trace_dir):
     stat_keys.update(stats)
     sc = scope_of(stats)
+    if sc == "(no scope)":  # a fusion whose ops share no scope: label it by what it fused
+      sc = fused.get(str(stats.get("hlo_op", "")), sc)
     scopes[sc] = scopes.get(sc, 0.0) + us / steps
     # one event's op metadata per kernel name (tf_op / hlo_op), to read what the scopes missed
     samples.setdefault(name, {k: str(v)[:300] for k, v in stats.items()

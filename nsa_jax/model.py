@@ -89,12 +89,16 @@ class TransformerLM(nnx.Module):
 
   def embed_tokens(self, tokens):
     """tokens [B, T] int -> [B, T, d_model]: the embedding rows, as a one-hot matmul for small
-    vocabularies (ONE_HOT_EMBED_MAX_VOCAB: its gradient is a matmul, not a colliding scatter)."""
+    vocabularies (ONE_HOT_EMBED_MAX_VOCAB: its gradient is a matmul, not a colliding scatter).
+    Equal to the gather (`self.embed`, which decoding uses) for ids in [0, vocab_size); ids
+    outside give zero rows here and NaN / wrapped rows from the gather. The data pipeline
+    refuses such ids (nsa_jax/training/data.py)."""
     if self.cfg.vocab_size > ONE_HOT_EMBED_MAX_VOCAB:
       return self.embed(tokens)
     dt = dtype_of(self.cfg.dtype)
     table = self.embed.embedding[...].astype(dt)
-    one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dt)
+    # int32 first: one_hot compares in the tokens' dtype, where uint8 ids would wrap past 255
+    one_hot = jax.nn.one_hot(tokens.astype(jnp.int32), self.cfg.vocab_size, dtype=dt)
     return jnp.einsum("btv,vd->btd", one_hot, table, precision=jax.lax.Precision.HIGHEST)
 
   @property

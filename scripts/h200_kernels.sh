@@ -38,8 +38,8 @@
 #          correct, slower than the 64-row kernel at every shape, see docs/STATUS.md).
 # cmpfold  the compression branch as one cuDNN call on folded queries
 #          (pallas_kernels.compress_fold): compiled checks, now including the gradients of the
-#          fold (fold_grad_relerr: the opt-in cuDNN backward) and of the fold forward + Triton
-#          backward (the default) against plain JAX; the 8k training layer shape with "pallas"
+#          fold (fold_grad_relerr: the cuDNN backward, default at d_k == d_v) and of the fold
+#          forward + Triton backward against plain JAX; the 8k training layer shape with "pallas"
 #          and "pallas-triton"; then 64k and 16k at both head dims with the branch breakdown at
 #          64k. 200 s measured (2026-11-30, before the gradient fields).
 # foldnsa  the whole op at 64k and 16k, both head dims, with the compression fold's backward in

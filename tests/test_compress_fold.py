@@ -195,9 +195,10 @@ def test_fold_refuses_segment_ids_and_cpu_auto_keeps_kernels():
   kv = jnp.zeros((1, 32, 1, 8))
   gates = jnp.ones((1, 32, 2, 3))
   seg = jnp.zeros((1, 32), jnp.int32)
-  with pytest.raises(ValueError, match="segment ids"):
-    ops._pallas_nsa(q, kc, kc, kv, kv, kv, kv, gates, cfg, seg, None, False, kernels="triton",
-                    cmp_backend="fold-xla")
+  for backend in ("fold-xla", "cudnn"):  # refused before any kernel runs
+    with pytest.raises(ValueError, match="segment ids"):
+      ops._pallas_nsa(q, kc, kc, kv, kv, kv, kv, gates, cfg, seg, None, False, kernels="triton",
+                      cmp_backend=backend)
   assert ops._auto_cmp_backend(q.astype(jnp.bfloat16), kc, None) == "triton"  # not on a GPU
 
 

@@ -537,11 +537,14 @@ def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
   r = subprocess.run([sys.executable, "-m", "experiments.profile_step",
                       "--config=configs/tiny_cpu.py", "--compare=configs/tiny_cpu.py",
                       "--compare.model.attention=dense", f"--out={tmp_path}", "--warmup=1",
-                      "--timed=1", "--steps=1"], cwd=root, capture_output=True, text=True,
+                      "--timed=1", "--steps=1", "--nocommand_buffers"], cwd=root,
+                     capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0, r.stderr[-2000:]
   doc = json.load(open(tmp_path / "step_profile.json"))
   assert [run["tag"] for run in doc["runs"]] == ["config:nsa", "compare:dense"]
+  assert doc["command_buffers"] is False and "off (--nocommand_buffers)" in open(
+      tmp_path / "step_profile.md").read()
   assert all(run["ms_per_step"] > 0 and run["tokens_per_s"] > 0 for run in doc["runs"])
   assert doc["runs"][0]["implementation"] == "auto" and doc["runs"][1]["implementation"] is None
   assert "compare:dense" in open(tmp_path / "step_profile.md").read()
@@ -565,6 +568,42 @@ def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
   labels = [ps.scope_of({"tf_op": k, "hlo_op": "fusion.1"}) for k in stats]
   assert labels == ["nsa_op/topn", "nsa_op/combine (bwd)", "nsa_gates", "mlp (bwd)", "optimizer",
                     "(no scope)"], labels
+
+
+def test_fusion_scopes_name_what_a_fusion_mixed():
+  """profile_step.fusion_scopes labels each fusion of a compiled module by the scopes of the ops
+  fused into it: one scope, or "mixed: A + B" when ops of two scopes were fused together."""
+  import jax.numpy as jnp
+  from experiments import profile_step as ps
+
+  def f(x, w):
+    with jax.named_scope("mlp"):
+      y = jnp.sin(x) * 2.0
+    with jax.named_scope("nsa_out"):
+      z = jnp.cos(y) + 1.0
+    with jax.named_scope("nsa_q"):
+      u = jnp.tanh(x @ w)
+    return z, u
+
+  text = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile().as_text()
+  labels = ps.fusion_scopes(text)
+  assert "mixed: mlp + nsa_out" in labels.values(), labels
+  assert set(labels.values()) <= {"mixed: mlp + nsa_out", "mlp", "nsa_out", "nsa_q"}, labels
+  assert "nsa_q" in labels.values(), labels
+  # header / instruction parsing on a hand-written module with a nested call
+  hlo = "\n".join([
+      "%inner (p: f32[2]) -> f32[2] {",
+      '  ROOT %m = f32[2] multiply(%p, %p), metadata={op_name="jit(s)/transpose(jvp(mlp))/mul"}',
+      "}",
+      "%outer (p: f32[2]) -> f32[2] {",
+      '  %a = f32[2] add(%p, %p), metadata={op_name="jit(s)/nsa_kv/add"}',
+      "  ROOT %f = f32[2] fusion(%a), kind=kLoop, calls=%inner",
+      "}",
+      "ENTRY %main (x: f32[2]) -> f32[2] {",
+      "  ROOT %loop_add_fusion.7 = f32[2] fusion(%x), kind=kLoop, calls=%outer",
+      "}"])
+  assert ps.fusion_scopes(hlo) == {"f": "mlp (bwd)",
+                                   "loop_add_fusion.7": "mixed: mlp (bwd) + nsa_kv"}
 
 
 def test_named_scopes_reach_the_compiled_step():
