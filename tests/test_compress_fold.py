@@ -180,7 +180,9 @@ def test_whole_op_with_fold_matches_reference(cmp_backend):
   (val, idx), grads = run(fold)
   (rval, ridx), rgrads = run(ref)
   assert np.array_equal(idx, ridx), f"block indices differ (seed {seed})"
-  np.testing.assert_allclose(val, rval, rtol=1e-5, err_msg=f"loss (seed {seed})")
+  # the loss sums 6400 terms of size ~1 that cancel to ~0.3: tolerance on the terms' scale
+  # (rtol 1e-5 alone failed once, seed 1041248938: 5.0e-6 off, 1.7e-5 relative)
+  np.testing.assert_allclose(val, rval, rtol=1e-5, atol=1e-4, err_msg=f"loss (seed {seed})")
   for name, a, r in zip(("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"),
                         grads, rgrads):
     np.testing.assert_allclose(a, r, atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(r)))),
