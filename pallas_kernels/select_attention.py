@@ -237,7 +237,8 @@ _select_mosaic.defvjp(_select_mosaic_fwd, _select_mosaic_bwd)
 
 # The automatic choice (no tiling given, G >= 16): `tilings` = (per-token, 4-token union). The
 # choice is made once in the forward (lax.cond on the lists' mean 4-token union) and saved as a
-# residual; the backward takes the same branch, rebuilding its index maps rather than saving them.
+# residual; the backward takes the same branch, with the union branch's index maps saved from the
+# forward (zeros when the other branch ran; that one's cheap maps are rebuilt).
 # `union_backend` "mosaic" runs the union branch with the Mosaic GPU kernels (G = 16: their 64-row
 # tile is the same 4 tokens; G = 4: the other branch is Triton's 4-token tile and the union branch
 # Mosaic's 16-token one, `switch` = (16, MOSAIC_G4_SWITCH); see auto_backend).
@@ -258,31 +259,44 @@ def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_se
   use_union = C.use_union(block_idx, switch)
   run = lambda til: forward(q, k, v, seg, C.tile_maps(block_idx, til), block_size=block_size,
                             scale=scale, tiling=til, has_seg=has_seg, interpret=interpret)
-  if union_backend == "mosaic":
-    run_union = lambda: mgpu.forward(q, k, v, C.tile_maps(block_idx, tilings[1]),
-                                     block_size=block_size, scale=scale, interpret=interpret)
-  else:
-    run_union = lambda: run(tilings[1])
-  o, lse = lax.cond(use_union, run_union, lambda: run(tilings[0]))
-  return (o, lse), (q, k, v, block_idx, seg, o, lse, use_union)
+
+  # The union branch's index maps (sorts, a search and a scatter over every tile's lists) are a
+  # residual, so the backward does not rebuild them; the other branch returns zeros in their place
+  # (its own maps are rebuilt in the backward).
+  def run_union():
+    maps = C.tile_maps(block_idx, tilings[1])
+    if union_backend == "mosaic":
+      o, lse = mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale,
+                            interpret=interpret)
+    else:
+      o, lse = forward(q, k, v, seg, maps, block_size=block_size, scale=scale, tiling=tilings[1],
+                       has_seg=has_seg, interpret=interpret)
+    return o, lse, maps
+
+  def run_other():
+    shapes = jax.eval_shape(lambda: C.tile_maps(block_idx, tilings[1]))
+    return (*run(tilings[0]), jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes))
+
+  o, lse, union_maps = lax.cond(use_union, run_union, run_other)
+  return (o, lse), (q, k, v, block_idx, seg, o, lse, use_union, union_maps)
 
 
 def _select_auto_bwd(block_size, scale, tilings, has_seg, interpret, deterministic, union_backend,
                      switch, res, cts):
   del switch  # the forward's choice is a residual
-  q, k, v, block_idx, seg, o, lse, use_union = res
+  q, k, v, block_idx, seg, o, lse, use_union, union_maps = res
   do, dlse = cts
   kw = dict(block_size=block_size, scale=scale, has_seg=has_seg, interpret=interpret,
             deterministic=deterministic)
-  run = lambda til: bwd.backward(q, k, v, block_idx, seg, C.tile_maps(block_idx, til), o, lse, do,
-                                 dlse, tiling=til, **kw)
   if union_backend == "mosaic":
-    run_union = lambda: _mosaic_backward(q, k, v, block_idx, seg,
-                                         C.tile_maps(block_idx, tilings[1]), o, lse, do, dlse,
+    run_union = lambda: _mosaic_backward(q, k, v, block_idx, seg, union_maps, o, lse, do, dlse,
                                          tiling=tilings[1], **kw)
   else:
-    run_union = lambda: run(tilings[1])
-  dq, dk, dv = lax.cond(use_union, run_union, lambda: run(tilings[0]))
+    run_union = lambda: bwd.backward(q, k, v, block_idx, seg, union_maps, o, lse, do, dlse,
+                                     tiling=tilings[1], **kw)
+  run_other = lambda: bwd.backward(q, k, v, block_idx, seg, C.tile_maps(block_idx, tilings[0]), o,
+                                   lse, do, dlse, tiling=tilings[0], **kw)
+  dq, dk, dv = lax.cond(use_union, run_union, run_other)
   return dq, dk, dv, None, None
 
 
