@@ -156,12 +156,18 @@ def trace_kernel_events(trace_dir):
         yield f"[{line.name}] {ev.name}", ev.duration_ns / 1e3, dict(ev.stats)
 
 
-def trace_kernels(trace_dir, top=25):
-  """[(kernel name, launches, total microseconds)] of the newest jax.profiler trace under
-  trace_dir, longest first ([] when the trace has no GPU device plane, e.g. on a CPU)."""
+def kernel_totals(events, top=25):
+  """[(kernel name, launches, total microseconds)] of trace_kernel_events' events, longest first
+  (all of them with top=0)."""
   totals = {}
-  for key, us, _ in trace_kernel_events(trace_dir):
+  for key, us, _ in events:
     n, tot = totals.get(key, (0, 0.0))
     totals[key] = (n + 1, tot + us)
   rows = sorted(((k, n, round(us, 2)) for k, (n, us) in totals.items()), key=lambda r: -r[2])
   return rows[:top] if top else rows
+
+
+def trace_kernels(trace_dir, top=25):
+  """kernel_totals of the newest jax.profiler trace under trace_dir ([] when the trace has no GPU
+  device plane, e.g. on a CPU)."""
+  return kernel_totals(trace_kernel_events(trace_dir), top)

@@ -26,9 +26,9 @@ import numpy as np
 
 from experiments import bench_common as bc
 from nsa_jax import ops, xla
-from pallas_kernels import compress_fold as cmp_fold
 from nsa_jax.config import NSAConfig
 from pallas_kernels import _common as C
+from pallas_kernels import compress_fold as cmp_fold
 from pallas_kernels.compress_attention import compress_attention
 from pallas_kernels.select_attention import select_attention
 from pallas_kernels.select_topn import select_topn

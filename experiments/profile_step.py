@@ -14,6 +14,7 @@ trace has no device plane: only the timings are filled in (that is what the test
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -74,16 +75,22 @@ OP_SCOPES = ("cmp", "topn", "slc", "win", "combine")
 def scope_of(stats: dict) -> str:
   """The scope label of one kernel from its trace stats ("name" / "tf_op": XLA's op metadata, the
   JAX name stack). With remat, recomputed forward kernels sit under transpose and count as bwd."""
-  text = " ".join(str(stats[k]) for k in ("name", "tf_op") if isinstance(stats.get(k), str))
+  return _label(" ".join(str(stats[k]) for k in ("name", "tf_op")
+                         if isinstance(stats.get(k), str)))
+
+
+@functools.lru_cache(maxsize=None)
+def _label(text: str) -> str:
+  """scope_of for one name stack (cached: a module's op names repeat)."""
   text = re.sub(r"jit\([^()]*\)", "", text)  # jitted functions' names are not scopes
-  found = lambda names: [n for n in names if re.search(rf"(?<![\w]){n}(?![\w])", text)]
-  top = found(SCOPES)
+  hits = lambda names: {n: m.start() for n in names
+                        if (m := re.search(rf"(?<![\w]){n}(?![\w])", text))}
+  top = hits(SCOPES)
   if not top:
     return "(no scope)"
-  first = min(top, key=lambda n: re.search(rf"(?<![\w]){n}(?![\w])", text).start())
-  label = first
-  if first == "nsa_op":
-    sub = found(OP_SCOPES)
+  label = min(top, key=top.get)
+  if label == "nsa_op":
+    sub = [n for n in OP_SCOPES if n in hits(OP_SCOPES)]
     label += "/" + (sub[0] if sub else "other")
   return label + (" (bwd)" if "transpose(" in text else "")
 
@@ -131,7 +138,7 @@ def fusion_scopes(hlo_text: str) -> dict:
   for inst, comps in calls.items():
     counts = {}
     for o in (o for c in comps for o in ops_in(c)):
-      sc = scope_of({"name": o})
+      sc = _label(o)
       if sc != "(no scope)":
         counts[sc] = counts.get(sc, 0) + 1
     if counts:
@@ -182,14 +189,15 @@ def profile_config(config, tag, warmup, timed, steps):
       jax.block_until_ready(m)
     finally:
       jax.profiler.stop_trace()
-  kernels = bc.trace_kernels(trace_dir, top=0)
+  events = list(bc.trace_kernel_events(trace_dir))  # the trace is parsed once
+  kernels = bc.kernel_totals(events, top=0)
   groups = {}
   for name, n, us in kernels:
     g = group_of(name)
     groups[g] = groups.get(g, 0.0) + us / steps
   # The same kernels by the model's named scopes: which layer part (and pass) the time is in.
   scopes, stat_keys, samples = {}, set(), {}
-  for name, us, stats in bc.trace_kernel_events(trace_dir):
+  for name, us, stats in events:
     stat_keys.update(stats)
     sc = scope_of(stats)
     if sc == "(no scope)":  # a fusion whose ops share no scope: label it by what it fused

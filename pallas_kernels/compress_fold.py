@@ -21,11 +21,10 @@ op only feeds it to the top-n, whose block indices are integers); o is different
 implementation="cudnn" (GPU, bf16/fp16) or "xla" (any backend; plain-JAX attention, used by
 the tests to check the fold itself on a CPU).
 
-Checked on the H200: the forward (o, lse and the top-n indices fed by this lse, against the
-plain-JAX path). NOT yet checked numerically on the GPU: the gradients through cuDNN's backward
-(the fold's own reshapes are checked on the CPU; `bench_nsa --check` now compares them on the next
-GPU run). Lives in pallas_kernels (which never imports nsa_jax) next to the Triton kernels it
-stands in for.
+Checked on the H200 against the plain-JAX path (`bench_nsa --check`, T = 2048): o, lse, the
+top-n indices fed by this lse, and the gradients through cuDNN's backward (2026-11-30,
+benchmarks/results/nsa_h200_foldnsa.md); the fold's own reshapes also on the CPU. Lives in
+pallas_kernels (which never imports nsa_jax) next to the Triton kernels it stands in for.
 """
 
 from __future__ import annotations

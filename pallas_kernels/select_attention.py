@@ -257,8 +257,8 @@ def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_se
                      deterministic, union_backend="triton", switch=None):
   del deterministic
   use_union = C.use_union(block_idx, switch)
-  run = lambda til: forward(q, k, v, seg, C.tile_maps(block_idx, til), block_size=block_size,
-                            scale=scale, tiling=til, has_seg=has_seg, interpret=interpret)
+  run = lambda til, maps: forward(q, k, v, seg, maps, block_size=block_size, scale=scale,
+                                  tiling=til, has_seg=has_seg, interpret=interpret)
 
   # The union branch's index maps (sorts, a search and a scatter over every tile's lists) are a
   # residual, so the backward does not rebuild them; the other branch returns zeros in their place
@@ -266,16 +266,14 @@ def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_se
   def run_union():
     maps = C.tile_maps(block_idx, tilings[1])
     if union_backend == "mosaic":
-      o, lse = mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale,
-                            interpret=interpret)
-    else:
-      o, lse = forward(q, k, v, seg, maps, block_size=block_size, scale=scale, tiling=tilings[1],
-                       has_seg=has_seg, interpret=interpret)
-    return o, lse, maps
+      return (*mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale,
+                            interpret=interpret), maps)
+    return (*run(tilings[1], maps), maps)
 
   def run_other():
     shapes = jax.eval_shape(lambda: C.tile_maps(block_idx, tilings[1]))
-    return (*run(tilings[0]), jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes))
+    return (*run(tilings[0], C.tile_maps(block_idx, tilings[0])),
+            jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes))
 
   o, lse, union_maps = lax.cond(use_union, run_union, run_other)
   return (o, lse), (q, k, v, block_idx, seg, o, lse, use_union, union_maps)
