@@ -125,6 +125,11 @@ def bench_cudnn(t, h, kh, d, b=1, iters=10):
   return time_fwd_bwd(f, q, k, v, do, iters=iters)
 
 
+# Tiling names of the Mosaic forward with its step changes off: (FAST_MASK, REG_P)
+MOSAIC_STEP_VARIANTS = {"mosaic-b1off": (False, False), "mosaic-maskonly": (True, False),
+                        "mosaic-regponly": (False, True)}
+
+
 def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic=True, b=1,
                  cudnn=None, peaks=None, impl_note="", iters=10):
   """Forward and backward records of the Pallas selection kernel at one shape and pattern."""
@@ -132,6 +137,11 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   idx = index_pattern(jax.random.key(3), b, t, kh, n, bs, pattern)
   g = h // kh
   backend, call_backend, pingpong = "triton", None, True  # call_backend: None = backend
+  fast_mask, reg_p = True, True  # the Mosaic forward step's switches (SELECTION_SPEED_PLAN B1)
+  if tiling in MOSAIC_STEP_VARIANTS:  # the Mosaic forward with B1's changes switched off
+    fast_mask, reg_p = MOSAIC_STEP_VARIANTS[tiling]
+    impl_note += f" (fast mask {'on' if fast_mask else 'off'}, P from {'registers' if reg_p else 'SMEM'})"
+    tiling = "mosaic"
   if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
   elif tiling in ("mosaic-ws", "mosaic-ws-nopp"):  # 128-row tiles, producer + 2 consumers
@@ -160,10 +170,12 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
                                             deterministic=deterministic,
                                             backend=call_backend or backend)[0]
   select_attention_mgpu.WS_PINGPONG = pingpong  # read when traced
+  select_attention_mgpu.FAST_MASK, select_attention_mgpu.REG_P = fast_mask, reg_p
   try:
     fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   finally:
     select_attention_mgpu.WS_PINGPONG = True
+    select_attention_mgpu.FAST_MASK = select_attention_mgpu.REG_P = True
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
@@ -344,6 +356,11 @@ def plan_jobs(name, ts, groups, patterns, block):
     u4 = kc.clustered_tiling(16, block)
     return ([(t, 16, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", u4, None)]
             + [(t, 4, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", None)])
+  if name == "mosaicb1":  # the Mosaic forward step with B1's changes on / off (A/B, repeated)
+    u4 = kc.clustered_tiling(16, block)
+    var = ("mosaic", "mosaic-b1off", "mosaic-maskonly", "mosaic-regponly", "mosaic")
+    return ([(t, g, p, tl, True) for t in ts for g in groups for p in patterns for tl in var]
+            + [(t, 16, p, u4, True) for t in ts for p in patterns])
   if name == "mosaicws":  # the two-warpgroup Mosaic forward against the 64-row one and Triton
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 8 for p in patterns
             for tl in ("mosaic-ws", "mosaic-ws-nopp", "mosaic", None)]
@@ -411,7 +428,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicws | registry "
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicb1 | mosaicws | registry "
                  "(registry: backend='auto', what implementation='pallas' runs)")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
@@ -427,7 +444,7 @@ def main(argv=None):
     return plot(a.plot)
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
-  checks = {"mosaic": check_mosaic,
+  checks = {"mosaic": check_mosaic, "mosaicb1": check_mosaic,
             "mosaicws": functools.partial(check_mosaic, ws=True, cases=(
                 (1, 1001, 16, 1, 192, 128, 16), (1, 900, 16, 2, 64, 64, 16))),
             "registry": functools.partial(check_mosaic, backend="auto", cases=(

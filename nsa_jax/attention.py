@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nsa_jax import aux_selector, ops, reference
+from nsa_jax import aux_selector, ops, reference, xla
 from nsa_jax.config import NSAConfig
 from nsa_jax.layers import (annotated, apply_rope, default_positions, dtype_of, linear,
                             sharding_scope)
@@ -85,14 +85,17 @@ class NSAAttention(nnx.Module):
     return k, v
 
   def compress(self, k, v, positions):
-    """Raw (un-rotated) k/v [B, T, K, D] -> compressed k (rotated at block ends), v [B, Nc, K, D]."""
+    """Raw (un-rotated) k/v [B, T, K, D] -> compressed k (rotated at block ends), v [B, Nc, K, D].
+
+    Gather-free phi (`xla.mlp_compress`); `reference.mlp_compress` is what it is tested against.
+    """
     cfg = self.cfg
     if cfg.compression == "mlp":
-      k_cmp = reference.mlp_compress(k, self.phi_k.params(), cfg.cmp_block, cfg.cmp_stride)
-      v_cmp = reference.mlp_compress(v, self.phi_v.params(), cfg.cmp_block, cfg.cmp_stride)
+      k_cmp = xla.mlp_compress(k, self.phi_k.params(), cfg.cmp_block, cfg.cmp_stride)
+      v_cmp = xla.mlp_compress(v, self.phi_v.params(), cfg.cmp_block, cfg.cmp_stride)
     else:
-      k_cmp = reference.mean_compress(k, cfg.cmp_block, cfg.cmp_stride)
-      v_cmp = reference.mean_compress(v, cfg.cmp_block, cfg.cmp_stride)
+      k_cmp = xla.mean_compress(k, cfg.cmp_block, cfg.cmp_stride)
+      v_cmp = xla.mean_compress(v, cfg.cmp_block, cfg.cmp_stride)
     ends = reference.cmp_block_positions(k.shape[1], cfg.cmp_block, cfg.cmp_stride)[:, -1]
     k_cmp = apply_rope(k_cmp, positions[:, ends], self.rope_theta)
     return k_cmp, v_cmp

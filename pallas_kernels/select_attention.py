@@ -444,7 +444,11 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   scale = float(dk ** -0.5 if scale is None else scale)
   has_seg = segment_ids is not None
   seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
+  # A block that starts after the token is invisible to it: drop it (-1), so that in every
+  # ascending union only the last entry (the tiles' own block) needs the causal mask (the Mosaic
+  # forward masks only there; the results are the same for lists that respect causality).
   idx = block_idx.astype(jnp.int32)
+  idx = jnp.where(idx * block_size > jnp.arange(t, dtype=jnp.int32)[None, :, None, None], -1, idx)
   n = block_idx.shape[-1]
   C.log_once((backend, q.shape, k.shape, v.shape, block_idx.shape, block_size, tiling, union,
               interpret),

@@ -49,6 +49,9 @@ LN2 = math.log(2.0)
 ROWS = 64          # wgmma's M
 BLOCK = 64         # l' (keys per selected block) this kernel handles
 SWIZZLE = 128      # bytes: 64 bfloat16 columns per swizzled row
+# Selection forward step (docs/SELECTION_SPEED_PLAN.md B1; benchmarks switch them, read when traced):
+FAST_MASK = True   # the token's pick as a per-row bias, the causal mask on the last union entry only
+REG_P = True       # P as the wgmma's A operand straight from registers (not staged through SMEM)
 
 
 def _check(h, kh, dk, dv, has_seg, dtype):
@@ -182,6 +185,7 @@ def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
   @pl.when(cnt > 0)
   def _():
     fetch(0, 0)
+  visible.pos = pos  # [ROWS, BLOCK] the row's position (the selection forward's causal step)
   return cnt, block_of, visible, fetch, c_id
 
 
@@ -198,8 +202,12 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
                                               v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
                                               v_bar=v_bar)
   plgpu.barrier_wait(q_bar.at[0])
+  row_picked = getattr(visible, "row_picked", None) if FAST_MASK else None
+  if row_picked is not None:
+    tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0,
+                                     layout=plgpu.Layout.WGMMA.reduce(1)) // g
 
-  def body(j, carry):
+  def body(j, carry, causal=True):
     acc, m_i, l_i = carry
     slot = lax.rem(j, 2)
 
@@ -209,16 +217,36 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
 
     blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
-    s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK)) * (scale * LOG2E)
-    s = jnp.where(visible(j, blk, c_id), s, -jnp.inf)
+    s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK))
+    if row_picked is None:
+      s = jnp.where(visible(j, blk, c_id), s * (scale * LOG2E), -jnp.inf)
+    else:  # the token's pick as a row bias (one FMA an element); causal only where asked
+      bias = jnp.where(row_picked(j, tok_row), 0.0, -jnp.inf)
+      s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [0])
+      if causal:
+        s = jnp.where(blk * BLOCK + c_id <= visible.pos, s, -jnp.inf)
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    p_s[...] = p.astype(dtype)
-    plgpu.commit_smem()
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     plgpu.barrier_wait(v_bar.at[slot])
-    acc = _mm_acc(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_s, v_s.at[slot], interpret)
+    if REG_P and not interpret:  # P straight from registers (the interpreter's wgmma needs SMEM)
+      p16 = p.astype(dtype)
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_s.at[slot])
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    else:
+      p_s[...] = p.astype(dtype)
+      plgpu.commit_smem()
+      acc = _mm_acc(acc, p_s, v_s.at[slot], interpret)
     return acc, m_new, l_i
 
-  acc, m_i, l_i = lax.fori_loop(0, cnt, body, _softmax_init(dv))
+  if row_picked is None:
+    acc, m_i, l_i = lax.fori_loop(0, cnt, body, _softmax_init(dv))
+  else:
+    # The union is ascending and every token's blocks end at or before its own block, which all
+    # tokens of a tile share (64 % tq == 0): only the last entry can hold keys after a token.
+    carry = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), _softmax_init(dv))
+    acc, m_i, l_i = lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, carry)
   _store(acc, m_i, l_i, o_s, lse_s, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
 
 
@@ -261,6 +289,11 @@ def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
     bits = bits_ref[b, tile, kk, j]
     on = (lax.shift_right_logical(jnp.broadcast_to(bits, (ROWS, BLOCK)), tok) & 1) == 1
     return on & (blk * BLOCK + c_id <= pos)
+
+  def row_picked(j, tok_row):  # [ROWS] bool: the row's token picked union entry j
+    bits = bits_ref[b, tile, kk, j]
+    return (lax.shift_right_logical(jnp.broadcast_to(bits, tok_row.shape), tok_row) & 1) == 1
+  visible.row_picked = row_picked
   return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible
 
 

@@ -21,6 +21,10 @@
 #          Triton tiles (with mosaiccmp: 257 s measured, 2026-11-30).
 # mosaic8k  the same at the 8k training layer shape (16/1 heads, 64/64, batch 8); with mosaicnsa
 #          180 s measured.
+# mosaicb1  the Mosaic GPU selection forward with SELECTION_SPEED_PLAN's B1 step changes (the
+#          token's pick as a row bias, the causal mask on the last union entry only, P from
+#          registers) on and off, each switch alone, at the 8k training layer shape, G = 16 and 4,
+#          both patterns, Triton's union tile as control; compiled check first; ~4 min (estimate).
 # mosaiccmp  the Mosaic GPU compression forward vs the Triton one, 64k, 192/128
 #          (bench_nsa --sweep_parts mosaic); ~1 min.
 # mosaicnsa  the whole op with implementation="pallas-mosaic" vs cuDNN: 64k and 8k at 192/128,
@@ -92,6 +96,10 @@ mosaic() {
 mosaic8k() {
   timeout 240 python3 -m experiments.bench_kernels --plan mosaic --T 8192 --heads 16 --d 64 \
     --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaic8k" --tag h200_mosaic8k
+}
+mosaicb1() {  # the Mosaic forward step (FAST_MASK, REG_P) on / off at the 8k training layer shape
+  timeout 330 python3 -m experiments.bench_kernels --check --plan mosaicb1 --T 8192 --heads 16 \
+    --d 64 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaicb1" --tag h200_mosaicb1
 }
 mosaiccmp() {
   timeout 200 python3 -m experiments.bench_nsa --sweep_T 65536 --sweep_parts mosaic --T '' \

@@ -132,6 +132,22 @@ def test_gradients_through_select_attention(shape):
   _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_future_blocks_are_invisible(backend):
+  """Lists that name blocks after the token (not what top-n produces, but a caller may pass them):
+  the keys there are invisible, as in the reference. The Mosaic forward masks causally only at the
+  last union entry, which holds because select_attention drops such blocks first."""
+  b, t, h, kh, dk, dv, n = 1, 200, 16, 1, 64, 64, 4
+  rng = np.random.default_rng(_seed())
+  q, k, v, _, _ = _inputs(rng, b, t, h, kh, dk, dv, n)
+  nb = -(-t // 64)
+  idx = np.stack([rng.choice(nb, n, replace=False) for _ in range(b * t * kh)])
+  idx = jnp.asarray(np.sort(idx, axis=-1).reshape(b, t, kh, n).astype(np.int32))
+  assert bool(jnp.any(idx * 64 > jnp.arange(t)[None, :, None, None])), "no future block drawn"
+  o, lse = select_attention(q, k, v, idx, 64, backend=backend, interpret=INTERPRET)
+  _assert_select_matches(o, lse, q, k, v, idx)
+
+
 def test_refusals_name_the_problem():
   q = jnp.zeros((1, 64, 16, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)

@@ -264,6 +264,45 @@ def test_mean_and_mlp_compress_match_oracle(t, l, d, kh, dim, hidden, dim_out, r
   assert_close(got_mlp, want_mlp, "mlp_compress", None)
 
 
+@pytest.mark.parametrize("t,l,d,kh,dim,hidden,dim_out", [
+    (37, 8, 4, 2, 6, 10, 5),  # T not a multiple of d, 2 chunks a block
+    (40, 16, 16, 1, 4, 8, 4),  # non-overlapping blocks
+    (9, 4, 1, 3, 3, 7, 3),  # stride 1: 4 chunks a block
+    (5, 8, 4, 2, 4, 6, 4),  # T < l: no block at all
+    (70, 32, 16, 1, 8, 12, 8),  # the paper's l = 2d
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gather_free_compress_matches_reference(t, l, d, kh, dim, hidden, dim_out, dtype, rng):
+  """xla.mlp_compress / mean_compress (chunk sums, what the layer runs) against the gathered
+  reference: values and gradients (input and every phi parameter) on fresh random inputs."""
+  from nsa_jax import xla
+  dt = jnp.dtype(dtype)
+  x = jnp.asarray(rng.standard_normal((2, t, kh, dim)), dt)
+  params = dict(pos=rng.standard_normal((l, dim)) * 0.5, w1=rng.standard_normal((l * dim, hidden)) /
+                np.sqrt(l * dim), b1=rng.standard_normal(hidden),
+                w2=rng.standard_normal((hidden, dim_out)) / np.sqrt(hidden),
+                b2=rng.standard_normal(dim_out))
+  params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=3e-2, atol=3e-2)
+  seed = os.environ.get("NSA_TEST_SEED")
+  for name, fast, ref in [("mlp", xla.mlp_compress, reference.mlp_compress),
+                          ("mean", lambda x, p, l, d: xla.mean_compress(x, l, d),
+                           lambda x, p, l, d: reference.mean_compress(x, l, d))]:
+    got, want = fast(x, params, l, d), ref(x, params, l, d)
+    assert got.dtype == want.dtype == dt
+    assert_close(got, want, f"{name}_compress {dtype}", seed, **tol)
+    w = jnp.asarray(rng.standard_normal(want.shape), jnp.float32)
+    loss = lambda f: (lambda x, p: jnp.sum(f(x, p, l, d).astype(jnp.float32) * w))
+    g_got = jax.grad(loss(fast), argnums=(0, 1))(x, params)
+    g_want = jax.grad(loss(ref), argnums=(0, 1))(x, params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got),
+                            jax.tree_util.tree_leaves(g_want)):
+      assert_close(a, b, f"{name}_compress {dtype} grad {jax.tree_util.keystr(path)}", seed,
+                   **tol)
+    if t >= l:
+      assert float(jnp.max(jnp.abs(g_want[0].astype(jnp.float32)))) > 0
+
+
 # ----------------------------------------------------------------------------- ties in top-n
 
 def tie_cfg(**kw):
