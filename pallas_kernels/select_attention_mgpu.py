@@ -51,7 +51,9 @@ BLOCK = 64         # l' (keys per selected block) this kernel handles
 SWIZZLE = 128      # bytes: 64 bfloat16 columns per swizzled row
 # Selection forward step (docs/SELECTION_SPEED_PLAN.md B1; benchmarks switch them, read when traced):
 FAST_MASK = True   # the token's pick as a per-row bias, the causal mask on the last union entry only
-REG_P = True       # P as the wgmma's A operand straight from registers (not staged through SMEM)
+                   # (forward and dq)
+REG_P = True       # P (forward) and dS (dq) as the wgmma's A operand straight from registers, not
+                   # staged through SMEM; dq issues S and dP back to back with one wait
 
 
 def _check(h, kh, dk, dv, has_seg, dtype):
@@ -542,7 +544,11 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)  # rows that saw nothing: every p is masked to 0
   delta = plgpu.load(delta_s, layout=wg.reduce(1))
 
-  def body(j, dq_acc):
+  fast, regs = FAST_MASK, REG_P and not interpret
+  if fast:
+    tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(1)) // g
+
+  def body(j, dq_acc, causal=True):
     slot = lax.rem(j, 2)
 
     @pl.when(j + 1 < cnt)
@@ -551,17 +557,44 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
 
     blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
-    s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK)) * (scale * LOG2E)
-    p = jnp.where(visible(j, blk, c_id), jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0])),
-                  0.0)
-    plgpu.barrier_wait(v_bar.at[slot])
-    dp = _mm(do_s, v_s.at[slot].T, (ROWS, BLOCK))
+    if regs:  # S and dP issued back to back, one wait for both
+      plgpu.barrier_wait(v_bar.at[slot])
+
+      def both(refs):
+        plgpu.wgmma(refs[0], q_s, k_s.at[slot].T)
+        plgpu.wgmma(refs[1], do_s, v_s.at[slot].T)
+      zeros = plgpu.layout_cast(jnp.zeros((ROWS, BLOCK), jnp.float32), wg)
+      s, dp = pl.run_state(both)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+    else:
+      s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK))
+    if fast:  # the token's pick folded into the row's shift (+inf: p = 0); causal where asked
+      shift = jnp.where(visible.row_picked(j, tok_row), lse2, jnp.inf)
+      p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(shift, s.shape, [0]))
+      if causal:
+        p = jnp.where(blk * BLOCK + c_id <= visible.pos, p, 0.0)
+    else:
+      p = jnp.where(visible(j, blk, c_id),
+                    jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse2, s.shape, [0])), 0.0)
+    if not regs:
+      plgpu.barrier_wait(v_bar.at[slot])
+      dp = _mm(do_s, v_s.at[slot].T, (ROWS, BLOCK))
     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+    if regs:  # dS straight from registers
+      ds16 = ds.astype(dtype)
+
+      def dq_mm(acc_ref):
+        plgpu.wgmma(acc_ref, ds16, k_s.at[slot])
+      return pl.run_state(dq_mm)(plgpu.ACC.init(dq_acc))
     ds_s[...] = ds.astype(dtype)
     plgpu.commit_smem()
     return _mm_acc(dq_acc, ds_s, k_s.at[slot], interpret)
 
-  dq = lax.fori_loop(0, cnt, body, plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg))
+  init = plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg)
+  if fast:  # as in the forward: only the last (ascending) union entry can need the causal mask
+    dq = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), init)
+    dq = lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, dq)
+  else:
+    dq = lax.fori_loop(0, cnt, body, init)
   q_s[...] = (dq * scale).astype(dtype)  # q is no longer needed: its buffer stages dq
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, kk, rows])
