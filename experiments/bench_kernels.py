@@ -358,7 +358,7 @@ def plan_jobs(name, ts, groups, patterns, block):
             + [(t, 4, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", None)])
   if name == "mosaicb1":  # the Mosaic forward step with B1's changes on / off (A/B, repeated)
     u4 = kc.clustered_tiling(16, block)
-    var = ("mosaic", "mosaic-b1off", "mosaic-maskonly", "mosaic")
+    var = ("mosaic", "mosaic-b1off", "mosaic")
     return ([(t, g, p, tl, True) for t in ts for g in groups for p in patterns for tl in var]
             + [(t, 16, p, u4, True) for t in ts for p in patterns])
   if name == "mosaicws":  # the two-warpgroup Mosaic forward against the 64-row one and Triton

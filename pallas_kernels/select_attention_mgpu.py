@@ -51,9 +51,10 @@ BLOCK = 64         # l' (keys per selected block) this kernel handles
 SWIZZLE = 128      # bytes: 64 bfloat16 columns per swizzled row
 # Selection forward step (docs/SELECTION_SPEED_PLAN.md B1; benchmarks switch them, read when traced):
 FAST_MASK = True   # the token's pick as a per-row bias, the causal mask on the last union entry only
-                   # (forward and dq)
+                   # (forward and dq; dK/dV: column vectors, causal only on the block's own tokens)
 REG_P = True       # P (forward) and dS (dq) as the wgmma's A operand straight from registers, not
-                   # staged through SMEM; dq issues S and dP back to back with one wait
+                   # staged through SMEM; dq issues S and dP back to back with one wait (dK/dV:
+                   # P^T and dS^T from registers, dV and dP^T with one wait)
 
 
 def _check(h, kh, dk, dv, has_seg, dtype):
@@ -697,6 +698,59 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
   plgpu.barrier_wait(kv_bar.at[0])
   plgpu.barrier_wait(kv_bar.at[1])
 
+  fast, regs = FAST_MASK, REG_P and not interpret
+  if fast:
+    col_vec = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(0)) // g
+
+  def fast_body(i, carry, causal=True):
+    """The step with column vectors: the token's position and liveness per column ([ROWS], not
+    [BLOCK, ROWS]); liveness folded into the column's shift (+inf: P = 0); the causal compare only
+    where asked; P^T and dS^T straight from registers, dV and dP^T issued with one wait."""
+    dk_acc, dv_acc = carry
+    slot = lax.rem(i, 2)
+
+    @pl.when(i + 1 < steps)
+    def _():
+      fetch(i + 1, 1 - slot)
+
+    plgpu.barrier_wait(row_bars.at[slot])
+    pos_v = jnp.zeros((ROWS,), jnp.int32)
+    live_v = jnp.zeros((ROWS,), jnp.bool_)
+    for s in range(tq):
+      pos, live = token(i, s)
+      pos_v = jnp.where(col_vec == s, pos, pos_v)
+      live_v = jnp.where(col_vec == s, live, live_v)
+    st = _mm(k_s, q_s.at[slot].T, (BLOCK, ROWS))
+    lse2 = plgpu.load(lse_s.at[slot], layout=wg.reduce(0)) * LOG2E
+    shift = jnp.where(live_v & (lse2 != -jnp.inf), lse2, jnp.inf)
+    pt = jnp.exp2(st * (scale * LOG2E) - lax.broadcast_in_dim(shift, st.shape, [1]))
+    if causal:
+      pt = jnp.where(kp <= lax.broadcast_in_dim(pos_v, st.shape, [1]), pt, 0.0)
+    if regs:
+      pt16 = pt.astype(dtype)
+
+      def dv_dpt(refs):
+        plgpu.wgmma(refs[0], pt16, do_s.at[slot])
+        plgpu.wgmma(refs[1], v_s, do_s.at[slot].T)
+      zeros_t = plgpu.layout_cast(jnp.zeros((BLOCK, ROWS), jnp.float32), wg)
+      dv_acc, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros_t)))
+    else:
+      pt_s[...] = pt.astype(dtype)
+      plgpu.commit_smem()
+      dv_acc = _mm_acc(dv_acc, pt_s, do_s.at[slot], interpret)
+      dpt = _mm(v_s, do_s.at[slot].T, (BLOCK, ROWS))
+    delta = plgpu.load(delta_s.at[slot], layout=wg.reduce(0))
+    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+    if regs:
+      dst16 = dst.astype(dtype)
+
+      def dk_mm(acc_ref):
+        plgpu.wgmma(acc_ref, dst16, q_s.at[slot])
+      return pl.run_state(dk_mm)(plgpu.ACC.init(dk_acc)), dv_acc
+    pt_s[...] = dst.astype(dtype)  # P^T's wgmma has finished: its buffer takes dS^T
+    plgpu.commit_smem()
+    return _mm_acc(dk_acc, pt_s, q_s.at[slot], interpret), dv_acc
+
   def body(i, carry):
     dk_acc, dv_acc = carry
     slot = lax.rem(i, 2)
@@ -729,7 +783,18 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     return dk_acc, dv_acc
 
   zeros = lambda d: plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), wg)
-  dk_acc, dv_acc = lax.fori_loop(0, steps, body, (zeros(dk), zeros(dv)))
+  if fast:
+    # Entries are sorted by position and every position is >= the block's start (select_attention
+    # drops later blocks), so keys after a token can only occur for the block's own <= 64 tokens,
+    # the item's first entries: at most 64 / tq steps, and none when its first token is past the
+    # block.
+    first_pos, _ = token(0, 0)
+    n_causal = jnp.where(first_pos < blk * BLOCK + BLOCK - 1, jnp.minimum(steps, BLOCK // tq), 0)
+    carry = lax.fori_loop(0, n_causal, fast_body, (zeros(dk), zeros(dv)))
+    dk_acc, dv_acc = lax.fori_loop(n_causal, steps, functools.partial(fast_body, causal=False),
+                                   carry)
+  else:
+    dk_acc, dv_acc = lax.fori_loop(0, steps, body, (zeros(dk), zeros(dv)))
   dkt_s[...] = dk_acc * scale
   dvt_s[...] = dv_acc
   plgpu.commit_smem()
