@@ -40,7 +40,7 @@ def define_flags():
                                              "way, e.g. the dense twin", lock_config=True)
   _OUT = flags.DEFINE_string("out", None, "output folder (step_profile.json / .md)")
   _WARMUP = flags.DEFINE_integer("warmup", 2, "steps before timing (the first compiles)")
-  _TIMED = flags.DEFINE_integer("timed", 5, "steps timed without the profiler")
+  _TIMED = flags.DEFINE_integer("timed", 20, "steps timed without the profiler (5 moved by a few ms between runs)")
   _STEPS = flags.DEFINE_integer("steps", 2, "steps traced with jax.profiler")
   _CMDBUF = flags.DEFINE_bool(
       "command_buffers", True,

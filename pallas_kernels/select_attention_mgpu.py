@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,16 +170,25 @@ def _store(acc, m_i, l_i, o_s, lse_s, o_dst, lse_dst, dtype):
   plgpu.wait_smem_to_gmem(0)
 
 
+class _Walk(NamedTuple):
+  cnt: jax.Array          # key blocks the tile walks
+  block_of: Callable      # j -> the j-th block's index
+  visible: Callable       # (j, blk, c_id) -> [ROWS, BLOCK] bool
+  row_picked: Callable | None  # (j, tok_row [ROWS]) -> [ROWS] bool (selection only), else None
+  fetch: Callable         # (j, slot): TMA block j's K and V into the slot
+  c_id: jax.Array         # [ROWS, BLOCK] column (key within the block)
+  pos: jax.Array          # [ROWS, BLOCK] the row's token position
+
+
 def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
-  """A query tile's walk over its key blocks: (count, block_of(j), visible(j, blk, c_id),
-  fetch(j, slot) (TMA of block j's K and V into a slot), the column ids), block 0 already in
-  flight."""
+  """A query tile's walk over its key blocks (a _Walk), block 0 already in flight. `blocks`
+  returns (count, block_of, visible, row_picked) for the tile (_select_blocks / _cmp_blocks)."""
   wg = plgpu.Layout.WGMMA
   r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
   c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
   tok = r_id // g                           # the row's token within the tile
   pos = tile * tq + tok                     # its position
-  cnt, block_of, visible = blocks(b, tile, kk, tok, pos)
+  cnt, block_of, visible, row_picked = blocks(b, tile, kk, tok, pos)
 
   def fetch(j, slot):
     keys = pl.ds(block_of(j) * BLOCK, BLOCK)
@@ -188,24 +198,24 @@ def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
   @pl.when(cnt > 0)
   def _():
     fetch(0, 0)
-  visible.pos = pos  # [ROWS, BLOCK] the row's position (the selection forward's causal step)
-  return cnt, block_of, visible, fetch, c_id
+  return _Walk(cnt, block_of, visible, row_picked, fetch, c_id, pos)
 
 
 def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype,
             interpret):
-  """One 64-row tile against the key blocks that `blocks(b, tile, kk, pos)` names: it returns
-  (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool) for the tile (see forward /
-  cmp_forward)."""
+  """One 64-row tile against the key blocks that `blocks(b, tile, kk, tok, pos)` names: it returns
+  (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool, row_picked or None) for the tile
+  (see forward / cmp_forward). With row_picked (the selection) and FAST_MASK, the pick is a row
+  bias and the causal mask applies at the last union entry only."""
   (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar) = scoped
   tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
   rows = pl.ds(tile * ROWS, ROWS)
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
-  cnt, block_of, visible, fetch, c_id = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref,
-                                              v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
-                                              v_bar=v_bar)
+  cnt, block_of, visible, row_picked, fetch, c_id, pos = _walk(
+      blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
+      v_bar=v_bar)
   plgpu.barrier_wait(q_bar.at[0])
-  row_picked = getattr(visible, "row_picked", None) if FAST_MASK else None
+  row_picked = row_picked if FAST_MASK else None
   if row_picked is not None:
     tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0,
                                      layout=plgpu.Layout.WGMMA.reduce(1)) // g
@@ -227,7 +237,7 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
       bias = jnp.where(row_picked(j, tok_row), 0.0, -jnp.inf)
       s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [0])
       if causal:
-        s = jnp.where(blk * BLOCK + c_id <= visible.pos, s, -jnp.inf)
+        s = jnp.where(blk * BLOCK + c_id <= pos, s, -jnp.inf)
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     plgpu.barrier_wait(v_bar.at[slot])
@@ -296,8 +306,7 @@ def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
   def row_picked(j, tok_row):  # [ROWS] bool: the row's token picked union entry j
     bits = bits_ref[b, tile, kk, j]
     return (lax.shift_right_logical(jnp.broadcast_to(bits, tok_row.shape), tok_row) & 1) == 1
-  visible.row_picked = row_picked
-  return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible
+  return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible, row_picked
 
 
 def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
@@ -309,7 +318,7 @@ def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
   def visible(j, blk, c_id):
     kidx = blk * BLOCK + c_id
     return (kidx * stride + (block - 1) <= pos) & (kidx < nc)
-  return (nv + BLOCK - 1) // BLOCK, lambda j: j, visible
+  return (nv + BLOCK - 1) // BLOCK, lambda j: j, visible, None
 
 
 def forward(q, k, v, maps, *, block_size, scale, interpret=False):
@@ -536,9 +545,9 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   plgpu.copy_gmem_to_smem(delta_ref.at[b, kk, rows], delta_s, in_bar.at[3])
   wg = plgpu.Layout.WGMMA
   blocks = functools.partial(_select_blocks, ub_ref, bits_ref, cnt_ref)
-  cnt, block_of, visible, fetch, c_id = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref,
-                                              v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
-                                              v_bar=v_bar)
+  cnt, block_of, visible, row_picked, fetch, c_id, pos = _walk(
+      blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
+      v_bar=v_bar)
   for i in range(4):
     plgpu.barrier_wait(in_bar.at[i])
   lse2 = plgpu.load(lse_s, layout=wg.reduce(1)) * LOG2E
@@ -569,10 +578,10 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
     else:
       s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK))
     if fast:  # the token's pick folded into the row's shift (+inf: p = 0); causal where asked
-      shift = jnp.where(visible.row_picked(j, tok_row), lse2, jnp.inf)
+      shift = jnp.where(row_picked(j, tok_row), lse2, jnp.inf)
       p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(shift, s.shape, [0]))
       if causal:
-        p = jnp.where(blk * BLOCK + c_id <= visible.pos, p, 0.0)
+        p = jnp.where(blk * BLOCK + c_id <= pos, p, 0.0)
     else:
       p = jnp.where(visible(j, blk, c_id),
                     jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse2, s.shape, [0])), 0.0)
@@ -694,18 +703,19 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
 
   wg = plgpu.Layout.WGMMA
   kp = blk * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 0, layout=wg)  # key position
-  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 1, layout=wg) // g       # token slot
-  plgpu.barrier_wait(kv_bar.at[0])
-  plgpu.barrier_wait(kv_bar.at[1])
-
   fast, regs = FAST_MASK, REG_P and not interpret
   if fast:
     col_vec = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(0)) // g
+  else:
+    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 1, layout=wg) // g     # token slot
+  plgpu.barrier_wait(kv_bar.at[0])
+  plgpu.barrier_wait(kv_bar.at[1])
 
-  def fast_body(i, carry, causal=True):
-    """The step with column vectors: the token's position and liveness per column ([ROWS], not
-    [BLOCK, ROWS]); liveness folded into the column's shift (+inf: P = 0); the causal compare only
-    where asked; P^T and dS^T straight from registers, dV and dP^T issued with one wait."""
+  def body(i, carry, causal=True):
+    """One step of tq tokens. FAST_MASK: the tokens' positions and liveness as [ROWS] column
+    vectors, liveness folded into the column's shift (+inf: P = 0), the causal compare only where
+    asked; else [BLOCK, ROWS] masks. REG_P (on the GPU): P^T and dS^T straight from registers,
+    dV and dP^T issued with one wait; else staged through SMEM."""
     dk_acc, dv_acc = carry
     slot = lax.rem(i, 2)
 
@@ -714,18 +724,24 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
       fetch(i + 1, 1 - slot)
 
     plgpu.barrier_wait(row_bars.at[slot])
-    pos_v = jnp.zeros((ROWS,), jnp.int32)
-    live_v = jnp.zeros((ROWS,), jnp.bool_)
+    ids = col_vec if fast else col  # the token slot of each column
+    pos_c = jnp.zeros(ids.shape, jnp.int32)
+    live_c = jnp.zeros(ids.shape, jnp.bool_)
     for s in range(tq):
       pos, live = token(i, s)
-      pos_v = jnp.where(col_vec == s, pos, pos_v)
-      live_v = jnp.where(col_vec == s, live, live_v)
-    st = _mm(k_s, q_s.at[slot].T, (BLOCK, ROWS))
+      pos_c = jnp.where(ids == s, pos, pos_c)
+      live_c = jnp.where(ids == s, live, live_c)
+    st = _mm(k_s, q_s.at[slot].T, (BLOCK, ROWS)) * (scale * LOG2E)
     lse2 = plgpu.load(lse_s.at[slot], layout=wg.reduce(0)) * LOG2E
-    shift = jnp.where(live_v & (lse2 != -jnp.inf), lse2, jnp.inf)
-    pt = jnp.exp2(st * (scale * LOG2E) - lax.broadcast_in_dim(shift, st.shape, [1]))
-    if causal:
-      pt = jnp.where(kp <= lax.broadcast_in_dim(pos_v, st.shape, [1]), pt, 0.0)
+    if fast:
+      shift = jnp.where(live_c & (lse2 != -jnp.inf), lse2, jnp.inf)
+      pt = jnp.exp2(st - lax.broadcast_in_dim(shift, st.shape, [1]))
+      if causal:
+        pt = jnp.where(kp <= lax.broadcast_in_dim(pos_c, st.shape, [1]), pt, 0.0)
+    else:
+      lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)
+      pt = jnp.where(live_c & (kp <= pos_c),
+                     jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1])), 0.0)
     if regs:
       pt16 = pt.astype(dtype)
 
@@ -751,37 +767,6 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     plgpu.commit_smem()
     return _mm_acc(dk_acc, pt_s, q_s.at[slot], interpret), dv_acc
 
-  def body(i, carry):
-    dk_acc, dv_acc = carry
-    slot = lax.rem(i, 2)
-
-    @pl.when(i + 1 < steps)
-    def _():
-      fetch(i + 1, 1 - slot)
-
-    plgpu.barrier_wait(row_bars.at[slot])
-    pos_c = jnp.zeros((BLOCK, ROWS), jnp.int32)
-    live_c = jnp.zeros((BLOCK, ROWS), jnp.bool_)
-    for s in range(tq):
-      pos, live = token(i, s)
-      pos_c = jnp.where(col == s, pos, pos_c)
-      live_c = jnp.where(col == s, live, live_c)
-    st = _mm(k_s, q_s.at[slot].T, (BLOCK, ROWS)) * (scale * LOG2E)
-    lse2 = plgpu.load(lse_s.at[slot], layout=wg.reduce(0)) * LOG2E
-    lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)
-    pt = jnp.where(live_c & (kp <= pos_c),
-                   jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1])), 0.0)
-    pt_s[...] = pt.astype(dtype)
-    plgpu.commit_smem()
-    dv_acc = _mm_acc(dv_acc, pt_s, do_s.at[slot], interpret)
-    dpt = _mm(v_s, do_s.at[slot].T, (BLOCK, ROWS))
-    delta = plgpu.load(delta_s.at[slot], layout=wg.reduce(0))
-    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-    pt_s[...] = dst.astype(dtype)  # P^T's wgmma has finished: its buffer takes dS^T
-    plgpu.commit_smem()
-    dk_acc = _mm_acc(dk_acc, pt_s, q_s.at[slot], interpret)
-    return dk_acc, dv_acc
-
   zeros = lambda d: plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), wg)
   if fast:
     # Entries are sorted by position and every position is >= the block's start (select_attention
@@ -790,9 +775,8 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     # block.
     first_pos, _ = token(0, 0)
     n_causal = jnp.where(first_pos < blk * BLOCK + BLOCK - 1, jnp.minimum(steps, BLOCK // tq), 0)
-    carry = lax.fori_loop(0, n_causal, fast_body, (zeros(dk), zeros(dv)))
-    dk_acc, dv_acc = lax.fori_loop(n_causal, steps, functools.partial(fast_body, causal=False),
-                                   carry)
+    carry = lax.fori_loop(0, n_causal, body, (zeros(dk), zeros(dv)))
+    dk_acc, dv_acc = lax.fori_loop(n_causal, steps, functools.partial(body, causal=False), carry)
   else:
     dk_acc, dv_acc = lax.fori_loop(0, steps, body, (zeros(dk), zeros(dv)))
   dkt_s[...] = dk_acc * scale
