@@ -373,6 +373,35 @@ def plan_jobs(name, ts, groups, patterns, block):
   raise ValueError(f"--plan {name!r}")
 
 
+def _bar_jobs(rows):
+  """[(impl, {pass: ms})]: one bar pair per measurement in run order (a variant timed twice gets
+  two pairs; a record's bwd joins the fwd just before it when their impls match)."""
+  jobs = []
+  for r in rows:
+    if r["pass"] == "fwd" or not jobs or r["impl"] != jobs[-1][0] or "bwd" in jobs[-1][1]:
+      jobs.append((r["impl"], {}))
+    jobs[-1][1][r["pass"]] = r["ms"]
+  return jobs
+
+
+def _bar_label(impl):
+  """Short x label of a record's impl: backend, tile, and the variant notes that tell bars apart."""
+  head = impl.split(";")[0].replace("pallas-", "").replace("mosaic-gpu", "mosaic")
+  head = head.replace(" union ", "\nunion ").split(" bk")[0]
+  notes = []
+  if "2 consumer" in impl:
+    notes.append("2 WG" + ("\nno ping-pong" if "no ping-pong" in impl else ""))
+  if "(fast mask" in impl:
+    variant = impl[impl.index("(fast mask") + 1:].split(")")[0]
+    notes.append({"fast mask off, P from SMEM": "B1 off", "fast mask on, P from SMEM": "mask only",
+                  "fast mask off, P from registers": "regs only"}.get(variant, variant))
+  if "(registry:" in impl:
+    notes.append("registry")
+  elif "auto" in impl:
+    notes.append("auto")
+  return "\n".join([head] + notes)
+
+
 def plot(path):
   """Bar chart next to a results JSON: ms of every implementation, forward and backward, one
   panel per (T, G, pattern), cuDNN's time as a line."""
@@ -385,15 +414,18 @@ def plot(path):
   if not recs:
     raise SystemExit(f"{path}: no selection records to plot")
   keys = sorted({(r["T"], r["kv_heads"], r["pattern"]) for r in recs})
-  fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.6), squeeze=False)
+  bars = max(sum(r["pass"] == "fwd" for r in recs if (r["T"], r["kv_heads"], r["pattern"]) == k)
+             for k in keys)
+  fig, axes = plt.subplots(1, len(keys), figsize=(max(4.2, 0.9 * bars) * len(keys), 4.6),
+                           squeeze=False)
   for ax, (t, kh, pat) in zip(axes[0], keys):
     rows = [r for r in recs if (r["T"], r["kv_heads"], r["pattern"]) == (t, kh, pat)]
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    jobs = _bar_jobs(rows)
+    impls = [im for im, _ in jobs]
     top = max(r["ms"] for r in rows)
     dense = []
     for i, pass_ in enumerate(("fwd", "bwd")):
-      ms = [next((r["ms"] for r in rows if r["impl"] == im and r["pass"] == pass_), 0.0)
-            for im in impls]
+      ms = [m.get(pass_, 0.0) for _, m in jobs]
       bars = ax.bar([j + 0.4 * i for j in range(len(impls))], ms, 0.4, label=pass_)
       ax.bar_label(bars, fmt="%.2f", fontsize=6)
       base = next((r["cudnn_ms"] for r in rows if r["pass"] == pass_ and r.get("cudnn_ms")), None)
@@ -403,9 +435,7 @@ def plot(path):
           ax.axhline(base, ls=":" if pass_ == "fwd" else "--", color="grey",
                      label=f"cuDNN dense {pass_}")
     ax.set_xticks([j + 0.2 for j in range(len(impls))])
-    ax.set_xticklabels([im.split(";")[0].replace("pallas-", "").replace(" union", "\nunion")
-                        + ("\n2 warpgroups" if "2 consumer" in im else "")
-                        + ("\nauto" if "auto" in im else "") for im in impls], fontsize=7)
+    ax.set_xticklabels([_bar_label(im) for im in impls], fontsize=7)
     r0 = rows[0]
     ax.set_title(f"T={t}, G={r0['q_heads'] // kh}, {pat}\n{r0['q_heads']} q heads, "
                  f"{r0['d_k']}/{r0['d_v']}, B={r0.get('batch', 1)}; cuDNN dense ms: "

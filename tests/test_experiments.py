@@ -500,6 +500,26 @@ def test_bench_kernels_plot_draws_every_panel(tmp_path):
     bk.main(["--plot", str(tmp_path / "empty.json")])
 
 
+def test_bench_kernels_bars_keep_repeats_and_name_variants():
+  """A variant timed twice keeps both bar pairs (run order), and the Mosaic step switches and the
+  two-warpgroup kernel are named in the short labels (they are otherwise the same tile)."""
+  from experiments import bench_kernels as bk
+  on = "pallas-mosaic-gpu union tq4 bk64 w4s2; bwd tok4 ch512 w4s2 det"
+  off = on + " (fast mask off, P from SMEM)"
+  rows = [dict(impl=i, ms=m, **{"pass": p}) for i, p, m in
+          [(on, "fwd", 1.3), (on, "bwd", 4.1), (off, "fwd", 1.5), (off, "bwd", 4.3),
+           (on, "fwd", 1.4), (on, "bwd", 4.0)]]
+  assert bk._bar_jobs(rows) == [(on, {"fwd": 1.3, "bwd": 4.1}), (off, {"fwd": 1.5, "bwd": 4.3}),
+                                (on, {"fwd": 1.4, "bwd": 4.0})]
+  assert bk._bar_label(on) == "mosaic\nunion tq4"
+  assert bk._bar_label(off) == "mosaic\nunion tq4\nB1 off"
+  assert bk._bar_label(on + " (fast mask on, P from SMEM)").endswith("mask only")
+  assert bk._bar_label("pallas-mosaic-gpu union tq8 bk64 w4s2; x 2 consumer warpgroups, no "
+                       "ping-pong").endswith("2 WG\nno ping-pong")
+  assert bk._bar_label("pallas-triton union tq4 bk64 w4s2; x (auto: mean union 17.5)") == \
+      "triton\nunion tq4\nauto"
+
+
 def test_plot_ablations_chart_table_and_errors(tmp_path):
   """Deltas against the reference, one bar per config hash (the shared reference drawn once), the
   FILE:RUN extras, and clear errors for a missing reference, file or run."""
