@@ -260,7 +260,8 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
 
 
 def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128, 16),
-                        (1, 900, 16, 2, 64, 64, 16)), backend="mosaic", ws=False):
+                        (1, 900, 16, 2, 64, 64, 16), (1, 700, 64, 1, 64, 64, 16)),
+                 backend="mosaic", ws=False):
   """The compiled Mosaic GPU kernels (forward, dq, and dK/dV at G >= 8) vs the f32 reference, no
   segment ids; G = 16, 4 (Triton dK/dV) and 8. A case that fails to compile is reported, not
   raised: the timings after it still run. backend="auto": the registry's choice instead; ws: the

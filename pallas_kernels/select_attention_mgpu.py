@@ -253,11 +253,12 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
       acc = _mm_acc(acc, p_s, v_s.at[slot], interpret)
     return acc, m_new, l_i
 
-  if row_picked is None:
+  if row_picked is None or tq == 1:  # (tq = 1: the token's own list, unsorted, -1 slots as 0)
     acc, m_i, l_i = lax.fori_loop(0, cnt, body, _softmax_init(dv))
   else:
     # The union is ascending and every token's blocks end at or before its own block, which all
     # tokens of a tile share (64 % tq == 0): only the last entry can hold keys after a token.
+    # tile_union sorts only for tq > 1; with one token a tile (G = 64) every step is masked.
     carry = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), _softmax_init(dv))
     acc, m_i, l_i = lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, carry)
   _store(acc, m_i, l_i, o_s, lse_s, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
@@ -322,7 +323,10 @@ def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
 
 
 def forward(q, k, v, maps, *, block_size, scale, interpret=False):
-  """(o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32) from the union maps of `tiling_for(G, l')`."""
+  """(o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32) from the union maps of `tiling_for(G, l')`.
+
+  The maps must come from lists without blocks that start after their token (select_attention
+  drops those first): with FAST_MASK the causal mask is applied at the last union entry only."""
   ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
   if not ok:
     raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
@@ -600,7 +604,8 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
     return _mm_acc(dq_acc, ds_s, k_s.at[slot], interpret)
 
   init = plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg)
-  if fast:  # as in the forward: only the last (ascending) union entry can need the causal mask
+  if fast and tq > 1:  # as in the forward: only the last (ascending) union entry can need the
+    # causal mask (with tq = 1 the list is the token's own, unsorted: every step is masked)
     dq = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), init)
     dq = lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, dq)
   else:
@@ -612,7 +617,8 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
 
 
 def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
-  """dq [B,T,H,Dk] of the selection (lse natural-log [B,T,H]; delta = rowsum(o * do) - dlse)."""
+  """dq [B,T,H,Dk] of the selection (lse natural-log [B,T,H]; delta = rowsum(o * do) - dlse).
+  Same precondition on the maps as forward()."""
   ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
   if not ok:
     raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
@@ -789,7 +795,9 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
 
 def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, interpret=False):
   """float32 dK/dV partials [B,K,W,64,D] of the inverse-list work items (C.inverse_lists) and the
-  (first, nitems) per block that select_attention_bwd.reduce_partials sums them with."""
+  (first, nitems) per block that select_attention_bwd.reduce_partials sums them with. block_idx
+  must not name blocks that start after their token (select_attention drops those): with
+  FAST_MASK only a work item's first 64 / tq steps get the causal mask."""
   b, t, h, dk = q.shape
   kh, dv, n = k.shape[2], v.shape[3], block_idx.shape[3]
   g, dtype = h // kh, q.dtype

@@ -107,7 +107,7 @@ def _cuda_text(f, args):
 # (b, t, h, kh, dk, dv, n): G = 16 (4 tokens a tile), 8, 4 (16 tokens a tile); d_k != d_v; T not
 # a multiple of 64 or of the tile
 CASES = [(1, 150, 16, 1, 192, 128, 5), (2, 130, 16, 2, 64, 64, 4), (1, 200, 8, 2, 128, 64, 3),
-         (1, 90, 4, 1, 64, 128, 2)]
+         (1, 90, 4, 1, 64, 128, 2), (1, 140, 64, 1, 64, 64, 3), (1, 100, 32, 1, 64, 64, 2)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"G{c[2] // c[3]}_{c[4]}x{c[5]}_T{c[1]}" for c in CASES])
@@ -132,20 +132,29 @@ def test_gradients_through_select_attention(shape):
   _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
-@pytest.mark.parametrize("backend", ["mosaic", "triton"])
-def test_future_blocks_are_invisible(backend):
-  """Lists that name blocks after the token (not what top-n produces, but a caller may pass them):
-  the keys there are invisible, as in the reference. The Mosaic forward masks causally only at the
-  last union entry, which holds because select_attention drops such blocks first."""
-  b, t, h, kh, dk, dv, n = 1, 200, 16, 1, 64, 64, 4
+@pytest.mark.parametrize("backend,h", [("mosaic", 16), ("mosaic", 64), ("triton", 16)])
+def test_future_blocks_are_invisible(backend, h):
+  """Lists that name blocks after the token (not what top-n produces, but a caller may pass them),
+  of random length with -1 slots, unsorted: the keys there are invisible, as in the reference,
+  forward and gradients. The Mosaic kernels mask causally only at the last union entry (and the
+  first dK/dV steps), which holds because select_attention drops such blocks first; G = 64 (one
+  token a tile, unsorted lists) masks every step."""
+  b, t, kh, dk, dv, n = 1, 300, 1, 64, 64, 3
   rng = np.random.default_rng(_seed())
-  q, k, v, _, _ = _inputs(rng, b, t, h, kh, dk, dv, n)
+  q, k, v, _, do = _inputs(rng, b, t, h, kh, dk, dv, n)
   nb = -(-t // 64)
-  idx = np.stack([rng.choice(nb, n, replace=False) for _ in range(b * t * kh)])
-  idx = jnp.asarray(np.sort(idx, axis=-1).reshape(b, t, kh, n).astype(np.int32))
+  idx = np.full((b * t * kh, n), -1, np.int32)
+  for row in idx:
+    m = int(rng.integers(1, n + 1))
+    row[:m] = rng.choice(nb, m, replace=False)  # any block, in any order
+  idx = jnp.asarray(idx.reshape(b, t, kh, n))
   assert bool(jnp.any(idx * 64 > jnp.arange(t)[None, :, None, None])), "no future block drawn"
   o, lse = select_attention(q, k, v, idx, 64, backend=backend, interpret=INTERPRET)
   _assert_select_matches(o, lse, q, k, v, idx)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend=backend, interpret=INTERPRET)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
 def test_refusals_name_the_problem():

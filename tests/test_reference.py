@@ -289,6 +289,7 @@ def test_gather_free_compress_matches_reference(t, l, d, kh, dim, hidden, dim_ou
   def check(got, want, truth, what):
     """f32: got == want to 1e-5. bf16: got's error against the float32 computation on the same
     (bf16-rounded) inputs is at most twice the bf16 reference's own, or 1% of the scale."""
+    assert got.shape == want.shape == truth.shape, (what, got.shape, want.shape)
     if dtype == "float32":
       return assert_close(got, want, what, seed, rtol=1e-5, atol=1e-5)
     f = lambda a: np.asarray(a, np.float64)
