@@ -520,6 +520,32 @@ def test_bench_kernels_bars_keep_repeats_and_name_variants():
       "triton\nunion tq4\nauto"
 
 
+def test_plot_throughput_median_ratio_and_errors(tmp_path):
+  """plot_throughput: the median of each run's tokens/s windows, NSA / dense per pair, a PNG, and
+  errors that name a missing work directory, a run without throughput records, a bad --pair."""
+  from experiments import plot_throughput as pt
+  def run(name, vals):
+    d = tmp_path / name
+    d.mkdir()
+    recs = [{"event": "start"}] + [{"step": i, "train/tokens_per_s": v} for i, v in enumerate(vals)]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return str(d)
+  n, d = run("nsa", [100.0, 300.0, 310.0, 1000.0]), run("dense", [200.0, 400.0, 420.0])
+  out = tmp_path / "t.png"
+  table = pt.main(["--pair", f"8k={n},{d}", "--out", str(out)])
+  assert out.stat().st_size > 1000
+  assert "| 8k | 305 | 400 | 0.762x | 4, 3 |" in table
+  with pytest.raises(FileNotFoundError, match="missing"):
+    pt.main(["--pair", f"x={n},{tmp_path / 'missing'}", "--out", str(out)])
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  (empty / "metrics.jsonl").write_text('{"event": "start"}\n')
+  with pytest.raises(ValueError, match="no train/tokens_per_s"):
+    pt.main(["--pair", f"x={n},{empty}", "--out", str(out)])
+  with pytest.raises(ValueError, match="LABEL=NSA_WORKDIR,DENSE_WORKDIR"):
+    pt.main(["--pair", f"{n},{d}", "--out", str(out)])
+
+
 def test_plot_ablations_chart_table_and_errors(tmp_path):
   """Deltas against the reference, one bar per config hash (the shared reference drawn once), the
   FILE:RUN extras, and clear errors for a missing reference, file or run."""
