@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -392,6 +393,19 @@ def _check_tiling(tiling, block_size, interpret):
     raise ValueError(f"tiling.bwd_tokens / chunk_entries must be >= 1, got {tiling}")
 
 
+def _canonical_lists(idx, block_size):
+  """The lists the kernels assume, with the reference's meaning kept: -1 for a block that starts
+  after the token (invisible to it; then in every ascending union only the last entry, the tile's
+  own block, needs the causal mask, which the Mosaic kernels rely on) and for a repeated block
+  (the reference counts it once; the kernels would attend to it twice). One small fusion over
+  [B, T, K, n, n]."""
+  t, n = idx.shape[1], idx.shape[-1]
+  earlier = np.tril(np.ones((n, n), bool), -1)  # [slot, other slot] = other slot comes first
+  repeated = jnp.any((idx[..., :, None] == idx[..., None, :]) & earlier, axis=-1)
+  future = idx * block_size > jnp.arange(t, dtype=jnp.int32)[None, :, None, None]
+  return jnp.where(repeated | future | (idx < 0), -1, idx)
+
+
 def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=None, *,
                      interpret=False, deterministic=True, backend="triton", tiling=None):
   """Selected-block attention. See the module docstring for shapes; returns (o, lse)."""
@@ -444,11 +458,7 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   scale = float(dk ** -0.5 if scale is None else scale)
   has_seg = segment_ids is not None
   seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
-  # A block that starts after the token is invisible to it: drop it (-1), so that in every
-  # ascending union only the last entry (the tiles' own block) needs the causal mask (the Mosaic
-  # forward masks only there; the results are the same for lists that respect causality).
-  idx = block_idx.astype(jnp.int32)
-  idx = jnp.where(idx * block_size > jnp.arange(t, dtype=jnp.int32)[None, :, None, None], -1, idx)
+  idx = _canonical_lists(block_idx.astype(jnp.int32), block_size)
   n = block_idx.shape[-1]
   C.log_once((backend, q.shape, k.shape, v.shape, block_idx.shape, block_size, tiling, union,
               interpret),

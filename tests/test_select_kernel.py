@@ -106,6 +106,29 @@ def test_interpret_matches_reference(case):
     np.testing.assert_allclose(f32(a) / scale, f32(c) / scale, atol=TOL, rtol=0, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("tiling", [None, C.SelectTiling(tokens_per_tile=4, block_k=16)],
+                         ids=["per_token", "union4"])
+def test_repeated_and_future_blocks_count_as_the_reference(tiling):
+  """A list that repeats a block, names blocks after the token or holds values below -1 (not
+  what top-n produces; a caller may pass them): the reference counts a repeated block once and
+  sees nothing of a later block; the kernels must agree (forward and lse), not attend twice."""
+  rng = np.random.default_rng(_seed())
+  b, t, h, kh, d, n, bs = 1, 70, 8, 2, 32, 4, 16
+  q, k, v, _, _, _, _ = _inputs(rng, b, t, h, kh, d, d, n, bs, False)
+  nb = -(-t // bs)
+  idx = rng.integers(-3, nb, (b, t, kh, n)).astype(np.int32)
+  idx[..., 1] = idx[..., 0]  # every list repeats its first slot
+  idx = jnp.asarray(idx)
+  assert bool(jnp.any(idx * bs > jnp.arange(t)[None, :, None, None]))
+  o, lse = select_attention(q, k, v, idx, bs, interpret=not ON_GPU, tiling=tiling)
+  ro, rl = ref.select_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                v.astype(jnp.float32), idx, bs)
+  np.testing.assert_allclose(o.astype(jnp.float32), ro, atol=TOL, rtol=TOL)
+  fin = jnp.isfinite(rl)
+  assert bool(jnp.all(jnp.isfinite(lse) == fin))
+  np.testing.assert_allclose(jnp.where(fin, lse, 0), jnp.where(fin, rl, 0), atol=TOL, rtol=TOL)
+
+
 def test_index_maps_match_brute_force():
   rng = np.random.default_rng(_seed())
   b, t, kh, n, bs = 1, 50, 2, 4, 16
