@@ -8,7 +8,9 @@ select_attention_bwd.py (dq: same tiles; dK/dV: inverse selection lists, determi
 
 Contract: select_attention(q [B,T,H,Dk], k [B,T,K,Dk], v [B,T,K,Dv], block_idx [B,T,K,n], block_size,
 segment_ids=None, scale=None) -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32), the semantics of
-nsa_jax.reference.select_attention (a query with no visible key gets o = 0, lse = -inf).
+nsa_jax.reference.select_attention (a query with no visible key gets o = 0, lse = -inf). block_idx
+may hold -1 (empty), repeats (counted once) and blocks after the token (invisible), in any order:
+_canonical_lists turns the last two into -1 before any map is built.
 """
 
 from __future__ import annotations
