@@ -325,6 +325,9 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
     raise ValueError("selector='aux' needs block_idx [B, T, K, n] from its gate "
                      "(nsa_jax.aux_selector.select); NSAAttention passes it. Fix: call the layer, "
                      "or pass block_idx= to the op.")
+  if not jnp.issubdtype(block_idx.dtype, jnp.integer):
+    raise TypeError(f"block_idx has dtype {block_idx.dtype}; block indices must be integers (-1 "
+                    "for an empty slot). Fix: pass an int32 array.")
   want = (q.shape[0], q.shape[1], cfg.num_kv_heads, cfg.num_selected)
   if tuple(block_idx.shape) != want:
     raise ValueError(f"block_idx has shape {tuple(block_idx.shape)}, expected [B, T, K, n] = "
@@ -334,7 +337,13 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
 def check_segment_ids(segment_ids):
   """Segment ids must mark each document as one contiguous run (packed documents). Checked when the
   ids are concrete; under jit they are trusted (a reused id would let its runs see each other)."""
-  if segment_ids is None or isinstance(segment_ids, jax.core.Tracer):
+  if segment_ids is None:
+    return
+  if not (jnp.issubdtype(segment_ids.dtype, jnp.integer) or segment_ids.dtype == jnp.bool_):
+    raise TypeError(f"segment_ids has dtype {segment_ids.dtype}; document ids must be integers "
+                    "(the Pallas kernels would truncate 0.5 to 0). Fix: pass int32 ids, e.g. the "
+                    "cumulative count of document starts.")
+  if isinstance(segment_ids, jax.core.Tracer):
     return
   seg = np.asarray(segment_ids)
   changes = seg[:, 1:] != seg[:, :-1]

@@ -28,6 +28,29 @@ def log_once(key, msg, *args):
     LOG.info(msg, *args)
 
 
+def check_indices(block_idx, who):
+  """Block indices must be integers: a float index would be truncated (1.5 -> block 1) where the
+  reference ignores it."""
+  if not jnp.issubdtype(block_idx.dtype, jnp.integer):
+    raise TypeError(f"{who}: block_idx has dtype {block_idx.dtype}; block indices must be integers "
+                    "(-1 for an empty slot). Fix: pass an int32 array, e.g. idx.astype(jnp.int32) "
+                    "after checking the values are whole numbers.")
+
+
+def segment_ids_int32(segment_ids, b, t, who):
+  """(int32 [B, T] segment ids, has_seg) for a kernel: the shape must be [B, T] and the ids
+  integers (a float id would be truncated, merging documents 0.0 and 0.5)."""
+  if segment_ids is None:
+    return jnp.zeros((b, t), jnp.int32), False
+  if tuple(segment_ids.shape) != (b, t):
+    raise ValueError(f"{who}: segment_ids has shape {tuple(segment_ids.shape)}, expected "
+                     f"[batch, time] = {(b, t)}. Fix: one document id per token of each sequence.")
+  if not (jnp.issubdtype(segment_ids.dtype, jnp.integer) or segment_ids.dtype == jnp.bool_):
+    raise TypeError(f"{who}: segment_ids has dtype {segment_ids.dtype}; document ids must be "
+                    "integers. Fix: pass int32 ids (e.g. the cumulative count of document starts).")
+  return segment_ids.astype(jnp.int32), True
+
+
 def cdiv(a, b):
   return -(-a // b)
 

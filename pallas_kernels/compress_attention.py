@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import (cdiv, dim_pieces, dot_pieces, next_pow2, softmax_step,
                                     store_rows)
 from pallas_kernels._common import load_pieces as load_rows
+from pallas_kernels._common import segment_ids_int32
 from pallas_kernels import select_attention_mgpu as mgpu
 
 LOG2E = math.log2(math.e)
@@ -452,8 +453,7 @@ def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=N
   ncp = max(step, cdiv(nc, step) * step)
   kc = jnp.pad(k_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
   vc = jnp.pad(v_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-  has_seg = segment_ids is not None
-  seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
+  seg, has_seg = segment_ids_int32(segment_ids, b, t, "compress_attention")
   if has_seg:
     bseg, bpure = block_meta(seg, ncp, block, stride)
   else:

@@ -404,7 +404,8 @@ def _canonical_lists(idx, block_size):
   t, n = idx.shape[1], idx.shape[-1]
   earlier = np.tril(np.ones((n, n), bool), -1)  # [slot, other slot] = other slot comes first
   repeated = jnp.any((idx[..., :, None] == idx[..., None, :]) & earlier, axis=-1)
-  future = idx * block_size > jnp.arange(t, dtype=jnp.int32)[None, :, None, None]
+  # idx > pos // l' is "starts after the token" without idx * l' (which wraps for huge indices)
+  future = idx > (jnp.arange(t, dtype=jnp.int32) // block_size)[None, :, None, None]
   return jnp.where(repeated | future | (idx < 0), -1, idx)
 
 
@@ -458,8 +459,8 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   for til in (tiling, union) if union else (tiling,):
     _check_tiling(til, block_size, interpret)
   scale = float(dk ** -0.5 if scale is None else scale)
-  has_seg = segment_ids is not None
-  seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
+  seg, has_seg = C.segment_ids_int32(segment_ids, b, t, "select_attention")
+  C.check_indices(block_idx, "select_attention")
   idx = _canonical_lists(block_idx.astype(jnp.int32), block_size)
   n = block_idx.shape[-1]
   C.log_once((backend, q.shape, k.shape, v.shape, block_idx.shape, block_size, tiling, union,

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compress_attention as ca
+from pallas_kernels._common import segment_ids_int32
 
 LOG2E = math.log2(math.e)
 BIG = 2 ** 30
@@ -194,6 +195,16 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(ALIGN_OFFSET)}")
   q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
   b, t, h, dk = q.shape
+  expect = 0 if t < block else (t - block) // stride + 1
+  if k_cmp.shape[1] != expect:
+    raise ValueError(f"select_topn: k_cmp has {k_cmp.shape[1]} compressed blocks, expected "
+                     f"{expect} for T={t}, l={block}, d={stride}. Fix: compress the same T tokens.")
+  if tuple(lse.shape) != (b, t, h):
+    raise ValueError(f"select_topn: lse has shape {tuple(lse.shape)}, expected [B, T, H] = "
+                     f"{(b, t, h)} (compress_attention's second output).")
+  if block > sel_block:
+    raise ValueError(f"select_topn: l={block} > l'={sel_block}; NSA's scores need l <= l' "
+                     "(NSAConfig checks this). Fix: choose the selection block at least as long.")
   nc, kh = k_cmp.shape[1], k_cmp.shape[2]
   g = h // kh
   tq, gp, m = ca.tile_shape(g, rows)
@@ -203,8 +214,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
   ns = ca.cdiv(t, sel_block)
   ncp = max(ca.cdiv(ns, nsj) * bkc, ca.cdiv(nc, bkc) * bkc)
   kc = jnp.pad(k_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-  has_seg = segment_ids is not None
-  seg = segment_ids.astype(jnp.int32) if has_seg else jnp.zeros((b, t), jnp.int32)
+  seg, has_seg = segment_ids_int32(segment_ids, b, t, "select_topn")
   if has_seg:
     bseg, bpure = ca.block_meta(seg, ncp, block, stride)
     first = document_first_block(seg, sel_block).astype(jnp.int32)

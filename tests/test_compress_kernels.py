@@ -187,3 +187,38 @@ def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg):
       text = jax.jit(fn).trace(q, kc, vc, seg).lower(lowering_platforms=("cuda",)).as_text()
       for name in kernels:
         assert name in text, f"{name} missing from the CUDA lowering"
+
+
+def test_bad_ids_and_shapes_raise_with_the_fix():
+  """Inputs the kernels would silently misread (found by an audit): float segment ids (truncated:
+  documents 0.0 and 0.5 merged), segment ids of the wrong shape, a k_cmp that does not match T, a
+  transposed lse; each raises and names the problem, through the kernels and through the op."""
+  b, t, h, kh, d, l, s = 2, 80, 4, 1, 16, 16, 8
+  nc = (t - l) // s + 1
+  key = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(key[0], (b, t, h, d))
+  kc = jax.random.normal(key[1], (b, nc, kh, d))
+  vc = jax.random.normal(key[2], (b, nc, kh, d))
+  seg = jnp.asarray(np.repeat([[0, 1]], t // 2, axis=1).reshape(1, t).repeat(b, 0), jnp.int32)
+  run = lambda **kw: compress_attention(q, kc, vc, l, s, interpret=True, **kw)
+  o, lse = run(segment_ids=seg)  # int ids: fine
+  with pytest.raises(TypeError, match="segment_ids has dtype float32.*integers"):
+    run(segment_ids=seg.astype(jnp.float32) / 2)
+  with pytest.raises(ValueError, match=r"segment_ids has shape \(1, 80\), expected"):
+    run(segment_ids=seg[:1])
+  topn = lambda **kw: select_topn(kw.pop("q", q), kw.pop("kc", kc), kw.pop("lse", lse), block=l,
+                                  stride=s, sel_block=32, num_selected=3, interpret=True, **kw)
+  assert topn(segment_ids=seg).shape == (b, t, kh, 3)
+  with pytest.raises(TypeError, match="segment_ids has dtype"):
+    topn(segment_ids=seg.astype(jnp.float32))
+  with pytest.raises(ValueError, match="k_cmp has 6 compressed blocks, expected 9"):
+    topn(kc=kc[:, :6])
+  with pytest.raises(ValueError, match=r"lse has shape \(2, 4, 80\), expected"):
+    topn(lse=lse.transpose(0, 2, 1))
+  cfg = NSAConfig(num_heads=h, num_kv_heads=kh, head_dim=d, head_dim_v=d, cmp_block=l,
+                  cmp_stride=s, sel_block=32, num_selected=3, window=16)
+  kv = jax.random.normal(key[1], (b, t, kh, d))
+  gates = jnp.ones((b, t, h, 3))
+  with pytest.raises(TypeError, match="segment_ids has dtype float32"):
+    ops.nsa_attention(q, kc, vc, kv, kv, kv, kv, gates, cfg, segment_ids=seg.astype(jnp.float32),
+                      implementation="xla")

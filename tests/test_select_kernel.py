@@ -282,3 +282,30 @@ def test_automatic_choice_runs_the_tile_it_picked(shared, monkeypatch):
   monkeypatch.setattr(sa, "forward", marked)
   o, _ = select_attention(q, k, v, idx, bs, interpret=True)
   assert bool(jnp.all(o > 500.0)) == shared and bool(jnp.all(o < 500.0)) != shared
+
+
+def test_bad_lists_raise_or_count_as_the_reference():
+  """From an audit: float block indices (truncated, 1.5 -> block 1) and float segment ids raise;
+  indices so large that idx * l' wraps in int32 are ignored as in the reference (not wrapped onto
+  a real block); xla.select_attention refuses a block_idx of the wrong shape or dtype."""
+  from nsa_jax import xla
+  b, t, h, kh, d, bs = 1, 32, 1, 1, 16, 16
+  key = jax.random.split(jax.random.key(5), 3)
+  q, k, v = (jax.random.normal(kk, (b, t, x, d)) for kk, x in zip(key, (h, kh, kh)))
+  good = jnp.zeros((b, t, kh, 2), jnp.int32).at[..., 1].set(-1)
+  for bad in (2 ** 28 + 1, 2 ** 27, 2 ** 31 - 1):
+    idx = good.at[..., 1].set(bad)
+    o, lse = select_attention(q, k, v, idx, bs, interpret=not ON_GPU)
+    ro, rl = ref.select_attention(q, k, v, idx, bs)
+    np.testing.assert_allclose(o, ro, atol=1e-5, rtol=1e-5, err_msg=f"index {bad}")
+    np.testing.assert_allclose(lse, rl, atol=1e-5, rtol=1e-5, err_msg=f"index {bad}")
+  with pytest.raises(TypeError, match="block_idx has dtype float32.*integers"):
+    select_attention(q, k, v, good.astype(jnp.float32) + 0.5, bs, interpret=not ON_GPU)
+  with pytest.raises(TypeError, match="segment_ids has dtype float32"):
+    select_attention(q, k, v, good, bs, jnp.zeros((b, t), jnp.float32), interpret=not ON_GPU)
+  with pytest.raises(ValueError, match=r"segment_ids has shape \(1, 30\)"):
+    select_attention(q, k, v, good, bs, jnp.zeros((b, t - 2), jnp.int32), interpret=not ON_GPU)
+  with pytest.raises(ValueError, match=r"block_idx has shape \(1, 30, 1, 2\), expected"):
+    xla.select_attention(q, k, v, good[:, :30], bs)
+  with pytest.raises(TypeError, match="block_idx has dtype float32"):
+    xla.select_attention(q, k, v, good.astype(jnp.float32), bs)
