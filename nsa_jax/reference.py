@@ -314,6 +314,13 @@ def combine(outputs, gates, branches):
   return out
 
 
+def require_integers(x, name, what, fix, allow_bool=False):
+  """TypeError unless x holds integers (or, with allow_bool, booleans): the Pallas kernels would
+  truncate floats."""
+  if not (jnp.issubdtype(x.dtype, jnp.integer) or (allow_bool and x.dtype == jnp.bool_)):
+    raise TypeError(f"{name} has dtype {x.dtype}; {what} must be integers. Fix: {fix}")
+
+
 def check_block_idx(block_idx, q, cfg: NSAConfig):
   """block_idx is given exactly when the selector is "aux", with shape [B, T, K, n]."""
   if cfg.selector != "aux" or "slc" not in cfg.branches:
@@ -325,9 +332,8 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
     raise ValueError("selector='aux' needs block_idx [B, T, K, n] from its gate "
                      "(nsa_jax.aux_selector.select); NSAAttention passes it. Fix: call the layer, "
                      "or pass block_idx= to the op.")
-  if not jnp.issubdtype(block_idx.dtype, jnp.integer):
-    raise TypeError(f"block_idx has dtype {block_idx.dtype}; block indices must be integers (-1 "
-                    "for an empty slot). Fix: pass an int32 array.")
+  require_integers(block_idx, "block_idx", "block indices (-1 for an empty slot)",
+                   "pass an int32 array.")
   want = (q.shape[0], q.shape[1], cfg.num_kv_heads, cfg.num_selected)
   if tuple(block_idx.shape) != want:
     raise ValueError(f"block_idx has shape {tuple(block_idx.shape)}, expected [B, T, K, n] = "
@@ -339,10 +345,9 @@ def check_segment_ids(segment_ids):
   ids are concrete; under jit they are trusted (a reused id would let its runs see each other)."""
   if segment_ids is None:
     return
-  if not (jnp.issubdtype(segment_ids.dtype, jnp.integer) or segment_ids.dtype == jnp.bool_):
-    raise TypeError(f"segment_ids has dtype {segment_ids.dtype}; document ids must be integers "
-                    "(the Pallas kernels would truncate 0.5 to 0). Fix: pass int32 ids, e.g. the "
-                    "cumulative count of document starts.")
+  require_integers(segment_ids, "segment_ids", "document ids (the Pallas kernels would "
+                   "truncate 0.5 to 0)", "pass int32 ids, e.g. the cumulative count of document "
+                   "starts.", allow_bool=True)
   if isinstance(segment_ids, jax.core.Tracer):
     return
   seg = np.asarray(segment_ids)

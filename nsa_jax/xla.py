@@ -230,9 +230,8 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   if block_idx.ndim != 4 or tuple(block_idx.shape[:3]) != tuple(k.shape[:3]):
     raise ValueError(f"block_idx has shape {tuple(block_idx.shape)}, expected [B, T, K, n] = "
                      f"{tuple(k.shape[:3])} + (n,). Fix: one list of n blocks per token and KV head.")
-  if not jnp.issubdtype(block_idx.dtype, jnp.integer):
-    raise TypeError(f"block_idx has dtype {block_idx.dtype}; block indices must be integers (-1 "
-                    "for an empty slot). Fix: pass an int32 array.")
+  reference.require_integers(block_idx, "block_idx", "block indices (-1 for an empty slot)",
+                             "pass an int32 array.")
   c, n = _chunking(t, query_chunk)
   fn = _select_chunk_fn(q, k, v, block_size, seg, scale)
   xs = _query_chunks(q, seg, c, n)

@@ -101,6 +101,12 @@ def load_block(ref, start, n, pieces):
   return [ref[pl.ds(start, n), pl.ds(off, size)] for off, size in pieces]
 
 
+def num_cmp_blocks(t, block, stride):
+  """Nc: compressed blocks of T tokens (block i covers [i*d, i*d + l)); as nsa_jax.config's,
+  which this package does not import."""
+  return 0 if t < block else (t - block) // stride + 1
+
+
 def num_visible(pos, block, stride, nc):
   """How many compressed blocks position `pos` sees (blocks 0 .. i with i*d + l - 1 <= pos)."""
   n = jnp.where(pos >= block - 1, (jnp.maximum(pos - block + 1, 0)) // stride + 1, 0)
@@ -121,7 +127,7 @@ def block_meta(seg, nc_pad, block, stride):
   seg [B, T] int32 -> bseg, bpure [B, nc_pad] int32 (padding blocks: pure = 0).
   """
   b, t = seg.shape
-  nc = 0 if t < block else (t - block) // stride + 1
+  nc = num_cmp_blocks(t, block, stride)
   pos = jnp.arange(nc)[:, None] * stride + jnp.arange(block)[None, :]
   sb = seg[:, pos]  # [B, Nc, l]
   pure = jnp.all(sb == sb[:, :, :1], axis=-1).astype(jnp.int32)
@@ -445,7 +451,7 @@ def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=N
   tiling = tiling or CmpTiling()
   b, t, h, dk = q.shape
   nc = k_cmp.shape[1]
-  expect = 0 if t < block else (t - block) // stride + 1
+  expect = num_cmp_blocks(t, block, stride)
   if nc != expect:
     raise ValueError(f"k_cmp has {nc} blocks, expected {expect} for T={t}, l={block}, d={stride}")
   scale = float(dk ** -0.5 if scale is None else scale)

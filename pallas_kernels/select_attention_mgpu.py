@@ -170,6 +170,13 @@ def _store(acc, m_i, l_i, o_s, lse_s, o_dst, lse_dst, dtype):
   plgpu.wait_smem_to_gmem(0)
 
 
+def _causal_last_loop(body, cnt, init):
+  """fori_loop of body(j, carry, causal) over an ascending union of cnt entries: no causal mask
+  but at the last entry (the tiles' own block; see forward's precondition)."""
+  carry = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), init)
+  return lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, carry)
+
+
 class _Walk(NamedTuple):
   cnt: jax.Array          # key blocks the tile walks
   block_of: Callable      # j -> the j-th block's index
@@ -259,8 +266,7 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
     # The union is ascending and every token's blocks end at or before its own block, which all
     # tokens of a tile share (64 % tq == 0): only the last entry can hold keys after a token.
     # tile_union sorts only for tq > 1; with one token a tile (G = 64) every step is masked.
-    carry = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), _softmax_init(dv))
-    acc, m_i, l_i = lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, carry)
+    acc, m_i, l_i = _causal_last_loop(body, cnt, _softmax_init(dv))
   _store(acc, m_i, l_i, o_s, lse_s, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
 
 
@@ -606,8 +612,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   init = plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg)
   if fast and tq > 1:  # as in the forward: only the last (ascending) union entry can need the
     # causal mask (with tq = 1 the list is the token's own, unsorted: every step is masked)
-    dq = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), init)
-    dq = lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, dq)
+    dq = _causal_last_loop(body, cnt, init)
   else:
     dq = lax.fori_loop(0, cnt, body, init)
   q_s[...] = (dq * scale).astype(dtype)  # q is no longer needed: its buffer stages dq

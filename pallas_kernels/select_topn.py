@@ -195,7 +195,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(ALIGN_OFFSET)}")
   q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
   b, t, h, dk = q.shape
-  expect = 0 if t < block else (t - block) // stride + 1
+  expect = ca.num_cmp_blocks(t, block, stride)
   if k_cmp.shape[1] != expect:
     raise ValueError(f"select_topn: k_cmp has {k_cmp.shape[1]} compressed blocks, expected "
                      f"{expect} for T={t}, l={block}, d={stride}. Fix: compress the same T tokens.")

@@ -23,8 +23,9 @@
 #          180 s measured.
 # mosaicb1  the Mosaic GPU selection forward with SELECTION_SPEED_PLAN's B1 step changes (the
 #          token's pick as a row bias, the causal mask on the last union entry only, P from
-#          registers) on and off, each switch alone, at the 8k training layer shape, G = 16 and 4,
-#          both patterns, Triton's union tile as control; compiled check first; ~4 min (estimate).
+#          registers) on, off, and on again (a repeat), at the 8k training layer shape, G = 16
+#          and 4, both patterns, Triton's union tile as control; compiled check first; 398 s with
+#          the trimmed plan plus context8 on x2 (2026-11-30).
 # mosaiccmp  the Mosaic GPU compression forward vs the Triton one, 64k, 192/128
 #          (bench_nsa --sweep_parts mosaic); ~1 min.
 # mosaicnsa  the whole op with implementation="pallas-mosaic" vs cuDNN: 64k and 8k at 192/128,
