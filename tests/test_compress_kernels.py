@@ -17,6 +17,10 @@ from nsa_jax import ops, reference
 from nsa_jax.config import NSAConfig
 from pallas_kernels.compress_attention import CmpTiling, compress_attention
 from pallas_kernels.select_topn import select_topn
+try:
+  from tests.gpu_mode import INTERPRET, ON_GPU
+except ImportError:  # pytest's rootdir-less import puts tests/ itself on sys.path
+  from gpu_mode import INTERPRET, ON_GPU
 
 jax.config.update("jax_default_matmul_precision", "highest")  # f32 reference on CPU, no bf16 passes
 
@@ -68,7 +72,7 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
   w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
   w_l = jax.random.normal(ks[5], (b, t, g * kv))
 
-  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=True, tiling=tiling)
+  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET, tiling=tiling)
   ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
 
   @jax.jit  # one compiled program: interpreted kernels run eagerly are much slower
@@ -108,7 +112,7 @@ def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg):
   want = reference.select_blocks(reference.selection_scores(p, kv, t, cfg), cfg, seg)
   got = jax.jit(lambda q, kc, lse, seg: select_topn(
       q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, alignment=align,
-      segment_ids=seg, interpret=True))(q, kc, lse, seg)
+      segment_ids=seg, interpret=INTERPRET))(q, kc, lse, seg)
   bad = np.argwhere(np.asarray(want != got))
   assert got.shape == want.shape and got.dtype == jnp.int32
   assert bad.size == 0, (f"{len(bad)} slots differ, first at {bad[0]}: want "
@@ -200,14 +204,14 @@ def test_bad_ids_and_shapes_raise_with_the_fix():
   kc = jax.random.normal(key[1], (b, nc, kh, d))
   vc = jax.random.normal(key[2], (b, nc, kh, d))
   seg = jnp.asarray(np.repeat([[0, 1]], t // 2, axis=1).reshape(1, t).repeat(b, 0), jnp.int32)
-  run = lambda **kw: compress_attention(q, kc, vc, l, s, interpret=True, **kw)
+  run = lambda **kw: compress_attention(q, kc, vc, l, s, interpret=INTERPRET, **kw)
   o, lse = run(segment_ids=seg)  # int ids: fine
   with pytest.raises(TypeError, match="segment_ids has dtype float32.*integers"):
     run(segment_ids=seg.astype(jnp.float32) / 2)
   with pytest.raises(ValueError, match=r"segment_ids has shape \(1, 80\), expected"):
     run(segment_ids=seg[:1])
   topn = lambda **kw: select_topn(kw.pop("q", q), kw.pop("kc", kc), kw.pop("lse", lse), block=l,
-                                  stride=s, sel_block=32, num_selected=3, interpret=True, **kw)
+                                  stride=s, sel_block=32, num_selected=3, interpret=INTERPRET, **kw)
   assert topn(segment_ids=seg).shape == (b, t, kh, 3)
   with pytest.raises(TypeError, match="segment_ids has dtype"):
     topn(segment_ids=seg.astype(jnp.float32))

@@ -16,6 +16,10 @@ from flax import nnx
 
 from nsa_jax import ModelConfig, NSAConfig, decode, decode_math, sampling
 from nsa_jax.model import TransformerLM
+try:
+  from tests.gpu_mode import INTERPRET, ON_GPU
+except ImportError:  # pytest's rootdir-less import puts tests/ itself on sys.path
+  from gpu_mode import INTERPRET, ON_GPU
 
 SEED = int.from_bytes(os.urandom(4), "little")
 VOCAB = 64
@@ -162,7 +166,7 @@ def test_pallas_decode_kernel_interpret_matches_plain_jax(heads, kv_heads, dk, d
     idx = jnp.broadcast_to(idx, (b, kv_heads, n))
     want_o, want_lse = decode_math.select_decode(q, k, v, idx, t, block)
     got_o, got_lse = kern.select_decode(q, k, v, idx, t, block, blocks_per_split=n // splits,
-                                        interpret=True)
+                                        interpret=INTERPRET)
     assert_close(got_o, want_o, f"kernel o at t={t}", tol=1e-5)
     assert_close(got_lse, want_lse, f"kernel lse at t={t}", tol=1e-5)
   # Contiguous prefix mode (compressed cache and window ring): slots 0..t, logits of the same pass.
@@ -170,7 +174,7 @@ def test_pallas_decode_kernel_interpret_matches_plain_jax(heads, kv_heads, dk, d
   for t in (-1, 0, 63, 100, 127):
     want_o, want_lse = decode_math.attend(q, k64, v64, jnp.arange(128) <= t)
     got_o, got_lse, logits = kern.prefix_decode(q, k64, v64, t, blocks_per_split=1,
-                                                return_logits=True, interpret=True)
+                                                return_logits=True, interpret=INTERPRET)
     assert_close(got_o, want_o, f"prefix o at t={t}", tol=1e-5)
     if t < 0:
       assert np.all(np.asarray(got_lse) == -np.inf)
@@ -195,7 +199,7 @@ def test_select_window_kernel_interpret_matches_plain_jax():
     idx = jnp.broadcast_to(jnp.array([0, -1, t // block, -1], jnp.int32), (b, kh, n))
     live = min(t, w - 1)
     got = kern.select_window_decode(q, k, v, idx, t, kw, vw, live, block, blocks_per_split=1,
-                                    window_blocks_per_split=2, interpret=True)
+                                    window_blocks_per_split=2, interpret=INTERPRET)
     want_s = decode_math.select_decode(q, k, v, idx, t, block)
     want_w = decode_math.window_decode(q, kw, vw, t, w)
     for x, y, what in zip(got, (*want_s, *want_w), ("o_slc", "lse_slc", "o_win", "lse_win")):
@@ -210,7 +214,7 @@ def test_decode_with_pallas_kernels_interpret_equals_parallel():
   params, prefill_fn, _ = decode.jit_decode(model)
   _, step_fn = params, jax.jit(lambda p, c, x: decode.decode_step(
       nnx.merge(nnx.graphdef(model), p), c, x, check=False,
-      **decode.pallas_decode_kernels(interpret=True)))
+      **decode.pallas_decode_kernels(interpret=INTERPRET)))
   logits, cache = prefill_fn(params, tokens[:, :70], 74)
   out = [logits]
   for i in range(70, 74):
@@ -235,7 +239,7 @@ def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv
   vc = jax.random.normal(k3, (b, kv_heads, nc, dv))
   ns = s_slc // cfg.sel_block
   fused = jax.jit(lambda q, kc, vc, t: decode_math.cmp_select_with(
-      functools.partial(decode_select.compressed_select_decode, interpret=True), q, kc, vc, t, ns,
+      functools.partial(decode_select.compressed_select_decode, interpret=INTERPRET), q, kc, vc, t, ns,
       cfg))
   plain = jax.jit(lambda q, kc, vc, t: decode_math.compressed_decode(q, kc, vc, t, cfg))
   for t in (3, 11, 40, 263, 300, 511):

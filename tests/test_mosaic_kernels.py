@@ -23,9 +23,11 @@ from pallas_kernels import _common as C
 from pallas_kernels import select_attention_mgpu as mgpu
 from pallas_kernels.compress_attention import compress_attention
 from pallas_kernels.select_attention import select_attention
+try:
+  from tests.gpu_mode import INTERPRET, ON_GPU
+except ImportError:  # pytest's rootdir-less import puts tests/ itself on sys.path
+  from gpu_mode import INTERPRET, ON_GPU
 
-ON_GPU = jax.default_backend() == "gpu"
-INTERPRET = not ON_GPU
 TOL = 3e-2  # bf16 inputs and output, float32 accumulation; o is O(1)
 _H100 = dict(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
 

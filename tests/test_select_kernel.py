@@ -19,11 +19,14 @@ import pytest
 from nsa_jax import reference as ref
 from pallas_kernels import _common as C
 from pallas_kernels.select_attention import BACKENDS, select_attention, supports
+try:
+  from tests.gpu_mode import INTERPRET, ON_GPU
+except ImportError:  # pytest's rootdir-less import puts tests/ itself on sys.path
+  from gpu_mode import INTERPRET, ON_GPU
 
 
 # On a GPU the same tests run the compiled kernels in bf16 (against the float32 reference of the same
 # bf16 values); on the CPU they run interpreted in float32 with tight tolerances.
-ON_GPU = jax.default_backend() == "gpu"
 DTYPE, TOL = (jnp.bfloat16, 3e-2) if ON_GPU else (jnp.float32, 5e-5)
 
 
@@ -82,7 +85,7 @@ def test_interpret_matches_reference(case):
   if ON_GPU and tiling is not None and tiling.block_k < 16:
     tiling = dataclasses.replace(tiling, block_k=16)  # compiled dots need >= 16 keys per step
   q, k, v = (x.astype(DTYPE) for x in (q, k, v))
-  ker = lambda q, k, v: select_attention(q, k, v, idx, bs, sid, interpret=not ON_GPU, tiling=tiling,
+  ker = lambda q, k, v: select_attention(q, k, v, idx, bs, sid, interpret=INTERPRET, tiling=tiling,
                                          deterministic=det)
   f32 = lambda x: x.astype(jnp.float32)
   rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, bs, sid)
@@ -120,7 +123,7 @@ def test_repeated_and_future_blocks_count_as_the_reference(tiling):
   idx[..., 1] = idx[..., 0]  # every list repeats its first slot
   idx = jnp.asarray(idx)
   assert bool(jnp.any(idx * bs > jnp.arange(t)[None, :, None, None]))
-  o, lse = select_attention(q, k, v, idx, bs, interpret=not ON_GPU, tiling=tiling)
+  o, lse = select_attention(q, k, v, idx, bs, interpret=INTERPRET, tiling=tiling)
   ro, rl = ref.select_attention(q.astype(jnp.float32), k.astype(jnp.float32),
                                 v.astype(jnp.float32), idx, bs)
   np.testing.assert_allclose(o.astype(jnp.float32), ro, atol=TOL, rtol=TOL)
@@ -209,15 +212,15 @@ def test_supports_and_errors():
   assert "triton" in BACKENDS
   q = jnp.zeros((1, 32, 4, 40), jnp.float32)
   with pytest.raises(ValueError, match="d_k=40"):
-    select_attention(q, q, q, jnp.zeros((1, 32, 4, 2), jnp.int32), 16, interpret=True)
+    select_attention(q, q, q, jnp.zeros((1, 32, 4, 2), jnp.int32), 16, interpret=INTERPRET)
   q = jnp.zeros((1, 32, 4, 32), jnp.float32)
   idx = jnp.zeros((1, 32, 4, 2), jnp.int32)
   with pytest.raises(ValueError, match="dtypes differ"):
-    select_attention(q, q.astype(jnp.bfloat16), q, idx, 16, interpret=True)
+    select_attention(q, q.astype(jnp.bfloat16), q, idx, 16, interpret=INTERPRET)
   with pytest.raises(ValueError, match="block_k"):
     select_attention(q, q, q, idx, 16, tiling=C.SelectTiling(block_k=8))  # compiled: >= 16 keys
   with pytest.raises(ValueError, match="mode"):
-    select_attention(q, q, q, idx, 16, interpret=True, tiling=C.SelectTiling(mode="bogus"))
+    select_attention(q, q, q, idx, 16, interpret=INTERPRET, tiling=C.SelectTiling(mode="bogus"))
 
 
 def test_mean_union_matches_brute_force():
@@ -250,7 +253,7 @@ def test_default_tiling_switches_on_shared_blocks(shared, monkeypatch):
   assert C.clustered_tiling(16, bs).tokens_per_tile == 4 and C.clustered_tiling(8, bs) is None
   q, k, v = (x.astype(DTYPE) for x in (q, k, v))
   f32 = lambda x: x.astype(jnp.float32)
-  ker = lambda q, k, v: select_attention(q, k, v, idx, bs, interpret=not ON_GPU)
+  ker = lambda q, k, v: select_attention(q, k, v, idx, bs, interpret=INTERPRET)
   rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, bs)
   loss = lambda fn: lambda q, k, v: jnp.sum(f32(fn(q, k, v)[0]) * do)
   assert "cond" in str(jax.make_jaxpr(ker)(q, k, v))
@@ -280,7 +283,7 @@ def test_automatic_choice_runs_the_tile_it_picked(shared, monkeypatch):
     return (o + 1000.0 if tiling.tokens_per_tile == C.UNION_TOKENS else o), lse
 
   monkeypatch.setattr(sa, "forward", marked)
-  o, _ = select_attention(q, k, v, idx, bs, interpret=True)
+  o, _ = select_attention(q, k, v, idx, bs, interpret=INTERPRET)
   assert bool(jnp.all(o > 500.0)) == shared and bool(jnp.all(o < 500.0)) != shared
 
 
@@ -295,16 +298,16 @@ def test_bad_lists_raise_or_count_as_the_reference():
   good = jnp.zeros((b, t, kh, 2), jnp.int32).at[..., 1].set(-1)
   for bad in (2 ** 28 + 1, 2 ** 27, 2 ** 31 - 1):
     idx = good.at[..., 1].set(bad)
-    o, lse = select_attention(q, k, v, idx, bs, interpret=not ON_GPU)
+    o, lse = select_attention(q, k, v, idx, bs, interpret=INTERPRET)
     ro, rl = ref.select_attention(q, k, v, idx, bs)
     np.testing.assert_allclose(o, ro, atol=1e-5, rtol=1e-5, err_msg=f"index {bad}")
     np.testing.assert_allclose(lse, rl, atol=1e-5, rtol=1e-5, err_msg=f"index {bad}")
   with pytest.raises(TypeError, match="block_idx has dtype float32.*integers"):
-    select_attention(q, k, v, good.astype(jnp.float32) + 0.5, bs, interpret=not ON_GPU)
+    select_attention(q, k, v, good.astype(jnp.float32) + 0.5, bs, interpret=INTERPRET)
   with pytest.raises(TypeError, match="segment_ids has dtype float32"):
-    select_attention(q, k, v, good, bs, jnp.zeros((b, t), jnp.float32), interpret=not ON_GPU)
+    select_attention(q, k, v, good, bs, jnp.zeros((b, t), jnp.float32), interpret=INTERPRET)
   with pytest.raises(ValueError, match=r"segment_ids has shape \(1, 30\)"):
-    select_attention(q, k, v, good, bs, jnp.zeros((b, t - 2), jnp.int32), interpret=not ON_GPU)
+    select_attention(q, k, v, good, bs, jnp.zeros((b, t - 2), jnp.int32), interpret=INTERPRET)
   with pytest.raises(ValueError, match=r"block_idx has shape \(1, 30, 1, 2\), expected"):
     xla.select_attention(q, k, v, good[:, :30], bs)
   with pytest.raises(TypeError, match="block_idx has dtype float32"):
