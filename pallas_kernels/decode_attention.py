@@ -357,44 +357,27 @@ def merge_splits(acc, m, l, dtype):
   return o.astype(dtype), lse
 
 
-MERGE_CHUNK = 8  # splits one in-kernel merge loads at once (8 x M x Dv-piece floats in registers)
-
-
-def _chunks(lo, hi, most=MERGE_CHUNK):
-  """Static splits [lo, hi) as (start, size) pieces, each size a power of two <= most (Triton
-  loads need power-of-two shapes): independent loads, no loop-carried wait between them."""
-  out = []
-  while lo < hi:
-    size = min(most, 1 << ((hi - lo).bit_length() - 1))
-    out.append((lo, size))
-    lo += size
-  return out
-
-
 def merged_max_sum(m_ref, l_ref, lo, hi, m_rows):
-  """In a kernel: the merged base-2 max (0 where nothing was seen) and sum [M] of the static
-  splits [lo, hi) of one (sequence, group)'s partials, m_ref / l_ref [S, M]."""
-  pieces = _chunks(lo, hi)
-  ms = [m_ref[pl.ds(s, n)] for s, n in pieces]  # [n, M] each
-  m_all = jnp.full((m_rows,), -jnp.inf, jnp.float32)
-  for m in ms:
-    m_all = jnp.maximum(m_all, jnp.max(m, axis=0))
+  """In a kernel: the merged base-2 max (0 where nothing was seen) and sum [M] of splits
+  [lo, hi) of one (sequence, group)'s partials, m_ref / l_ref [S, M]."""
+  m_all = lax.fori_loop(lo, hi, lambda s, x: jnp.maximum(x, m_ref[s]),
+                        jnp.full((m_rows,), -jnp.inf, jnp.float32))
   m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-  l_all = jnp.zeros((m_rows,), jnp.float32)
-  for m, (s, n) in zip(ms, pieces):  # exp2(-inf) = 0 for empty splits
-    l_all = l_all + jnp.sum(jnp.exp2(m - m_safe[None, :]) * l_ref[pl.ds(s, n)], axis=0)
+  l_all = lax.fori_loop(lo, hi, lambda s, x: x + jnp.exp2(m_ref[s] - m_safe) * l_ref[s],
+                        jnp.zeros((m_rows,), jnp.float32))
   return m_safe, l_all
 
 
 def _merged(m_ref, l_ref, acc_ref, lo, hi, m_rows, dv_pieces):
-  """o [M, Dv] (float32 pieces) of the static splits [lo, hi): merge_splits inside a kernel
-  (0 where nothing was seen)."""
+  """o [M, Dv] (float32 pieces) of splits [lo, hi): merge_splits inside a kernel (0 if unseen)."""
   m_safe, l_all = merged_max_sum(m_ref, l_ref, lo, hi, m_rows)
-  accs = [jnp.zeros((m_rows, size), jnp.float32) for _, size in dv_pieces]
-  for s, n in _chunks(lo, hi):
-    w = jnp.exp2(m_ref[pl.ds(s, n)] - m_safe[None, :])[:, :, None]  # [n, M, 1]
-    accs = [a + jnp.sum(w * acc_ref[pl.ds(s, n), :, pl.ds(off, size)], axis=0)
-            for a, (off, size) in zip(accs, dv_pieces)]
+
+  def add(s, accs):
+    w = jnp.exp2(m_ref[s] - m_safe)[:, None]  # 0 for empty splits (m = -inf)
+    return tuple(a + w * acc_ref[s, :, pl.ds(off, size)] for a, (off, size) in zip(accs, dv_pieces))
+
+  accs = lax.fori_loop(lo, hi, add, tuple(jnp.zeros((m_rows, size), jnp.float32)
+                                         for _, size in dv_pieces))
   inv = jnp.where(l_all > 0, 1.0 / jnp.where(l_all > 0, l_all, 1.0), 0.0)[:, None]
   return [a * inv for a in accs]
 
@@ -438,7 +421,7 @@ def combine_decode(cmp_parts, sw_parts, sel_splits, gates, dtype, *, interpret=F
                 per_group(*acc.shape[2:])],
       out_specs=per_group(m_rows, dv),
       out_shape=jax.ShapeDtypeStruct((b, kh, m_rows, dv), dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="nsa_decode_combine",
   )(gates.reshape(b, kh, m_rows * 3), m_c, l_c, acc_c, m, l, acc)
