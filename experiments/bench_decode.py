@@ -40,12 +40,7 @@ IMPLS = ("xla", "pallas", "pallas_all")
 # Tuning variants of the fused path (--variants): name -> compressed_select_decode keywords.
 VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
             "pallas_all_topn_w1": dict(topn_num_warps=1),
-            "pallas_all_topn_w4": dict(topn_num_warps=4),  # default: 2 warps (tuned 2026-11-29)
-            "pallas_all_chunk32": dict(chunk_blocks=32),  # default: 16 blocks a score program
-            "pallas_all_chunk64": dict(chunk_blocks=64)}
-# Variants of the step itself (nsa_decode keywords): the split merges and gates in XLA (the path
-# before the epilogue kernel of 2026-11-30).
-STEP_VARIANTS = {"pallas_all_noepi": dict(epilogue=False)}
+            "pallas_all_topn_w4": dict(topn_num_warps=4)}  # default: 2 warps (tuned 2026-11-29)
 L2_BYTES = 60e6
 
 
@@ -89,11 +84,10 @@ def nsa_step_fn(cfg, t, impl):
   kw = {}
   if impl == "pallas":
     kw["select_fn"] = _kernel()
-  elif impl == "pallas_all" or impl in VARIANTS or impl in STEP_VARIANTS:
+  elif impl == "pallas_all" or impl in VARIANTS:
     kw = decode.pallas_decode_kernels(interpret=INTERPRET)
     if impl in VARIANTS:
       kw["cmp_select_fn"] = functools.partial(kw["cmp_select_fn"], **VARIANTS[impl])
-    kw.update(STEP_VARIANTS.get(impl, {}))
   def step(q, caches, gates, tt):
     return dm.nsa_decode(q, caches, tt, gates, cfg, **kw)[0]
   return step
@@ -213,7 +207,7 @@ def profile_step(t, out_dir, name, b=8, dk=192, dv=128):
   cfg = paper_cfg(dk, dv)
   copies = [nsa_inputs(jax.random.key(1), b, t, cfg)]
   res = {}
-  for impl in RUN["impls"]:
+  for impl in IMPLS:
     rows = bc.kernel_profile(looped(nsa_step_fn(cfg, t, impl), t, TIMING["steps"]), [copies],
                              os.path.join("/tmp", f"trace_{impl}"))
     res[impl] = dict(steps=TIMING["steps"], kernels=rows)
@@ -305,8 +299,7 @@ def main():
                   help="also save the device kernels of the fused step (jax.profiler) at the "
                        "first length, d_k/d_v = 192/128, batch 8, as <name>_profile.json")
   ap.add_argument("--impls", default=",".join(IMPLS),
-                  help=f"NSA paths to time (xla always runs first); tuning variants: "
-                       f"{list(VARIANTS) + list(STEP_VARIANTS)}")
+                  help=f"NSA paths to time (xla always runs first); tuning variants: {list(VARIANTS)}")
   ap.add_argument("--selection_only_T", default="65536",
                   help="lengths that also time the selection branch alone")
   ap.add_argument("--breakdown_T", default="65536",
@@ -319,10 +312,9 @@ def main():
   INTERPRET = args.interpret
   TIMING.update(mode=args.timing, steps=args.steps)
   impls = [x for x in args.impls.split(",") if x and x != "xla"]
-  unknown = [x for x in impls if x not in IMPLS and x not in VARIANTS and x not in STEP_VARIANTS]
+  unknown = [x for x in impls if x not in IMPLS and x not in VARIANTS]
   if unknown:
-    ap.error(f"--impls: unknown {unknown}; choose from "
-             f"{list(IMPLS) + list(VARIANTS) + list(STEP_VARIANTS)}")
+    ap.error(f"--impls: unknown {unknown}; choose from {list(IMPLS) + list(VARIANTS)}")
   RUN["impls"] = ["xla"] + impls
   sel_t = {int(x) for x in args.selection_only_T.split(",") if x}
   breakdown_t = {int(x) for x in args.breakdown_T.split(",") if x}

@@ -167,12 +167,10 @@ def compressed_decode_with(prefix_fn, qg, k_cmp, v_cmp, t, cfg: NSAConfig, scale
   return o, lse, p
 
 
-def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig, scale=None,
-                    merged=True):
+def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig, scale=None):
   """(o_cmp, block_idx) from a fused compression + top-n kernel
   (pallas_kernels.decode_select.compressed_select_decode), or None where it does not support the
-  shapes (the caller then runs the generic path). merged=False: (the compression branch's split
-  partials, block_idx), for select_window_fn's gated epilogue."""
+  shapes (the caller then runs the generic path)."""
   from pallas_kernels import decode_select  # kernels are optional on the plain-JAX path
   ok, why = decode_select.supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel, cfg.cmp_block,
                                    cfg.cmp_stride, cfg.sel_block)
@@ -181,12 +179,12 @@ def cmp_select_with(cmp_select_fn, qg, k_cmp, v_cmp, t, num_sel, cfg: NSAConfig,
                  f"fused decode scoring + top-n not used for k_cmp{tuple(k_cmp.shape)} ({why}): "
                  "plain-JAX scoring")
     return None
-  out = cmp_select_fn(qg, k_cmp, v_cmp, t, num_visible_cmp(t, cfg), num_sel_blocks=num_sel,
-                      block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
-                      num_selected=cfg.num_selected, num_init=cfg.num_init_blocks,
-                      num_local=cfg.num_local_blocks, alignment=cfg.score_alignment, scale=scale,
-                      merged=merged)
-  return (out[0], out[2]) if merged else out
+  o, _, idx = cmp_select_fn(qg, k_cmp, v_cmp, t, num_visible_cmp(t, cfg), num_sel_blocks=num_sel,
+                            block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
+                            num_selected=cfg.num_selected, num_init=cfg.num_init_blocks,
+                            num_local=cfg.num_local_blocks, alignment=cfg.score_alignment,
+                            scale=scale)
+  return o, idx
 
 
 def check_decodable(cfg: NSAConfig):
@@ -204,7 +202,7 @@ def _fits(prefix_fn, cache, block=64):
 
 
 def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, prefix_fn=None,
-               cmp_select_fn=None, select_window_fn=None, epilogue=True):
+               cmp_select_fn=None, select_window_fn=None):
   """NSA attention (Eq. 5) of one new query per sequence.
 
   q [B, H, Dk] rotated at t; gates [B, H, 3] in (cmp, slc, win) order; caches a dict with the
@@ -220,9 +218,7 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
     supports the shapes.
   select_window_fn: optional kernel running the selection and a window ring in one launch
     (pallas_kernels.decode_attention.select_window_decode), used where the window has its own
-    ring of W <= w slots, a multiple of l'. With cmp_select_fn too and all three branches, it
-    also merges every branch's splits and applies the gates in one epilogue kernel (epilogue=False:
-    XLA does that, as before 2026-11-30; kept for A/B timing in experiments/bench_decode.py).
+    ring of W <= w slots, a multiple of l'.
   Returns o [B, H, Dv] in q's dtype and aux {"block_idx": [B, K, n]} (when selection runs).
   """
   b, h, _ = q.shape
@@ -233,20 +229,6 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
   idx = fused = None
   if want_slc:
     ns = caches["k_slc"].shape[2] // cfg.sel_block
-  k_win = caches.get("k_win")
-  ring = (k_win is not None and k_win.shape[2] <= cfg.window
-          and k_win.shape[2] % cfg.sel_block == 0)  # select_window_fn's window ring
-  if (epilogue and want_slc and cfg.selector == "nsa" and cmp_select_fn is not None and ring
-      and select_window_fn is not None and set(cfg.branches) == set(reference.BRANCH_ORDER)):
-    # Every branch in three kernel launches plus one epilogue (split merges and gates).
-    fused = cmp_select_with(cmp_select_fn, qg, caches["k_cmp"], caches["v_cmp"], t, ns, cfg, scale,
-                            merged=False)
-    if fused is not None:
-      parts, idx = fused
-      o = select_window_fn(qg, caches["k_slc"], caches["v_slc"], idx, t, k_win, caches["v_win"],
-                           jnp.minimum(t, k_win.shape[2] - 1), cfg.sel_block, scale,
-                           cmp_parts=parts, gates=gates.reshape(qg.shape[:3] + (3,)))
-      return o.reshape(b, h, -1).astype(q.dtype), {"block_idx": idx}
   if want_slc and cfg.selector == "nsa" and cmp_select_fn is not None:
     fused = cmp_select_with(cmp_select_fn, qg, caches["k_cmp"], caches["v_cmp"], t, ns, cfg, scale)
   if fused is not None:
@@ -265,7 +247,9 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
       idx = select_blocks_decode(nsa_block_scores(p_cmp, ns, cfg), t, cfg)
     elif idx is None:
       idx = select_blocks_decode(quest_block_scores(qg, caches["k_slc"], t, cfg.sel_block), t, cfg)
-    if select_window_fn is not None and "win" in cfg.branches and ring:
+    k_win = caches.get("k_win")
+    if (select_window_fn is not None and "win" in cfg.branches and k_win is not None
+        and k_win.shape[2] <= cfg.window and k_win.shape[2] % cfg.sel_block == 0):
       live = jnp.minimum(t, k_win.shape[2] - 1)  # ring slots <= min(t, W - 1) hold positions
       outs["slc"], _, outs["win"], _ = select_window_fn(
           qg, caches["k_slc"], caches["v_slc"], idx, t, k_win, caches["v_win"], live,
@@ -275,6 +259,7 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
       outs["slc"], _ = fn(qg, caches["k_slc"], caches["v_slc"], idx, t, cfg.sel_block, scale)
     aux["block_idx"] = idx
   if "win" in cfg.branches and "win" not in outs:
+    k_win = caches.get("k_win")
     if k_win is not None and _fits(prefix_fn, k_win) and k_win.shape[2] <= cfg.window:
       # A ring of W <= w slots holds only in-window positions: slots <= min(t, W - 1) are live.
       live = jnp.minimum(t, k_win.shape[2] - 1)

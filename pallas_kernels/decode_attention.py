@@ -81,22 +81,15 @@ def _listed(idx_ref):
   return block_of
 
 
-def _kernel(*refs, contiguous, m_rows, bps, block_size, bk, dk_pieces, dv_pieces, scale):
-  """Program (b, k, split): slots [split * bps, ...) of the block list (contiguous: blocks 0, 1, ...
-  of the cache, no list read), up to cnt; meta = [cnt, t]."""
-  if contiguous:
-    meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_refs = refs
-    block_of = lambda j: (j, True)
-  else:
-    idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_refs = refs
-    block_of = _listed(idx_ref)
+def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_refs, m_rows, bps,
+            block_size, bk, dk_pieces, dv_pieces, scale):
   split = pl.program_id(2)
   cnt, t = meta_ref[0], meta_ref[1]
   first = split * bps
   last = jnp.minimum(first + bps, cnt)  # slots past cnt are never read (prefix mode)
   qs = [q_ref[:, pl.ds(off, size)] for off, size in dk_pieces]
   state = _walk(_init(m_rows, dv_pieces), qs, k_ref, v_ref, first, last, t,
-                block_of=block_of, block_size=block_size, bk=bk, dk_pieces=dk_pieces,
+                block_of=_listed(idx_ref), block_size=block_size, bk=bk, dk_pieces=dk_pieces,
                 dv_pieces=dv_pieces, scale=scale, lg_ref=lg_refs[0] if lg_refs else None)
   _store(state, acc_ref, m_ref, l_ref, dv_pieces)
 
@@ -130,17 +123,6 @@ def per_split(*shape):
   """BlockSpec of a [B, K, splits, *shape] output: program (b, k, s) writes its own slab."""
   return pl.BlockSpec((None, None, None, *shape),
                       lambda bb, kk, ss: (bb, kk, ss) + (0,) * len(shape))
-
-
-def scalars(*xs):
-  """int32 scalars (static or traced) as one small array that every program reads whole: no
-  per-(sequence, group) broadcast in XLA before the launch."""
-  return jnp.stack([jnp.asarray(x, jnp.int32) for x in xs])
-
-
-def whole(n):
-  """BlockSpec of a [n] array that every program reads whole."""
-  return pl.BlockSpec((n,), lambda *_: (0,))
 
 
 def pad_rows(qg):
@@ -183,9 +165,11 @@ def select_decode(qg, k, v, block_idx, t, block_size, scale=None, *, blocks_per_
   n = block_idx.shape[-1]
   bps = blocks_per_split or default_blocks_per_split(b, kh, n)
   # Every slot is walked; the kernel masks empty ones (-1), so no XLA compaction pass is needed.
-  acc, m, l, _ = _call(qg, k, v, block_idx.astype(jnp.int32), n, t, block_size, scale, bps,
-                       block_k, num_warps, num_stages, interpret, want_logits=False)
-  return merge_splits(*real_rows((acc, m, l), g), qg.dtype)
+  idx = block_idx.astype(jnp.int32)
+  cnt = jnp.full((b, kh), n, jnp.int32)
+  acc, m, l, _ = _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps,
+                       num_stages, interpret, want_logits=False)
+  return merge_splits(acc, m, l, qg.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_size", "blocks_per_split", "block_k",
@@ -207,7 +191,7 @@ def prefix_decode(qg, k, v, t, scale=None, *, block_size=64, blocks_per_split=No
   b, kh, g, _ = qg.shape
   acc, m, l, lg = prefix_partials(qg, k, v, t, block_size, scale, blocks_per_split, block_k,
                                   num_warps, num_stages, interpret, want_logits=return_logits)
-  o, lse = merge_splits(*real_rows((acc, m, l), g), qg.dtype)
+  o, lse = merge_splits(acc, m, l, qg.dtype)
   if not return_logits:
     return o, lse
   lg = lg[:, :, :, :g].transpose(0, 1, 3, 2, 4).reshape(b, kh, g, -1)
@@ -216,14 +200,15 @@ def prefix_decode(qg, k, v, t, scale=None, *, block_size=64, blocks_per_split=No
 
 def prefix_partials(qg, k, v, t, block_size, scale, blocks_per_split, block_k, num_warps,
                     num_stages, interpret, want_logits):
-  """prefix_decode's pallas_call over slots 0..t: the per-split partials (acc, m, l) with all M
-  padded head rows (see `_call`) and the raw logits blocks [B, K, splits, M, bps * block_size],
-  before any merge."""
+  """prefix_decode's pallas_call over slots 0..t: the per-split partials (acc, m, l) and the raw
+  logits blocks [B, K, splits, M, bps * block_size] (see `_call`), before any merge."""
   b, kh = qg.shape[:2]
   nb = k.shape[2] // block_size
   bps = blocks_per_split or default_blocks_per_split(b, kh, nb)
-  cnt = jnp.clip(jnp.asarray(t, jnp.int32) // block_size + 1, 0, nb)
-  return _call(qg, k, v, None, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,
+  idx = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, kh, nb))
+  t = jnp.asarray(t, jnp.int32)
+  cnt = jnp.broadcast_to(jnp.clip(t // block_size + 1, 0, nb), (b, kh)).astype(jnp.int32)
+  return _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,
                interpret, want_logits)
 
 
@@ -232,23 +217,15 @@ def prefix_partials(qg, k, v, t, block_size, scale, blocks_per_split, block_k, n
                                              "num_stages", "interpret"))
 def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size, scale=None, *,
                          blocks_per_split=None, window_blocks_per_split=None, block_k=None,
-                         num_warps=4, num_stages=2, interpret=False, cmp_parts=None, gates=None):
+                         num_warps=4, num_stages=2, interpret=False):
   """The selection branch (as `select_decode` over k, v, block_idx) and the window ring (as
   `prefix_decode` over k_win, v_win slots 0..t_win, W a multiple of block_size) in ONE
   pallas_call: one launch, the two branches' splits side by side on the GPU.
-  Returns (o_slc, lse_slc, o_win, lse_win).
-
-  With cmp_parts (the compression branch's per-split partials (acc, m, l) with M head rows, from
-  decode_select.compressed_select_decode(merged=False)) and gates [B, K, G, 3] (cmp, slc, win):
-  returns the gated NSA output o [B, K, G, Dv] (qg.dtype) instead, every branch's split merge
-  and the gated sum done by one small epilogue kernel (`combine_decode`)."""
+  Returns (o_slc, lse_slc, o_win, lse_win)."""
   for kk, vv, what in ((k, v, "selection"), (k_win, v_win, "window")):
     ok, why = supports(qg.shape, kk.shape, vv.shape, block_size, block_k)
     if not ok:
       raise ValueError(f"pallas select_window_decode does not support the {what} cache: {why}")
-  if (cmp_parts is None) != (gates is None):
-    raise ValueError("select_window_decode: give cmp_parts and gates together (the gated output) "
-                     "or neither (the two branches' outputs)")
   b, kh, g, dk = qg.shape
   dv, n, nbw = v.shape[3], block_idx.shape[-1], k_win.shape[2] // block_size
   bps = blocks_per_split or default_blocks_per_split(b, kh, n)
@@ -257,6 +234,8 @@ def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size
   m_rows, q_rows = pad_rows(qg)
   n_pad = C.next_pow2(n)
   idx = jnp.pad(block_idx.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)), constant_values=-1)
+  meta = jnp.broadcast_to(jnp.stack([jnp.asarray(t, jnp.int32), jnp.asarray(t_win, jnp.int32)]),
+                          (b, kh, 2))
   kernel = functools.partial(
       _sel_win_kernel, m_rows=m_rows, bps=bps, wbps=wbps, sel_splits=sel_splits, n=n,
       block_size=block_size, bk=block_k or min(64, block_size), dk_pieces=C.dim_pieces(dk),
@@ -267,7 +246,7 @@ def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size
   acc, m, l = pl.pallas_call(
       kernel,
       grid=(b, kh, splits),
-      in_specs=[per_group(n_pad), whole(2), per_group(m_rows, dk),
+      in_specs=[per_group(n_pad), per_group(2), per_group(m_rows, dk),
                 per_group(k.shape[2], dk), per_group(k.shape[2], dv),
                 per_group(k_win.shape[2], dk), per_group(k_win.shape[2], dv)],
       out_specs=[per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)],
@@ -277,10 +256,8 @@ def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="nsa_decode_select_window",
-  )(idx, scalars(t, t_win), q_rows, k, v, k_win, v_win)
-  if gates is not None:
-    return combine_decode(cmp_parts, (acc, m, l), sel_splits, gates, qg.dtype, interpret=interpret)
-  acc, m, l = real_rows((acc, m, l), g)
+  )(idx, meta, q_rows, k, v, k_win, v_win)
+  acc, m, l = acc[:, :, :, :g], m[..., :g], l[..., :g]
   o_s, lse_s = merge_splits(acc[:, :, :sel_splits], m[:, :, :sel_splits], l[:, :, :sel_splits],
                             qg.dtype)
   o_w, lse_w = merge_splits(acc[:, :, sel_splits:], m[:, :, sel_splits:], l[:, :, sel_splits:],
@@ -290,25 +267,20 @@ def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size
 
 def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,
           interpret, want_logits):
-  """The pallas_call shared by both entry points: idx [B, K, n] block ids (None: the contiguous
-  blocks 0, 1, ... of the cache, no list), of which the first cnt (an int32 scalar) are walked.
-  Returns per-split partials (acc, m, l) [B, K, splits, M, ...] with all M >= G padded head rows
-  (`real_rows` keeps the G real ones) and the logits blocks [B, K, splits, M, bps * block_size]
-  (None unless want_logits)."""
+  """The pallas_call shared by both entry points: idx [B, K, n] block ids with the cnt [B, K]
+  valid ones first. Returns per-split partials (acc, m, l) [B, K, splits, G, ...] and the logits
+  blocks [B, K, splits, M, bps * block_size] (None unless want_logits)."""
   b, kh, g, dk = qg.shape
-  s_len, dv = k.shape[2], v.shape[3]
-  n = s_len // block_size if idx is None else idx.shape[-1]
+  s_len, dv, n = k.shape[2], v.shape[3], idx.shape[-1]
   scale = float(dk ** -0.5 if scale is None else scale)
   bk = block_k or min(64, block_size)
   splits = C.cdiv(n, bps)
   m_rows, q_rows = pad_rows(qg)
-  ins, in_specs = [], []
-  if idx is not None:
-    n_pad = C.next_pow2(n)
-    ins.append(jnp.pad(idx, ((0, 0), (0, 0), (0, n_pad - n))))
-    in_specs.append(per_group(n_pad))
+  n_pad = C.next_pow2(n)
+  idx = jnp.pad(idx, ((0, 0), (0, 0), (0, n_pad - n)))
+  meta = jnp.stack([cnt, jnp.broadcast_to(jnp.asarray(t, jnp.int32), cnt.shape)], axis=-1)
   kernel = functools.partial(
-      _kernel, contiguous=idx is None, m_rows=m_rows, bps=bps, block_size=block_size, bk=bk,
+      _kernel, m_rows=m_rows, bps=bps, block_size=block_size, bk=bk,
       dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale)
   out_specs = [per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)]
   out_shape = [jax.ShapeDtypeStruct((b, kh, splits, m_rows, dv), jnp.float32),
@@ -324,23 +296,16 @@ def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num
   outs = pl.pallas_call(
       kernel,
       grid=(b, kh, splits),
-      in_specs=in_specs + [whole(2), per_group(m_rows, dk), per_group(s_len, dk),
-                           per_group(s_len, dv)],
+      in_specs=[per_group(n_pad), per_group(2), per_group(m_rows, dk), per_group(s_len, dk),
+                per_group(s_len, dv)],
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="nsa_decode_attention",
-  )(*ins, scalars(cnt, t), q_rows, k, v)
-  return outs[0], outs[1], outs[2], (outs[3] if want_logits else None)
-
-
-def real_rows(parts, g):
-  """Partials (acc, m, l) with M padded head rows -> the G real rows (no copy when M == G)."""
-  acc, m, l = parts
-  if acc.shape[3] == g:
-    return acc, m, l
-  return acc[:, :, :, :g], m[..., :g], l[..., :g]
+  )(idx, meta, q_rows, k, v)
+  acc, m, l = outs[0][:, :, :, :g], outs[1][..., :g], outs[2][..., :g]
+  return acc, m, l, (outs[3] if want_logits else None)
 
 
 def merge_splits(acc, m, l, dtype):
@@ -355,74 +320,3 @@ def merge_splits(acc, m, l, dtype):
   o = jnp.sum(w[..., None] * acc, axis=2) / l_safe[..., None]
   lse = jnp.where(seen, (m_safe + jnp.log2(l_safe)) * LN2, -jnp.inf)
   return o.astype(dtype), lse
-
-
-def merged_max_sum(m_ref, l_ref, lo, hi, m_rows):
-  """In a kernel: the merged base-2 max (0 where nothing was seen) and sum [M] of splits
-  [lo, hi) of one (sequence, group)'s partials, m_ref / l_ref [S, M]."""
-  m_all = lax.fori_loop(lo, hi, lambda s, x: jnp.maximum(x, m_ref[s]),
-                        jnp.full((m_rows,), -jnp.inf, jnp.float32))
-  m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-  l_all = lax.fori_loop(lo, hi, lambda s, x: x + jnp.exp2(m_ref[s] - m_safe) * l_ref[s],
-                        jnp.zeros((m_rows,), jnp.float32))
-  return m_safe, l_all
-
-
-def _merged(m_ref, l_ref, acc_ref, lo, hi, m_rows, dv_pieces):
-  """o [M, Dv] (float32 pieces) of splits [lo, hi): merge_splits inside a kernel (0 if unseen)."""
-  m_safe, l_all = merged_max_sum(m_ref, l_ref, lo, hi, m_rows)
-
-  def add(s, accs):
-    w = jnp.exp2(m_ref[s] - m_safe)[:, None]  # 0 for empty splits (m = -inf)
-    return tuple(a + w * acc_ref[s, :, pl.ds(off, size)] for a, (off, size) in zip(accs, dv_pieces))
-
-  accs = lax.fori_loop(lo, hi, add, tuple(jnp.zeros((m_rows, size), jnp.float32)
-                                         for _, size in dv_pieces))
-  inv = jnp.where(l_all > 0, 1.0 / jnp.where(l_all > 0, l_all, 1.0), 0.0)[:, None]
-  return [a * inv for a in accs]
-
-
-def _combine_kernel(gates_ref, mc_ref, lc_ref, accc_ref, m_ref, l_ref, acc_ref, o_ref, *, m_rows,
-                    cmp_splits, sel_splits, splits, dv_pieces):
-  """Program (b, k): o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over the group's M rows,
-  each branch's splits merged here (gates_ref [M * 3] row-major: (cmp, slc, win) per head)."""
-  gate = lambda c: gates_ref[pl.ds(c, m_rows, stride=3)][:, None]
-  terms = (_merged(mc_ref, lc_ref, accc_ref, 0, cmp_splits, m_rows, dv_pieces),
-           _merged(m_ref, l_ref, acc_ref, 0, sel_splits, m_rows, dv_pieces),
-           _merged(m_ref, l_ref, acc_ref, sel_splits, splits, m_rows, dv_pieces))
-  for i, (off, size) in enumerate(dv_pieces):
-    o = sum(gate(c) * t[i] for c, t in enumerate(terms))
-    o_ref[:, pl.ds(off, size)] = o.astype(o_ref.dtype)
-
-
-def combine_decode(cmp_parts, sw_parts, sel_splits, gates, dtype, *, interpret=False):
-  """The gated NSA output of one decode step from the branches' split partials, in one launch.
-
-  cmp_parts: (acc [B, K, Sc, M, Dv], m, l [B, K, Sc, M]) of the compression branch;
-  sw_parts: the same of select_window_decode's launch, its first sel_splits splits the selection
-  branch, the rest the window ring; gates [B, K, G, 3] (cmp, slc, win), G <= M.
-  Returns o [B, K, G, Dv] in dtype: merge_splits of each branch, then reference.combine, in float32
-  (each branch's output is not rounded to dtype before the sum)."""
-  acc_c, m_c, l_c = cmp_parts
-  acc, m, l = sw_parts
-  b, kh, splits, m_rows, dv = acc.shape
-  g = gates.shape[2]
-  if gates.shape != (b, kh, g, 3) or g > m_rows or acc_c.shape[3:] != (m_rows, dv):
-    raise ValueError(f"combine_decode: gates {gates.shape}, cmp partials {acc_c.shape} and "
-                     f"selection/window partials {acc.shape} do not match")
-  gates = jnp.pad(gates.astype(jnp.float32), ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
-  kernel = functools.partial(_combine_kernel, m_rows=m_rows, cmp_splits=acc_c.shape[2],
-                             sel_splits=sel_splits, splits=splits, dv_pieces=C.dim_pieces(dv))
-  o = pl.pallas_call(
-      kernel,
-      grid=(b, kh),
-      in_specs=[per_group(m_rows * 3), per_group(*m_c.shape[2:]), per_group(*l_c.shape[2:]),
-                per_group(*acc_c.shape[2:]), per_group(*m.shape[2:]), per_group(*l.shape[2:]),
-                per_group(*acc.shape[2:])],
-      out_specs=per_group(m_rows, dv),
-      out_shape=jax.ShapeDtypeStruct((b, kh, m_rows, dv), dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="nsa_decode_combine",
-  )(gates.reshape(b, kh, m_rows * 3), m_c, l_c, acc_c, m, l, acc)
-  return o if m_rows == g else o[:, :, :g]

@@ -41,15 +41,13 @@ LOG2E = math.log2(math.e)
 SLOT_BLOCK = 64  # compressed slots per split-K step of the decode kernel
 
 
-def _scores_kernel(meta_ref, m_ref, l_ref, lg_ref, sc_ref, *, g, m_rows, cmp_splits, seg_len, r, c,
-                   nsj, off, sel_block, n_init, n_local):
-  """Program (b, k, ci): the Eq. 9-11 scores of selection blocks [ci * nsj, (ci + 1) * nsj).
-  The compression softmax's lse comes from the decode kernel's split partials (m, l), merged here
-  (a few values per head) rather than by an XLA pass between the launches."""
+def _scores_kernel(meta_ref, lse_ref, lg_ref, sc_ref, *, g, m_rows, seg_len, r, c, nsj, off,
+                   sel_block, n_init, n_local):
+  """Program (b, k, ci): the Eq. 9-11 scores of selection blocks [ci * nsj, (ci + 1) * nsj)."""
   ci = pl.program_id(2)
   nv, t = meta_ref[0], meta_ref[1]
-  m_safe, l_all = da.merged_max_sum(m_ref, l_ref, 0, cmp_splits, m_rows)
-  lse2 = jnp.where(l_all > 0, m_safe + jnp.log2(jnp.where(l_all > 0, l_all, 1.0)), 0.0)  # base 2
+  lse = lse_ref[...]
+  lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
   real = lax.iota(jnp.int32, m_rows) < g
   bkc = r * nsj
   cur = t // sel_block
@@ -95,14 +93,13 @@ def _topn_kernel(sc_ref, idx_ref, *, ns, n):
   idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
 
 
-# Selection blocks per score program (default): the matrix unit's minimum width of the band dot
-# (its r * 16 >= 16 rows then follow for any r = l'/d >= 1). A power of two; larger values give
-# fewer, longer programs (bench_decode's pallas_all_chunk* variants).
+# Selection blocks per score program: the matrix unit's minimum width of the band dot (its
+# r * 16 >= 16 rows then follow for any r = l'/d >= 1).
 CHUNK_BLOCKS = 16
 
 
 def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_block,
-             blocks_per_split=None, chunk_blocks=CHUNK_BLOCKS):
+             blocks_per_split=None):
   """(ok, reason): whether the fused compression + top-n decode path handles this call."""
   b, kh = qg_shape[:2]
   ok, why = da.supports(qg_shape, kc_shape, vc_shape, SLOT_BLOCK)
@@ -113,7 +110,7 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
     return False, f"l'/d = {sel_block}/{stride} must be a power of two"
   if block % stride or block > sel_block:
     return False, f"l={block} must be a multiple of d={stride} and at most l'={sel_block}"
-  nsj = chunk_blocks
+  nsj = CHUNK_BLOCKS
   nb = kc_shape[2] // SLOT_BLOCK
   bps = blocks_per_split or da.default_blocks_per_split(b, kh, nb)
   seg_len, bkc = bps * SLOT_BLOCK, r * nsj
@@ -127,23 +124,19 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
 
 @functools.partial(jax.jit, static_argnames=(
     "num_sel_blocks", "block", "stride", "sel_block", "num_selected", "num_init", "num_local",
-    "alignment", "scale", "blocks_per_split", "cmp_num_stages", "topn_num_warps", "chunk_blocks",
-    "merged", "interpret"))
+    "alignment", "scale", "blocks_per_split", "cmp_num_stages", "topn_num_warps", "interpret"))
 def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride,
                              sel_block, num_selected, num_init=1, num_local=2,
                              alignment="overlap", scale=None, blocks_per_split=None,
-                             cmp_num_stages=2, topn_num_warps=2, chunk_blocks=CHUNK_BLOCKS,
-                             merged=True, interpret=False):
+                             cmp_num_stages=2, topn_num_warps=2, interpret=False):
   """Compression branch + top-n of one query per sequence.
 
   qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
   t: the query position; nv: the number of visible compressed slots (int32 scalars, may be traced).
-  Returns o_cmp [B, K, G, Dv], lse [B, K, G] float32, block_idx [B, K, n] int32; with
-  merged=False, ((acc, m, l), block_idx): the compression branch's split partials with M >= G
-  padded head rows, for decode_attention.select_window_decode's gated epilogue.
+  Returns o_cmp [B, K, G, Dv], lse [B, K, G] float32, block_idx [B, K, n] int32.
   """
   ok, why = supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel_blocks, block, stride,
-                     sel_block, blocks_per_split, chunk_blocks)
+                     sel_block, blocks_per_split)
   if not ok:
     raise ValueError(f"compressed_select_decode does not support this call: {why}")
   if alignment not in st.ALIGN_OFFSET:
@@ -152,29 +145,31 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   t, nv = jnp.asarray(t, jnp.int32), jnp.asarray(nv, jnp.int32)
   acc, m, l, lg = da.prefix_partials(qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split,
                                      None, 4, cmp_num_stages, interpret, want_logits=True)
+  o, lse = da.merge_splits(acc, m, l, qg.dtype)
   m_rows, splits, seg_len = lg.shape[3], lg.shape[2], lg.shape[4]
   r = sel_block // stride
-  nsj = chunk_blocks
+  nsj = CHUNK_BLOCKS
   chunks = C.cdiv(num_sel_blocks, nsj)
+  meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
+  lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)
   kernel = functools.partial(
-      _scores_kernel, g=g, m_rows=m_rows, cmp_splits=splits, seg_len=seg_len, r=r,
-      c=block // stride, nsj=nsj, off=st.ALIGN_OFFSET[alignment](r), sel_block=sel_block,
-      n_init=num_init, n_local=num_local)
+      _scores_kernel, g=g, m_rows=m_rows, seg_len=seg_len, r=r, c=block // stride, nsj=nsj,
+      off=st.ALIGN_OFFSET[alignment](r), sel_block=sel_block, n_init=num_init,
+      n_local=num_local)
   C.log_once(("decode_scores", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
              "decode block scores: qg=%s k_cmp=%s selection blocks=%d chunks=%d interpret=%s",
              qg.shape, k_cmp.shape, num_sel_blocks, chunks, interpret)
   scores = pl.pallas_call(
       kernel,
       grid=(b, kh, chunks),
-      in_specs=[da.whole(2), da.per_group(splits, m_rows), da.per_group(splits, m_rows),
-                da.per_group(splits, m_rows, seg_len)],
+      in_specs=[da.per_group(2), da.per_group(m_rows), da.per_group(splits, m_rows, seg_len)],
       out_specs=pl.BlockSpec((None, None, nsj), lambda bb, kk, cc: (bb, kk, cc)),
       # A power-of-two row for the top-n kernel's load; slots past Ns stay unwritten (masked).
       out_shape=jax.ShapeDtypeStruct((b, kh, C.next_pow2(chunks * nsj)), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="nsa_decode_scores",
-  )(da.scalars(nv, t), m, l, lg)
+  )(meta, lse_rows, lg)
   npad = C.next_pow2(num_selected)
   idx = pl.pallas_call(
       functools.partial(_topn_kernel, ns=num_sel_blocks, n=min(num_selected, num_sel_blocks)),
@@ -186,8 +181,4 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
       interpret=interpret,
       name="nsa_decode_topn",
   )(scores)
-  idx = idx if npad == num_selected else idx[..., :num_selected]
-  if not merged:
-    return (acc, m, l), idx
-  o, lse = da.merge_splits(*da.real_rows((acc, m, l), g), qg.dtype)
-  return o, lse, idx
+  return o, lse, idx[..., :num_selected]
