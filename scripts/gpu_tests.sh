@@ -9,7 +9,7 @@
 # dependencies come from wheels in .whl/ (pip download --no-deps --only-binary=:all: -d .whl
 # pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-xdist==3.8.0
 # execnet==2.1.2). Four workers share the GPU, each allocating memory as it goes.
-# Writes $OUT/gpu_tests.log and $OUT/gpu_tests.xml (JUnit, per-test times).
+# GPU_TEST_FILES="tests/test_decode.py" runs a subset. Writes $OUT/gpu_tests.log and $OUT/gpu_tests.xml (JUnit, per-test times).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_tests_out}
 mkdir -p "$OUT"
@@ -23,8 +23,8 @@ if ! python3 -c "import pytest, xdist" 2> /dev/null; then
 else
   export PYTHONPATH=$PWD
 fi
-FILES="tests/test_select_kernel.py tests/test_mosaic_kernels.py tests/test_compress_kernels.py
-  tests/test_decode.py"
+FILES=${GPU_TEST_FILES:-"tests/test_select_kernel.py tests/test_mosaic_kernels.py
+  tests/test_compress_kernels.py tests/test_decode.py"}
 nvidia-smi -L | tee "$OUT/gpu_tests.log"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu_tests.log"
 # shellcheck disable=SC2086
