@@ -5,23 +5,32 @@
 #   bash scripts/gpu_tests.sh [pytest args]      (repository root; on the device tool pass
 #                                                  carry [".whl"] and OUT=$OUT)
 #
-# The device machine has jax but not pytest and no network: pytest, pytest-xdist and their
-# dependencies come from wheels in .whl/ (pip download --no-deps --only-binary=:all: -d .whl
-# pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-xdist==3.8.0
-# execnet==2.1.2). Four workers share the GPU, each allocating memory as it goes.
-# GPU_TEST_FILES="tests/test_decode.py" runs a subset. Writes $OUT/gpu_tests.log and $OUT/gpu_tests.xml (JUnit, per-test times).
+# What the machine lacks comes from wheels in .whl/ (no network there): pytest, pytest-xdist and
+# their dependencies (pip download --no-deps --only-binary=:all: -d .whl pytest==9.2.0
+# pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-xdist==3.8.0 execnet==2.1.2) and
+# ml-collections==1.1.0 for the training tests (as for scripts/h200_runs.sh). Four workers share
+# the GPU, each allocating memory as it goes.
+# GPU_TEST_FILES="tests/test_decode.py" runs other files instead of the four kernel files (e.g.
+# the module, aux-selector, fold, XLA-path, reference and sharding files: 179 tests in 235 s on
+# the H200, 2026-11-30). Writes $OUT/gpu_tests.log and $OUT/gpu_tests.xml (JUnit, per-test times).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_tests_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-if ! python3 -c "import pytest, xdist" 2> /dev/null; then
-  wheels=$(ls .whl/pytest-*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/packaging-*.whl \
-    .whl/pytest_xdist-*.whl .whl/execnet-*.whl 2> /dev/null)
-  [ -n "$wheels" ] || { echo "pytest is missing and .whl/ has no pytest wheels (see the header)"; exit 2; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pytest_site $wheels || exit 1
+wheels=""
+python3 -c "import pytest" 2> /dev/null || wheels="$wheels pytest-* pluggy-* iniconfig-* packaging-*"
+python3 -c "import xdist" 2> /dev/null || wheels="$wheels pytest_xdist-* execnet-*"
+python3 -c "import ml_collections" 2> /dev/null || wheels="$wheels ml_collections-*"
+export PYTHONPATH=$PWD
+if [ -n "$wheels" ]; then
+  files=""
+  for w in $wheels; do
+    f=$(ls .whl/$w.whl 2> /dev/null) || { echo "missing $w and no .whl/$w.whl (see the header)"; exit 2; }
+    files="$files $f"
+  done
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pytest_site $files || exit 1
   export PYTHONPATH=$PWD:/tmp/pytest_site
-else
-  export PYTHONPATH=$PWD
 fi
 FILES=${GPU_TEST_FILES:-"tests/test_select_kernel.py tests/test_mosaic_kernels.py
   tests/test_compress_kernels.py tests/test_decode.py"}
