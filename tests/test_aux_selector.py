@@ -102,7 +102,9 @@ def test_select_matches_literal_loop(seg):
   idx, kl2 = aux_selector.select(q, k, w_q, w_k, cfg, segment_ids=segment_ids, chunk=48)
   want_idx = reference.select_blocks(scores, cfg, reference._segments(segment_ids, b, t))
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx), err_msg=f"seed={SEED}")
-  np.testing.assert_allclose(np.asarray(kl2), np.asarray(kl), rtol=1e-6)
+  # the same function eagerly and under jit: only the fusion's float order differs (on the H200
+  # 4e-6 relative, 2 float32 ulps of 0.06, failed rtol=1e-6 once)
+  np.testing.assert_allclose(np.asarray(kl2), np.asarray(kl), rtol=2e-5, atol=1e-7)
 
 
 def test_selector_loss_trains_only_the_gate_and_goes_down():
