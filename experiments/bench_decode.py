@@ -40,7 +40,10 @@ IMPLS = ("xla", "pallas", "pallas_all")
 # Tuning variants of the fused path (--variants): name -> compressed_select_decode keywords.
 VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
             "pallas_all_topn_w1": dict(topn_num_warps=1),
-            "pallas_all_topn_w4": dict(topn_num_warps=4)}  # default: 2 warps (tuned 2026-11-29)
+            "pallas_all_topn_w4": dict(topn_num_warps=4),  # default: 2 warps (tuned 2026-11-29)
+            # Eq. 9's band sums in the compressed-cache walk, one scores + top-n kernel:
+            # two launches instead of three (written 2026-11-30, not yet timed on a GPU)
+            "pallas_all_walkscores": dict(scores_in_walk=True)}
 L2_BYTES = 60e6
 
 
@@ -207,7 +210,7 @@ def profile_step(t, out_dir, name, b=8, dk=192, dv=128):
   cfg = paper_cfg(dk, dv)
   copies = [nsa_inputs(jax.random.key(1), b, t, cfg)]
   res = {}
-  for impl in IMPLS:
+  for impl in RUN["impls"]:  # xla first, then --impls (variants included)
     rows = bc.kernel_profile(looped(nsa_step_fn(cfg, t, impl), t, TIMING["steps"]), [copies],
                              os.path.join("/tmp", f"trace_{impl}"))
     res[impl] = dict(steps=TIMING["steps"], kernels=rows)

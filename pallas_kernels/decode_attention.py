@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
+from pallas_kernels import select_topn as st
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -39,8 +40,16 @@ TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs: enough splits to fill i
 
 
 def _walk(state, qs, k_ref, v_ref, lo, hi, t, *, block_of, block_size, bk, dk_pieces, dv_pieces,
-          scale, lg_ref=None):
-  """Online softmax over slots [lo, hi) of a block list: block_of(j) -> (block id, live)."""
+          scale, lg_ref=None, band=None):
+  """Online softmax over slots [lo, hi) of a block list: block_of(j) -> (block id, live).
+
+  band (contiguous mode, one 64-slot step per block): (w_own, w_next, own_ref, mref_ref, nxt_ref,
+  mnx_ref). After step j, p = exp2(logit - m_j) of its slots (m_j: the running max after the step,
+  the reference max) goes through Eq. 9's band: own_ref[j] = p @ w_own (this step's selection
+  blocks), nxt_ref[j + 1] = p @ w_next (the next step's blocks, which the band reaches), and
+  mref_ref[j] = mnx_ref[j + 1] = m_j; decode_select's top-n kernel rescales them by
+  exp2(m_j - lse) once lse is known. Float32-exact through three bfloat16 terms, as select_topn.
+  """
 
   def body(j, carry):
     m_i, l_i, accs = carry
@@ -56,6 +65,14 @@ def _walk(state, qs, k_ref, v_ref, lo, hi, t, *, block_of, block_size, bk, dk_pi
       kpos = start + lax.iota(jnp.int32, bk)
       s = jnp.where(((kpos <= t) & live)[None, :], s, -jnp.inf)
       m_i, l_i, accs = C.softmax_step((m_i, l_i, accs), s, vs)
+      if band is not None:
+        w_own, w_next, own_ref, mref_ref, nxt_ref, mnx_ref = band
+        m_use = jnp.where(m_i == -jnp.inf, 0.0, m_i)
+        parts = st._split3(jnp.exp2(s - m_use[:, None]))  # masked slots: exp2(-inf) = 0
+        own_ref[j] = st._exact_dot(parts, w_own)
+        nxt_ref[j + 1] = st._exact_dot(parts, w_next)
+        mref_ref[j] = m_i
+        mnx_ref[j + 1] = m_i
     return m_i, l_i, accs
 
   return lax.fori_loop(lo, jnp.maximum(lo, hi), body, state)
@@ -81,16 +98,28 @@ def _listed(idx_ref):
   return block_of
 
 
-def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *lg_refs, m_rows, bps,
-            block_size, bk, dk_pieces, dv_pieces, scale):
+def _kernel(idx_ref, meta_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *out_refs, m_rows, bps,
+            block_size, bk, dk_pieces, dv_pieces, scale, band=None):
   split = pl.program_id(2)
   cnt, t = meta_ref[0], meta_ref[1]
   first = split * bps
   last = jnp.minimum(first + bps, cnt)  # slots past cnt are never read (prefix mode)
   qs = [q_ref[:, pl.ds(off, size)] for off, size in dk_pieces]
+  lg_ref, band_refs = None, None
+  if band is not None:  # (r, c, off, nsj_pad): Eq. 9's band matrices, constant per step
+    r, c, off, nsj_pad = band
+    u = lax.broadcasted_iota(jnp.int32, (block_size, nsj_pad), 0)
+    v = lax.broadcasted_iota(jnp.int32, (block_size, nsj_pad), 1)
+    real = v < block_size // r  # padded columns (fewer than 16 blocks a step) stay 0
+    w_own = jnp.where(real, st._band(u, r * v + off, r, c), 0.0).astype(jnp.bfloat16)
+    w_next = jnp.where(real, st._band(u, r * (block_size // r + v) + off, r, c),
+                       0.0).astype(jnp.bfloat16)
+    band_refs = (w_own, w_next, *out_refs)
+  elif out_refs:
+    lg_ref = out_refs[0]
   state = _walk(_init(m_rows, dv_pieces), qs, k_ref, v_ref, first, last, t,
                 block_of=_listed(idx_ref), block_size=block_size, bk=bk, dk_pieces=dk_pieces,
-                dv_pieces=dv_pieces, scale=scale, lg_ref=lg_refs[0] if lg_refs else None)
+                dv_pieces=dv_pieces, scale=scale, lg_ref=lg_ref, band=band_refs)
   _store(state, acc_ref, m_ref, l_ref, dv_pieces)
 
 
@@ -199,9 +228,10 @@ def prefix_decode(qg, k, v, t, scale=None, *, block_size=64, blocks_per_split=No
 
 
 def prefix_partials(qg, k, v, t, block_size, scale, blocks_per_split, block_k, num_warps,
-                    num_stages, interpret, want_logits):
+                    num_stages, interpret, want_logits, band=None):
   """prefix_decode's pallas_call over slots 0..t: the per-split partials (acc, m, l) and the raw
-  logits blocks [B, K, splits, M, bps * block_size] (see `_call`), before any merge."""
+  logits blocks [B, K, splits, M, bps * block_size] (see `_call`), before any merge; with band =
+  (r, c, off, nsj_pad), Eq. 9's per-step band sums instead of the logits (see `_walk`)."""
   b, kh = qg.shape[:2]
   nb = k.shape[2] // block_size
   bps = blocks_per_split or default_blocks_per_split(b, kh, nb)
@@ -209,7 +239,7 @@ def prefix_partials(qg, k, v, t, block_size, scale, blocks_per_split, block_k, n
   t = jnp.asarray(t, jnp.int32)
   cnt = jnp.broadcast_to(jnp.clip(t // block_size + 1, 0, nb), (b, kh)).astype(jnp.int32)
   return _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,
-               interpret, want_logits)
+               interpret, want_logits, band)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "blocks_per_split",
@@ -266,7 +296,7 @@ def select_window_decode(qg, k, v, block_idx, t, k_win, v_win, t_win, block_size
 
 
 def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num_stages,
-          interpret, want_logits):
+          interpret, want_logits, band=None):
   """The pallas_call shared by both entry points: idx [B, K, n] block ids with the cnt [B, K]
   valid ones first. Returns per-split partials (acc, m, l) [B, K, splits, G, ...] and the logits
   blocks [B, K, splits, M, bps * block_size] (None unless want_logits)."""
@@ -281,12 +311,19 @@ def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num
   meta = jnp.stack([cnt, jnp.broadcast_to(jnp.asarray(t, jnp.int32), cnt.shape)], axis=-1)
   kernel = functools.partial(
       _kernel, m_rows=m_rows, bps=bps, block_size=block_size, bk=bk,
-      dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale)
+      dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale, band=band)
   out_specs = [per_split(m_rows, dv), per_split(m_rows), per_split(m_rows)]
   out_shape = [jax.ShapeDtypeStruct((b, kh, splits, m_rows, dv), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, splits, m_rows), jnp.float32)]
-  if want_logits:  # one block per split: programs never write the same output block
+  if band is not None:  # whole per (sequence, group): each program writes its own steps' rows
+    if bk != block_size:
+      raise ValueError("band sums need one walk step per block (block_k = block_size)")
+    steps, nsj_pad = band_steps(n), band[3]
+    out_specs += [per_group(steps, m_rows, nsj_pad), per_group(steps, m_rows)] * 2
+    out_shape += [jax.ShapeDtypeStruct((b, kh, steps, m_rows, nsj_pad), jnp.float32),
+                  jax.ShapeDtypeStruct((b, kh, steps, m_rows), jnp.float32)] * 2
+  elif want_logits:  # one block per split: programs never write the same output block
     out_specs.append(per_split(m_rows, bps * block_size))
     out_shape.append(jax.ShapeDtypeStruct((b, kh, splits, m_rows, bps * block_size), jnp.float32))
   C.log_once(("decode", qg.shape, k.shape, v.shape, n, block_size, bps, bk, want_logits, interpret),
@@ -305,7 +342,15 @@ def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num
       name="nsa_decode_attention",
   )(idx, meta, q_rows, k, v)
   acc, m, l = outs[0][:, :, :, :g], outs[1][..., :g], outs[2][..., :g]
+  if band is not None:
+    return acc, m, l, tuple(outs[3:])
   return acc, m, l, (outs[3] if want_logits else None)
+
+
+def band_steps(n):
+  """Rows of the band-sum outputs for n walk steps: steps 0..n (the next-step sums land one step
+  later), a power of two for the top-n kernel's loads."""
+  return C.next_pow2(n + 1)
 
 
 def merge_splits(acc, m, l, dtype):

@@ -93,6 +93,43 @@ def _topn_kernel(sc_ref, idx_ref, *, ns, n):
   idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
 
 
+def _band_topn_kernel(meta_ref, lse_ref, own_ref, mref_ref, nxt_ref, mnx_ref, idx_ref, *, g,
+                      steps, nsj, nsj_pad, ns, n, sel_block, n_init, n_local):
+  """Program (b, k): Eq. 8-11 and the top-n from the decode walk's per-step band sums
+  (decode_attention._walk with band): score of block j = sum over the group's heads of
+  exp2(m_step - lse) * (own sums of its step + next-step sums of the step before), then n rounds
+  of (max, lowest block holding it), ascending, -1 in empty slots. Steps the walk did not reach
+  hold garbage and are selected away (never multiplied into a kept value)."""
+  nv, t = meta_ref[0], meta_ref[1]
+  cnt = (nv - 1) // SLOT_BLOCK + 1  # walked steps (0 when nothing is visible)
+  si = lax.broadcasted_iota(jnp.int32, (steps, nsj_pad), 0)
+  vi = lax.broadcasted_iota(jnp.int32, (steps, nsj_pad), 1)
+  own_ok, nxt_ok = si < cnt, (si >= 1) & (si <= cnt)
+  score = jnp.zeros((steps, nsj_pad), jnp.float32)
+  for h in range(g):  # Eq. 10: the group's real heads
+    lse = lse_ref[h]
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    own = jnp.exp2(mref_ref[:, h] - lse2)[:, None] * own_ref[:, h, :]
+    nxt = jnp.exp2(mnx_ref[:, h] - lse2)[:, None] * nxt_ref[:, h, :]
+    score = score + jnp.where(own_ok, own, 0.0) + jnp.where(nxt_ok, nxt, 0.0)
+  cur = t // sel_block
+  j = si * nsj + vi
+  elig = (vi < nsj) & (j < ns) & (j <= cur)
+  forced = elig & ((j < n_init) | (j > cur - n_local))
+  vals = jnp.where(forced, jnp.inf, jnp.where(elig, score, -jnp.inf))  # Eq. 11
+  npad = idx_ref.shape[0]
+  slot = lax.broadcasted_iota(jnp.int32, (1, npad), 1)
+  a_val = jnp.full((1, npad), -jnp.inf, jnp.float32)
+  a_idx = jnp.full((1, npad), -1, jnp.int32)
+  for r in range(n):
+    best = jnp.max(vals)
+    pick = jnp.min(jnp.where(vals == best, j, st.BIG))  # ties: lower block
+    a_val = jnp.where(slot == r, best, a_val)
+    a_idx = jnp.where(slot == r, pick, a_idx)
+    vals = jnp.where(j == pick, -jnp.inf, vals)
+  idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
+
+
 # Selection blocks per score program: the matrix unit's minimum width of the band dot (its
 # r * 16 >= 16 rows then follow for any r = l'/d >= 1).
 CHUNK_BLOCKS = 16
@@ -124,11 +161,13 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
 
 @functools.partial(jax.jit, static_argnames=(
     "num_sel_blocks", "block", "stride", "sel_block", "num_selected", "num_init", "num_local",
-    "alignment", "scale", "blocks_per_split", "cmp_num_stages", "topn_num_warps", "interpret"))
+    "alignment", "scale", "blocks_per_split", "cmp_num_stages", "topn_num_warps",
+    "scores_in_walk", "interpret"))
 def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride,
                              sel_block, num_selected, num_init=1, num_local=2,
                              alignment="overlap", scale=None, blocks_per_split=None,
-                             cmp_num_stages=2, topn_num_warps=2, interpret=False):
+                             cmp_num_stages=2, topn_num_warps=2, scores_in_walk=False,
+                             interpret=False):
   """Compression branch + top-n of one query per sequence.
 
   qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
@@ -143,6 +182,12 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")
   b, kh, g, _ = qg.shape
   t, nv = jnp.asarray(t, jnp.int32), jnp.asarray(nv, jnp.int32)
+  if scores_in_walk:
+    return _band_select(qg, k_cmp, v_cmp, t, nv, num_sel_blocks=num_sel_blocks, block=block,
+                        stride=stride, sel_block=sel_block, num_selected=num_selected,
+                        num_init=num_init, num_local=num_local, alignment=alignment, scale=scale,
+                        blocks_per_split=blocks_per_split, cmp_num_stages=cmp_num_stages,
+                        topn_num_warps=topn_num_warps, interpret=interpret)
   acc, m, l, lg = da.prefix_partials(qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split,
                                      None, 4, cmp_num_stages, interpret, want_logits=True)
   o, lse = da.merge_splits(acc, m, l, qg.dtype)
@@ -181,4 +226,51 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
       interpret=interpret,
       name="nsa_decode_topn",
   )(scores)
+  return o, lse, idx[..., :num_selected]
+
+
+def _band_select(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride, sel_block,
+                 num_selected, num_init, num_local, alignment, scale, blocks_per_split,
+                 cmp_num_stages, topn_num_warps, interpret):
+  """compressed_select_decode(scores_in_walk=True): two launches instead of three. The decode
+  walk over the compressed cache also writes Eq. 9's band sums of each 64-slot step against the
+  step's own running max (no logits reach memory), and one program per (sequence, KV group)
+  rescales them by the merged lse, sums the heads and takes the top-n (`_band_topn_kernel`)."""
+  b, kh, g, _ = qg.shape
+  r, c = sel_block // stride, block // stride
+  if SLOT_BLOCK % r:
+    raise ValueError(f"scores_in_walk needs l'/d = {r} to divide the {SLOT_BLOCK}-slot step")
+  nsj = SLOT_BLOCK // r
+  nsj_pad = max(16, nsj)
+  nb = k_cmp.shape[2] // SLOT_BLOCK
+  steps = da.band_steps(nb)
+  if steps * nsj < num_sel_blocks:
+    raise ValueError(f"scores_in_walk: {nb} steps of {nsj} selection blocks do not cover "
+                     f"{num_sel_blocks} (compressed cache too short)")
+  acc, m, l, (own, mref, nxt, mnx) = da.prefix_partials(
+      qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split, None, 4, cmp_num_stages,
+      interpret, want_logits=False, band=(r, c, st.ALIGN_OFFSET[alignment](r), nsj_pad))
+  o, lse = da.merge_splits(acc, m, l, qg.dtype)
+  m_rows = own.shape[3]
+  lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)
+  meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
+  npad = C.next_pow2(num_selected)
+  n = min(num_selected, num_sel_blocks)
+  C.log_once(("decode_band_topn", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
+             "decode block scores in the walk + top-n: qg=%s k_cmp=%s selection blocks=%d "
+             "interpret=%s", qg.shape, k_cmp.shape, num_sel_blocks, interpret)
+  idx = pl.pallas_call(
+      functools.partial(_band_topn_kernel, g=g, steps=steps, nsj=nsj, nsj_pad=nsj_pad,
+                        ns=num_sel_blocks, n=n, sel_block=sel_block, n_init=num_init,
+                        n_local=num_local),
+      grid=(b, kh),
+      in_specs=[da.per_group(2), da.per_group(m_rows), da.per_group(steps, m_rows, nsj_pad),
+                da.per_group(steps, m_rows), da.per_group(steps, m_rows, nsj_pad),
+                da.per_group(steps, m_rows)],
+      out_specs=da.per_group(npad),
+      out_shape=jax.ShapeDtypeStruct((b, kh, npad), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=topn_num_warps, num_stages=1),
+      interpret=interpret,
+      name="nsa_decode_band_topn",
+  )(meta, lse_rows, own, mref, nxt, mnx)
   return o, lse, idx[..., :num_selected]

@@ -223,12 +223,14 @@ def test_decode_with_pallas_kernels_interpret_equals_parallel():
   assert_close(jnp.concatenate(out, 1), parallel_logits(model, tokens), "pallas decode")
 
 
-@pytest.mark.parametrize("heads,kv_heads,dk,dv,align", [(16, 1, 32, 16, "overlap"),
-                                                         (4, 2, 16, 32, "literal")])
-def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv, align):
+@pytest.mark.parametrize("heads,kv_heads,dk,dv,align,in_walk", [
+    (16, 1, 32, 16, "overlap", False), (4, 2, 16, 32, "literal", False),
+    (16, 1, 32, 16, "overlap", True), (4, 2, 16, 32, "literal", True)])
+def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv, align, in_walk):
   """pallas_kernels.decode_select (interpret mode): o_cmp equal to decode_math.compressed_decode and
   block indices equal to the plain-JAX scores + top-n, at positions inside the first selection
-  block, across top-n chunks (16 blocks of 16 tokens) and at the end of the cache."""
+  block, across top-n chunks (16 blocks of 16 tokens) and at the end of the cache; with in_walk,
+  the scores come from the decode walk's band sums (scores_in_walk=True: two launches)."""
   from pallas_kernels import decode_select
   cfg = NSAConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=dk, head_dim_v=dv, cmp_block=8,
                   cmp_stride=4, sel_block=16, num_selected=5, window=16, score_alignment=align)
@@ -239,7 +241,8 @@ def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv
   vc = jax.random.normal(k3, (b, kv_heads, nc, dv))
   ns = s_slc // cfg.sel_block
   fused = jax.jit(lambda q, kc, vc, t: decode_math.cmp_select_with(
-      functools.partial(decode_select.compressed_select_decode, interpret=INTERPRET), q, kc, vc, t, ns,
+      functools.partial(decode_select.compressed_select_decode, interpret=INTERPRET,
+                        scores_in_walk=in_walk), q, kc, vc, t, ns,
       cfg))
   plain = jax.jit(lambda q, kc, vc, t: decode_math.compressed_decode(q, kc, vc, t, cfg))
   for t in (3, 11, 40, 263, 300, 511):
@@ -268,12 +271,15 @@ def test_decode_kernels_lower_for_cuda():
     o_s, _ = kern.select_decode(q, ks, vs, idx, t, 64)
     o_s2, _, o_w, _ = kern.select_window_decode(q, ks, vs, idx, t, ks[:, :, :512], vs[:, :, :512],
                                                 jnp.int32(511), 64)
-    return o_c, o_s, o_s2, o_w
+    _, _, idx2 = decode_select.compressed_select_decode(
+        q, kc, vc, t, jnp.int32(nc - 1), num_sel_blocks=s_slc // 64, block=32, stride=16,
+        sel_block=64, num_selected=16, scores_in_walk=True)
+    return o_c, o_s, o_s2, o_w, idx2
 
   abstract = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
   with jax.sharding.use_abstract_mesh(abstract):
     text = jax.jit(step).trace(q, kc, vc, ks, vs).lower(lowering_platforms=("cuda",)).as_text()
   for name in ("nsa_decode_attention", "nsa_decode_scores", "nsa_decode_topn",
-               "nsa_decode_select_window"):
+               "nsa_decode_select_window", "nsa_decode_band_topn"):
     assert name in text, f"{name} missing from the CUDA lowering"
