@@ -319,10 +319,11 @@ def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num
   if band is not None:  # whole per (sequence, group): each program writes its own steps' rows
     if bk != block_size:
       raise ValueError("band sums need one walk step per block (block_k = block_size)")
-    steps, nsj_pad = band_steps(n), band[3]
-    out_specs += [per_group(steps, m_rows, nsj_pad), per_group(steps, m_rows)] * 2
-    out_shape += [jax.ShapeDtypeStruct((b, kh, steps, m_rows, nsj_pad), jnp.float32),
-                  jax.ShapeDtypeStruct((b, kh, steps, m_rows), jnp.float32)] * 2
+    nsj_pad = band[3]
+    for steps in (band_steps(n), band_steps(n) + 1):  # own sums; next-step sums (one later)
+      out_specs += [per_group(steps, m_rows, nsj_pad), per_group(steps, m_rows)]
+      out_shape += [jax.ShapeDtypeStruct((b, kh, steps, m_rows, nsj_pad), jnp.float32),
+                    jax.ShapeDtypeStruct((b, kh, steps, m_rows), jnp.float32)]
   elif want_logits:  # one block per split: programs never write the same output block
     out_specs.append(per_split(m_rows, bps * block_size))
     out_shape.append(jax.ShapeDtypeStruct((b, kh, splits, m_rows, bps * block_size), jnp.float32))
@@ -348,9 +349,9 @@ def _call(qg, k, v, idx, cnt, t, block_size, scale, bps, block_k, num_warps, num
 
 
 def band_steps(n):
-  """Rows of the band-sum outputs for n walk steps: steps 0..n (the next-step sums land one step
-  later), a power of two for the top-n kernel's loads."""
-  return C.next_pow2(n + 1)
+  """Rows the top-n kernel reads of the band-sum outputs of n walk steps: a power of two >= n
+  (the next-step sums have one row more: step j writes row j + 1)."""
+  return C.next_pow2(n)
 
 
 def merge_splits(acc, m, l, dtype):

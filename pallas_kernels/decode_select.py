@@ -110,7 +110,8 @@ def _band_topn_kernel(meta_ref, lse_ref, own_ref, mref_ref, nxt_ref, mnx_ref, id
     lse = lse_ref[h]
     lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
     own = jnp.exp2(mref_ref[:, h] - lse2)[:, None] * own_ref[:, h, :]
-    nxt = jnp.exp2(mnx_ref[:, h] - lse2)[:, None] * nxt_ref[:, h, :]
+    nxt = (jnp.exp2(mnx_ref[pl.ds(0, steps), h] - lse2)[:, None]
+           * nxt_ref[pl.ds(0, steps), h, :])
     score = score + jnp.where(own_ok, own, 0.0) + jnp.where(nxt_ok, nxt, 0.0)
   cur = t // sel_block
   j = si * nsj + vi
@@ -265,8 +266,8 @@ def _band_select(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride, sel_
                         n_local=num_local),
       grid=(b, kh),
       in_specs=[da.per_group(2), da.per_group(m_rows), da.per_group(steps, m_rows, nsj_pad),
-                da.per_group(steps, m_rows), da.per_group(steps, m_rows, nsj_pad),
-                da.per_group(steps, m_rows)],
+                da.per_group(steps, m_rows), da.per_group(steps + 1, m_rows, nsj_pad),
+                da.per_group(steps + 1, m_rows)],
       out_specs=da.per_group(npad),
       out_shape=jax.ShapeDtypeStruct((b, kh, npad), jnp.int32),
       compiler_params=plgpu.CompilerParams(num_warps=topn_num_warps, num_stages=1),
