@@ -206,20 +206,27 @@ def test_select_window_kernel_interpret_matches_plain_jax():
       assert_close(x, y, f"{what} at t={t}", tol=1e-5)
 
 
-def test_decode_with_pallas_kernels_interpret_equals_parallel():
+@pytest.mark.parametrize("in_walk", [False, True])
+def test_decode_with_pallas_kernels_interpret_equals_parallel(in_walk, monkeypatch):
   """The whole decode step with all three split-K kernels (interpret mode) against the parallel
-  pass: 70 cached tokens, so the compressed cache (15 blocks) and the window ring are live."""
+  pass: 70 cached tokens, so the compressed cache (15 blocks) and the window ring are live; with
+  in_walk, the block scores come from the compressed walk's band sums (scores_in_walk=True)."""
   model = tiny_model(n_layers=1, heads=16, kv_heads=1, head_dim=16, window=64)
   tokens = jax.random.randint(fresh_key(9), (1, 74), 0, VOCAB)
   params, prefill_fn, _ = decode.jit_decode(model)
+  kernels = decode.pallas_decode_kernels(interpret=INTERPRET)
+  kernels["cmp_select_fn"] = functools.partial(kernels["cmp_select_fn"], scores_in_walk=in_walk)
+  from pallas_kernels import decode_select
+  calls, real = [], decode_select._band_select
+  monkeypatch.setattr(decode_select, "_band_select", lambda *a, **k: calls.append(1) or real(*a, **k))
   _, step_fn = params, jax.jit(lambda p, c, x: decode.decode_step(
-      nnx.merge(nnx.graphdef(model), p), c, x, check=False,
-      **decode.pallas_decode_kernels(interpret=INTERPRET)))
+      nnx.merge(nnx.graphdef(model), p), c, x, check=False, **kernels))
   logits, cache = prefill_fn(params, tokens[:, :70], 74)
   out = [logits]
   for i in range(70, 74):
     step_logits, cache = step_fn(params, cache, tokens[:, i])
     out.append(step_logits[:, None])
+  assert bool(calls) == in_walk, "the band-sum path ran where it should not, or not where it should"
   assert_close(jnp.concatenate(out, 1), parallel_logits(model, tokens), "pallas decode")
 
 
