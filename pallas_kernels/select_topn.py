@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,11 @@ from pallas_kernels._common import segment_ids_int32
 
 LOG2E = math.log2(math.e)
 BIG = 2 ** 30
+# The merge with carried bounds and the first chunk taken as the list (n = 16 = the chunk width):
+# the same indices in fewer reductions, checked in the interpreter and by CUDA lowering but not
+# yet compiled or timed on a GPU (2026-11-30), so off by default. NSA_TOPN_FAST_MERGE=1 turns it
+# on (for the A/B run: bench_nsa's top-n row, profile_step's nsa_op/topn scope).
+FAST_MERGE = os.environ.get("NSA_TOPN_FAST_MERGE", "0") == "1"
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
 
 
@@ -62,7 +68,12 @@ def _exact_dot(parts, w):
 
 
 def _merge(a_val, a_idx, cand, jv, *, n):
-  """Merge candidates cand [tq, S] (block ids jv) into the running top-n (a_val, a_idx) [tq, NP]."""
+  """Merge candidates cand [tq, S] (block ids jv) into the running top-n (a_val, a_idx) [tq, NP].
+
+  One candidate per row and iteration (the best one, lower block on ties) replaces the row's worst
+  entry (smallest score, highest block among equals) while any row has a candidate that beats it.
+  With FAST_MERGE the bounds for the next test are computed at the end of each iteration and
+  carried (five reductions an iteration instead of seven)."""
   npad = a_val.shape[1]
   slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
   real = slot < n
@@ -70,14 +81,10 @@ def _merge(a_val, a_idx, cand, jv, *, n):
   def bounds(a_val, c):
     return jnp.max(c, axis=1), jnp.min(jnp.where(real, a_val, jnp.inf), axis=1)
 
-  def cond(st):
-    a_val, _, c = st
-    c_best, a_min = bounds(a_val, c)
+  def any_beats(c_best, a_min):
     return jnp.max((c_best > a_min).astype(jnp.int32)) > 0
 
-  def body(st):
-    a_val, a_idx, c = st
-    c_best, a_min = bounds(a_val, c)
+  def step(a_val, a_idx, c, c_best, a_min):
     c_pick = jnp.min(jnp.where(c == c_best[:, None], jv, BIG), axis=1)  # ties: lower block
     a_eff = jnp.where(real, a_val, jnp.inf)
     key = jnp.where(a_eff == a_min[:, None], (a_idx + 1) * npad + slot, -1)
@@ -88,6 +95,25 @@ def _merge(a_val, a_idx, cand, jv, *, n):
     a_idx = jnp.where(hit, c_pick[:, None], a_idx)
     c = jnp.where(ins[:, None] & (jv == c_pick[:, None]), -jnp.inf, c)
     return a_val, a_idx, c
+
+  if FAST_MERGE:
+    def carried(st):  # state: a_val, a_idx, c, their bounds, whether to go on
+      a_val, a_idx, c = step(*st[:5])
+      c_best, a_min = bounds(a_val, c)
+      return a_val, a_idx, c, c_best, a_min, any_beats(c_best, a_min)
+
+    c_best, a_min = bounds(a_val, cand)
+    st = lax.while_loop(lambda st: st[5], carried,
+                        (a_val, a_idx, cand, c_best, a_min, any_beats(c_best, a_min)))
+    return st[0], st[1]
+
+  def cond(st):
+    a_val, _, c = st
+    return any_beats(*bounds(a_val, c))
+
+  def body(st):
+    a_val, a_idx, c = st
+    return step(a_val, a_idx, c, *bounds(a_val, c))
 
   a_val, a_idx, _ = lax.while_loop(cond, body, (a_val, a_idx, cand))
   return a_val, a_idx
@@ -129,9 +155,9 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   chunks = last // sel_block // nsj + 1
 
-  def body(ci, st):
+  def body(ci, st, fill=False):
     a_val, a_idx, carry = st
-    start = pl.multiple_of(ci * bkc, bkc)
+    start = ci * bkc if fill else pl.multiple_of(ci * bkc, bkc)  # fill: ci is the literal 0
     kidx = start + lax.iota(jnp.int32, bkc)
     ks = ca.load_block(k_ref, start, bkc, dk_pieces)
     bseg = bseg_ref[pl.ds(start, bkc)] if has_seg else None
@@ -148,12 +174,20 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     elig = (j <= cur[:, None]) & (j >= first[:, None])
     forced = elig & ((j < first[:, None] + n_init) | (j > cur[:, None] - n_local))
     cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
+    if fill:  # the first chunk's nsj = n candidates are the list (-inf: empty slots)
+      return cand, j, carry
     a_val, a_idx = _merge(a_val, a_idx, cand, j, n=n)
     return a_val, a_idx, carry
 
   init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32),
           jnp.zeros((tq, nsj), jnp.float32))
-  a_val, a_idx, _ = lax.fori_loop(0, chunks, body, init)
+  # With nsj == n == NP the first chunk needs no merge (16 of the ~45 merge iterations of a
+  # 128-block row at n = 16): its candidates become the list, then chunks 1.. merge as before.
+  # Every tile has at least one chunk.
+  c0 = 0
+  if FAST_MERGE and nsj == n == npad:
+    init, c0 = body(0, init, fill=True), 1
+  a_val, a_idx, _ = lax.fori_loop(c0, chunks, body, init)
   ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
 
 

@@ -16,6 +16,7 @@ import pytest
 from nsa_jax import ops, reference
 from nsa_jax.config import NSAConfig
 from pallas_kernels.compress_attention import CmpTiling, compress_attention
+from pallas_kernels import select_topn as topn_module
 from pallas_kernels.select_topn import select_topn
 try:
   from tests.gpu_mode import INTERPRET, ON_GPU
@@ -97,8 +98,14 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
     (16, 1, 260, 32, 16, 64, 3, "overlap", True),
     (8, 1, 333, 16, 8, 16, 6, "literal", False),
     (16, 1, 400, 16, 8, 16, 4, "overlap", False),  # G=16 over several 32-block chunks
+    # n = 16 = the chunk width: the first chunk becomes the list without a merge
+    (16, 1, 700, 16, 8, 16, 16, "overlap", True),
+    (4, 2, 600, 16, 8, 16, 16, "literal", False),
 ])
-def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg):
+@pytest.mark.parametrize("fast_merge", [False, True])
+def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, fast_merge,
+                                         monkeypatch):
+  monkeypatch.setattr(topn_module, "FAST_MERGE", fast_merge)
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 4)
   b, dk = 2, 32
@@ -166,8 +173,11 @@ def _abstract_gpu():
                                   num_cores=132))))
 
 
-@pytest.mark.parametrize("h,kv,dk,dv,use_seg", [(64, 4, 192, 128, False), (8, 8, 64, 32, True)])
-def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg):
+@pytest.mark.parametrize("h,kv,dk,dv,use_seg,fast_merge", [(64, 4, 192, 128, False, False),
+                                                            (8, 8, 64, 32, True, False),
+                                                            (64, 4, 192, 128, False, True)])
+def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, fast_merge, monkeypatch):
+  monkeypatch.setattr(topn_module, "FAST_MERGE", fast_merge)
   t, l, d, lp = 1024, 32, 16, 64
   nc = (t - l) // d + 1
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
