@@ -94,14 +94,16 @@ def _topn_kernel(sc_ref, idx_ref, *, ns, n):
 
 
 def _band_topn_kernel(meta_ref, lse_ref, own_ref, mref_ref, nxt_ref, mnx_ref, idx_ref, *, g,
-                      steps, nsj, nsj_pad, ns, n, sel_block, n_init, n_local):
+                      steps, walked, nsj, nsj_pad, ns, n, sel_block, n_init, n_local):
   """Program (b, k): Eq. 8-11 and the top-n from the decode walk's per-step band sums
   (decode_attention._walk with band): score of block j = sum over the group's heads of
   exp2(m_step - lse) * (own sums of its step + next-step sums of the step before), then n rounds
   of (max, lowest block holding it), ascending, -1 in empty slots. Steps the walk did not reach
   hold garbage and are selected away (never multiplied into a kept value)."""
   nv, t = meta_ref[0], meta_ref[1]
-  cnt = (nv - 1) // SLOT_BLOCK + 1  # walked steps (0 when nothing is visible)
+  # walked steps (0 when nothing is visible; never more than the cache's `walked` blocks, so no
+  # row the masks below accept is unwritten)
+  cnt = jnp.minimum((nv - 1) // SLOT_BLOCK + 1, walked)
   si = lax.broadcasted_iota(jnp.int32, (steps, nsj_pad), 0)
   vi = lax.broadcasted_iota(jnp.int32, (steps, nsj_pad), 1)
   own_ok, nxt_ok = si < cnt, (si >= 1) & (si <= cnt)
@@ -118,13 +120,15 @@ def _band_topn_kernel(meta_ref, lse_ref, own_ref, mref_ref, nxt_ref, mnx_ref, id
   elig = (vi < nsj) & (j < ns) & (j <= cur)
   forced = elig & ((j < n_init) | (j > cur - n_local))
   vals = jnp.where(forced, jnp.inf, jnp.where(elig, score, -jnp.inf))  # Eq. 11
+  # One row for the rounds: 1-D reductions (a 2-D one to a scalar lowers as two).
+  vals, j = vals.reshape(1, steps * nsj_pad), j.reshape(1, steps * nsj_pad)
   npad = idx_ref.shape[0]
   slot = lax.broadcasted_iota(jnp.int32, (1, npad), 1)
   a_val = jnp.full((1, npad), -jnp.inf, jnp.float32)
   a_idx = jnp.full((1, npad), -1, jnp.int32)
   for r in range(n):
-    best = jnp.max(vals)
-    pick = jnp.min(jnp.where(vals == best, j, st.BIG))  # ties: lower block
+    best = jnp.max(vals, axis=1, keepdims=True)
+    pick = jnp.min(jnp.where(vals == best, j, st.BIG), axis=1, keepdims=True)  # ties: lower block
     a_val = jnp.where(slot == r, best, a_val)
     a_idx = jnp.where(slot == r, pick, a_idx)
     vals = jnp.where(j == pick, -jnp.inf, vals)
@@ -160,6 +164,26 @@ def supports(qg_shape, kc_shape, vc_shape, num_sel_blocks, block, stride, sel_bl
   return True, "ok"
 
 
+def band_supports(kc_shape, num_sel_blocks, block, stride, sel_block, alignment):
+  """(ok, reason): whether scores_in_walk=True handles these shapes: l'/d divides the 64-slot
+  walk step, Eq. 9's band reaches back at most one step, and the steps cover every selection
+  block."""
+  r, c = sel_block // stride, block // stride
+  if sel_block % stride or SLOT_BLOCK % r:
+    return False, f"l'/d = {sel_block}/{stride} must divide the {SLOT_BLOCK}-slot walk step"
+  if block % stride:
+    return False, f"l={block} must be a multiple of d={stride}"
+  reach = r + c - 2 - st.ALIGN_OFFSET[alignment](r)
+  if reach > SLOT_BLOCK:
+    return False, (f"Eq. 9's band reaches {reach} slots back (l'/d={r}, l/d={c}, {alignment}), "
+                   f"more than one {SLOT_BLOCK}-slot step")
+  nb = kc_shape[2] // SLOT_BLOCK
+  if da.band_steps(nb) * (SLOT_BLOCK // r) < num_sel_blocks:
+    return False, (f"{nb} steps of {SLOT_BLOCK // r} selection blocks do not cover "
+                   f"{num_sel_blocks} (compressed cache too short)")
+  return True, "ok"
+
+
 @functools.partial(jax.jit, static_argnames=(
     "num_sel_blocks", "block", "stride", "sel_block", "num_selected", "num_init", "num_local",
     "alignment", "scale", "blocks_per_split", "cmp_num_stages", "topn_num_warps",
@@ -174,21 +198,31 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
   t: the query position; nv: the number of visible compressed slots (int32 scalars, may be traced).
   Returns o_cmp [B, K, G, Dv], lse [B, K, G] float32, block_idx [B, K, n] int32.
+  scores_in_walk=True: the block scores come from Eq. 9's band sums written by the compressed
+  walk itself and one scores + top-n kernel (`_band_select`: two launches instead of three), where
+  `band_supports` allows it (logged otherwise); not yet timed on a GPU, so off by default.
   """
-  ok, why = supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel_blocks, block, stride,
-                     sel_block, blocks_per_split)
-  if not ok:
-    raise ValueError(f"compressed_select_decode does not support this call: {why}")
   if alignment not in st.ALIGN_OFFSET:
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")
   b, kh, g, _ = qg.shape
   t, nv = jnp.asarray(t, jnp.int32), jnp.asarray(nv, jnp.int32)
   if scores_in_walk:
+    ok, why = da.supports(qg.shape, k_cmp.shape, v_cmp.shape, SLOT_BLOCK)
+    if ok:
+      ok, why = band_supports(k_cmp.shape, num_sel_blocks, block, stride, sel_block, alignment)
+    if not ok:  # said once per shape; the three-kernel path below then runs (or refuses)
+      C.log_once(("decode_band_unsupported", qg.shape, k_cmp.shape, why), "decode scores in "
+                 "the walk not used (%s): the three-kernel scoring + top-n instead", why)
+  if scores_in_walk and ok:
     return _band_select(qg, k_cmp, v_cmp, t, nv, num_sel_blocks=num_sel_blocks, block=block,
                         stride=stride, sel_block=sel_block, num_selected=num_selected,
                         num_init=num_init, num_local=num_local, alignment=alignment, scale=scale,
                         blocks_per_split=blocks_per_split, cmp_num_stages=cmp_num_stages,
                         topn_num_warps=topn_num_warps, interpret=interpret)
+  ok, why = supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel_blocks, block, stride,
+                     sel_block, blocks_per_split)
+  if not ok:
+    raise ValueError(f"compressed_select_decode does not support this call: {why}")
   acc, m, l, lg = da.prefix_partials(qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split,
                                      None, 4, cmp_num_stages, interpret, want_logits=True)
   o, lse = da.merge_splits(acc, m, l, qg.dtype)
@@ -238,16 +272,11 @@ def _band_select(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride, sel_
   step's own running max (no logits reach memory), and one program per (sequence, KV group)
   rescales them by the merged lse, sums the heads and takes the top-n (`_band_topn_kernel`)."""
   b, kh, g, _ = qg.shape
-  r, c = sel_block // stride, block // stride
-  if SLOT_BLOCK % r:
-    raise ValueError(f"scores_in_walk needs l'/d = {r} to divide the {SLOT_BLOCK}-slot step")
+  r, c = sel_block // stride, block // stride  # band_supports checked the geometry
   nsj = SLOT_BLOCK // r
   nsj_pad = max(16, nsj)
   nb = k_cmp.shape[2] // SLOT_BLOCK
   steps = da.band_steps(nb)
-  if steps * nsj < num_sel_blocks:
-    raise ValueError(f"scores_in_walk: {nb} steps of {nsj} selection blocks do not cover "
-                     f"{num_sel_blocks} (compressed cache too short)")
   acc, m, l, (own, mref, nxt, mnx) = da.prefix_partials(
       qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split, None, 4, cmp_num_stages,
       interpret, want_logits=False, band=(r, c, st.ALIGN_OFFSET[alignment](r), nsj_pad))
@@ -261,7 +290,7 @@ def _band_select(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride, sel_
              "decode block scores in the walk + top-n: qg=%s k_cmp=%s selection blocks=%d "
              "interpret=%s", qg.shape, k_cmp.shape, num_sel_blocks, interpret)
   idx = pl.pallas_call(
-      functools.partial(_band_topn_kernel, g=g, steps=steps, nsj=nsj, nsj_pad=nsj_pad,
+      functools.partial(_band_topn_kernel, g=g, steps=steps, walked=nb, nsj=nsj, nsj_pad=nsj_pad,
                         ns=num_sel_blocks, n=n, sel_block=sel_block, n_init=num_init,
                         n_local=num_local),
       grid=(b, kh),

@@ -262,6 +262,53 @@ def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv
                                   err_msg=f"block indices at t={t} (seed={SEED})")
 
 
+@pytest.mark.parametrize("l,d,lp,align,g,kh,nc,bps", [
+    (8, 4, 16, "overlap", 3, 1, 256, 2),     # splits of two steps: the max changes across steps
+    (8, 4, 16, "literal", 16, 1, 320, 3),    # 5 steps (not a power of two), uneven splits
+    (8, 4, 32, "literal", 2, 2, 256, 1),     # l'/d = 8: 8 selection blocks a step (padded to 16)
+    (4, 2, 4, "overlap", 1, 1, 192, 2),      # l'/d = 2: 32 selection blocks a step
+])
+def test_band_scores_in_walk_geometries(l, d, lp, align, g, kh, nc, bps):
+  """compressed_select_decode(scores_in_walk=True) (interpreter) against the plain-JAX scores
+  and top-n over block geometries, multi-step splits and positions from before the first
+  compressed block to the end of the cache (found by a review: only r = 4, one step a split was
+  tested)."""
+  from pallas_kernels import decode_select
+  cfg = NSAConfig(num_heads=g * kh, num_kv_heads=kh, head_dim=32, head_dim_v=16, cmp_block=l,
+                  cmp_stride=d, sel_block=lp, num_selected=5, window=16, score_alignment=align)
+  b, s_slc = 2, nc * d
+  ns = s_slc // lp
+  assert decode_select.band_supports((b, kh, nc, 32), ns, l, d, lp, align)[0]
+  k1, k2, k3 = jax.random.split(fresh_key(13), 3)
+  q = jax.random.normal(k1, (b, kh, g, 32)) * 2
+  kc = jax.random.normal(k2, (b, kh, nc, 32))
+  vc = jax.random.normal(k3, (b, kh, nc, 16))
+  fused = jax.jit(lambda q, kc, vc, t: decode_select.compressed_select_decode(
+      q, kc, vc, t, decode_math.num_visible_cmp(t, cfg), num_sel_blocks=ns, block=l, stride=d,
+      sel_block=lp, num_selected=5, alignment=align, blocks_per_split=bps, scores_in_walk=True,
+      interpret=INTERPRET))
+  plain = jax.jit(lambda q, kc, vc, t: decode_math.compressed_decode(q, kc, vc, t, cfg))
+  for t in sorted({0, l - 1, l, 7 * lp + 3, s_slc // 2 + 5, s_slc - 1}):
+    o, _, idx = fused(q, kc, vc, jnp.int32(t))
+    want_o, _, p_cmp = plain(q, kc, vc, jnp.int32(t))
+    want_idx = decode_math.select_blocks_decode(decode_math.nsa_block_scores(p_cmp, ns, cfg),
+                                                jnp.int32(t), cfg)
+    assert_close(o, want_o, f"o_cmp at t={t}", tol=1e-5)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx),
+                                  err_msg=f"block indices at t={t} (seed={SEED})")
+
+
+def test_band_supports_refuses_a_band_reaching_two_steps_back():
+  """Literal alignment with l'/d = 64 and l/d >= 3 reaches more than one 64-slot step back (a
+  review measured wrong scores there); band_supports refuses it, so the three-kernel path runs."""
+  from pallas_kernels import decode_select
+  ok, why = decode_select.band_supports((1, 1, 1024, 32), 16, 3, 1, 64, "literal")
+  assert not ok and "reaches 65 slots back" in why
+  assert decode_select.band_supports((1, 1, 1024, 32), 16, 3, 1, 64, "overlap")[0]
+  ok, why = decode_select.band_supports((1, 1, 128, 32), 64, 8, 4, 16, "overlap")
+  assert not ok and "do not cover" in why
+
+
 def test_decode_kernels_lower_for_cuda():
   from pallas_kernels import decode_attention as kern
   from pallas_kernels import decode_select
