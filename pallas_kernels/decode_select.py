@@ -81,6 +81,12 @@ def _topn_kernel(sc_ref, idx_ref, *, ns, n):
   nsp, npad = sc_ref.shape[0], idx_ref.shape[0]
   j = lax.broadcasted_iota(jnp.int32, (1, nsp), 1)
   vals = jnp.where(j < ns, sc_ref[...].reshape(1, nsp), -jnp.inf)  # slots past Ns: never written
+  idx_ref[...] = _best_n(vals, j, n=n, npad=npad)
+
+
+def _best_n(vals, j, *, n, npad):
+  """[NP] ascending block ids of the n best of vals [1, S] (block ids j [1, S]; +inf forced, -inf
+  ineligible): n rounds of (max, lowest block holding it), -1 in empty slots."""
   slot = lax.broadcasted_iota(jnp.int32, (1, npad), 1)
   a_val = jnp.full((1, npad), -jnp.inf, jnp.float32)
   a_idx = jnp.full((1, npad), -1, jnp.int32)
@@ -90,7 +96,7 @@ def _topn_kernel(sc_ref, idx_ref, *, ns, n):
     a_val = jnp.where(slot == s, best, a_val)
     a_idx = jnp.where(slot == s, pick, a_idx)
     vals = jnp.where(j == pick, -jnp.inf, vals)
-  idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
+  return st._ascending(a_val, a_idx, n=n).reshape(npad)
 
 
 def _band_topn_kernel(meta_ref, lse_ref, own_ref, mref_ref, nxt_ref, mnx_ref, idx_ref, *, g,
@@ -122,17 +128,7 @@ def _band_topn_kernel(meta_ref, lse_ref, own_ref, mref_ref, nxt_ref, mnx_ref, id
   vals = jnp.where(forced, jnp.inf, jnp.where(elig, score, -jnp.inf))  # Eq. 11
   # One row for the rounds: 1-D reductions (a 2-D one to a scalar lowers as two).
   vals, j = vals.reshape(1, steps * nsj_pad), j.reshape(1, steps * nsj_pad)
-  npad = idx_ref.shape[0]
-  slot = lax.broadcasted_iota(jnp.int32, (1, npad), 1)
-  a_val = jnp.full((1, npad), -jnp.inf, jnp.float32)
-  a_idx = jnp.full((1, npad), -1, jnp.int32)
-  for r in range(n):
-    best = jnp.max(vals, axis=1, keepdims=True)
-    pick = jnp.min(jnp.where(vals == best, j, st.BIG), axis=1, keepdims=True)  # ties: lower block
-    a_val = jnp.where(slot == r, best, a_val)
-    a_idx = jnp.where(slot == r, pick, a_idx)
-    vals = jnp.where(j == pick, -jnp.inf, vals)
-  idx_ref[...] = st._ascending(a_val, a_idx, n=n).reshape(npad)
+  idx_ref[...] = _best_n(vals, j, n=n, npad=idx_ref.shape[0])
 
 
 # Selection blocks per score program: the matrix unit's minimum width of the band dot (its

@@ -251,10 +251,16 @@ def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv
       functools.partial(decode_select.compressed_select_decode, interpret=INTERPRET,
                         scores_in_walk=in_walk), q, kc, vc, t, ns,
       cfg))
+  assert_cmp_select_matches_plain(fused, (q, kc, vc), (3, 11, 40, 263, 300, 511), ns, cfg)
+
+
+def assert_cmp_select_matches_plain(fused, qkv, positions, ns, cfg):
+  """fused(q, kc, vc, t) -> (o_cmp, block_idx) equals decode_math's compression branch and its
+  plain-JAX scores + top-n at every position."""
   plain = jax.jit(lambda q, kc, vc, t: decode_math.compressed_decode(q, kc, vc, t, cfg))
-  for t in (3, 11, 40, 263, 300, 511):
-    o, idx = fused(q, kc, vc, jnp.int32(t))
-    want_o, _, p_cmp = plain(q, kc, vc, jnp.int32(t))
+  for t in positions:
+    o, idx = fused(*qkv, jnp.int32(t))
+    want_o, _, p_cmp = plain(*qkv, jnp.int32(t))
     want_idx = decode_math.select_blocks_decode(decode_math.nsa_block_scores(p_cmp, ns, cfg),
                                                 jnp.int32(t), cfg)
     assert_close(o, want_o, f"fused o_cmp at t={t}", tol=1e-5)
@@ -286,16 +292,10 @@ def test_band_scores_in_walk_geometries(l, d, lp, align, g, kh, nc, bps):
   fused = jax.jit(lambda q, kc, vc, t: decode_select.compressed_select_decode(
       q, kc, vc, t, decode_math.num_visible_cmp(t, cfg), num_sel_blocks=ns, block=l, stride=d,
       sel_block=lp, num_selected=5, alignment=align, blocks_per_split=bps, scores_in_walk=True,
-      interpret=INTERPRET))
-  plain = jax.jit(lambda q, kc, vc, t: decode_math.compressed_decode(q, kc, vc, t, cfg))
-  for t in sorted({0, l - 1, l, 7 * lp + 3, s_slc // 2 + 5, s_slc - 1}):
-    o, _, idx = fused(q, kc, vc, jnp.int32(t))
-    want_o, _, p_cmp = plain(q, kc, vc, jnp.int32(t))
-    want_idx = decode_math.select_blocks_decode(decode_math.nsa_block_scores(p_cmp, ns, cfg),
-                                                jnp.int32(t), cfg)
-    assert_close(o, want_o, f"o_cmp at t={t}", tol=1e-5)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx),
-                                  err_msg=f"block indices at t={t} (seed={SEED})")
+      interpret=INTERPRET)[::2])
+  assert_cmp_select_matches_plain(fused, (q, kc, vc),
+                                  sorted({0, l - 1, l, 7 * lp + 3, s_slc // 2 + 5, s_slc - 1}),
+                                  ns, cfg)
 
 
 def test_band_supports_refuses_a_band_reaching_two_steps_back():
