@@ -54,6 +54,13 @@
 #          + Triton bwd) at 16k-64k, paper heads, both head dims, and at the 8k/16k training layer
 #          shape (16/1 heads, 64/64, batch 8): where ops.FOLD_MIN_BLOCKS comes from; ~3 min.
 # decode   the decode step vs cuDNN at 8k-128k, batch 8 and 1 (issue 6's table); ~5 min.
+# walk     the decode kernel tests compiled (scripts/gpu_tests.sh test_decode.py, ~65 s), then the
+#          fused decode step with the block scores in the compressed walk (scores_in_walk) against
+#          the committed three-kernel scoring, 64k and 128k, batch 8 and 1, with a profile; needs
+#          carry [".whl"] only where the machine lacks pytest; ~4 min estimated (ninth session).
+# fastmerge  the top-n tests compiled with FAST_MERGE on and off (they set it themselves), then
+#          the 8k training layer (as train8k) with NSA_TOPN_FAST_MERGE=0 and =1: the topn row
+#          and the profile's top-n kernel; ~3 min estimated (ninth session).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -155,6 +162,21 @@ foldsweep() {
 decode() {
   timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \
     --max_seconds 330 --lengths 65536,8192,16384,32768,131072
+}
+walk() {
+  GPU_TEST_FILES=tests/test_decode.py OUT="$OUT/walk" timeout 200 bash scripts/gpu_tests.sh
+  timeout 300 python3 -m experiments.bench_decode --out "$OUT/walk" --name decode_walk \
+    --lengths 65536,131072 --batches 8,1 --impls pallas_all,pallas_all_walkscores --profile \
+    --selection_only_T '' --breakdown_T '' --max_seconds 200
+}
+fastmerge() {
+  GPU_TEST_FILES=tests/test_compress_kernels.py OUT="$OUT/fastmerge" timeout 200 \
+    bash scripts/gpu_tests.sh -k "topn or lower"
+  for fm in 0 1; do
+    NSA_TOPN_FAST_MERGE=$fm timeout 200 python3 -m experiments.bench_nsa --heads 16/1 \
+      --dims 64/64 --batch 8 --T 8192 --breakdown_T 8192 --profile_T 8192 --iters 10 \
+      --out "$OUT/fastmerge_$fm"
+  done
 }
 
 nvidia-smi -L >> "$OUT/log.txt" 2>&1
