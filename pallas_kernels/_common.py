@@ -28,13 +28,20 @@ def log_once(key, msg, *args):
     LOG.info(msg, *args)
 
 
+def _require_integers(x, who, name, what, fix, allow_bool=False):
+  """TypeError naming the problem unless x holds integers (or booleans with allow_bool): the
+  kernels would truncate floats. (nsa_jax.reference.require_integers is the same check for the
+  ops; this package does not import nsa_jax.)"""
+  if not (jnp.issubdtype(x.dtype, jnp.integer) or (allow_bool and x.dtype == jnp.bool_)):
+    raise TypeError(f"{who}: {name} has dtype {x.dtype}; {what} must be integers. Fix: {fix}")
+
+
 def check_indices(block_idx, who):
   """Block indices must be integers: a float index would be truncated (1.5 -> block 1) where the
   reference ignores it."""
-  if not jnp.issubdtype(block_idx.dtype, jnp.integer):
-    raise TypeError(f"{who}: block_idx has dtype {block_idx.dtype}; block indices must be integers "
-                    "(-1 for an empty slot). Fix: pass an int32 array, e.g. idx.astype(jnp.int32) "
-                    "after checking the values are whole numbers.")
+  _require_integers(block_idx, who, "block_idx", "block indices (-1 for an empty slot)",
+                    "pass an int32 array, e.g. idx.astype(jnp.int32) after checking the values "
+                    "are whole numbers.")
 
 
 def segment_ids_int32(segment_ids, b, t, who):
@@ -45,9 +52,9 @@ def segment_ids_int32(segment_ids, b, t, who):
   if tuple(segment_ids.shape) != (b, t):
     raise ValueError(f"{who}: segment_ids has shape {tuple(segment_ids.shape)}, expected "
                      f"[batch, time] = {(b, t)}. Fix: one document id per token of each sequence.")
-  if not (jnp.issubdtype(segment_ids.dtype, jnp.integer) or segment_ids.dtype == jnp.bool_):
-    raise TypeError(f"{who}: segment_ids has dtype {segment_ids.dtype}; document ids must be "
-                    "integers. Fix: pass int32 ids (e.g. the cumulative count of document starts).")
+  _require_integers(segment_ids, who, "segment_ids", "document ids",
+                    "pass int32 ids (e.g. the cumulative count of document starts).",
+                    allow_bool=True)
   return segment_ids.astype(jnp.int32), True
 
 
@@ -339,8 +346,9 @@ def softmax_step(state, s, vs):
   return softmax_steps(state, [(s, vs)])
 
 
-def softmax_steps(state, steps):
-  """Fold several (logits, values) pairs into the state with one shared rescale."""
+def softmax_steps(state, steps, return_p=False):
+  """Fold several (logits, values) pairs into the state with one shared rescale. return_p: also
+  the steps' probabilities p = exp2(s - m_new) (m_new = 0 where a row saw nothing), as a list."""
   m_i, l_i, accs = state
   m_new = m_i
   for s, _ in steps:
@@ -349,9 +357,11 @@ def softmax_steps(state, steps):
   alpha = jnp.exp2(m_i - m_use)
   l_i = l_i * alpha
   accs = tuple(a * alpha[:, None] for a in accs)
+  ps = []
   for s, vs in steps:
     p = jnp.exp2(s - m_use[:, None])
+    ps.append(p)
     pv = p.astype(vs[0].dtype)
     accs = tuple(a + plgpu.dot(pv, vp) for a, vp in zip(accs, vs))
     l_i = l_i + jnp.sum(p, axis=1)
-  return m_new, l_i, accs
+  return ((m_new, l_i, accs), ps) if return_p else (m_new, l_i, accs)

@@ -64,11 +64,10 @@ def _walk(state, qs, k_ref, v_ref, lo, hi, t, *, block_of, block_size, bk, dk_pi
       s = s * LOG2E  # base-2 logits for exp2
       kpos = start + lax.iota(jnp.int32, bk)
       s = jnp.where(((kpos <= t) & live)[None, :], s, -jnp.inf)
-      m_i, l_i, accs = C.softmax_step((m_i, l_i, accs), s, vs)
-      if band is not None:
+      (m_i, l_i, accs), (p,) = C.softmax_steps((m_i, l_i, accs), [(s, vs)], return_p=True)
+      if band is not None:  # p = exp2(s - m_j) of this step (masked slots: 0)
         w_own, w_next, own_ref, mref_ref, nxt_ref, mnx_ref = band
-        m_use = jnp.where(m_i == -jnp.inf, 0.0, m_i)
-        parts = st._split3(jnp.exp2(s - m_use[:, None]))  # masked slots: exp2(-inf) = 0
+        parts = st._split3(p)
         own_ref[j] = st._exact_dot(parts, w_own)
         nxt_ref[j + 1] = st._exact_dot(parts, w_next)
         mref_ref[j] = m_i

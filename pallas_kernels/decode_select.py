@@ -195,39 +195,49 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   t: the query position; nv: the number of visible compressed slots (int32 scalars, may be traced).
   Returns o_cmp [B, K, G, Dv], lse [B, K, G] float32, block_idx [B, K, n] int32.
   scores_in_walk=True: the block scores come from Eq. 9's band sums written by the compressed
-  walk itself and one scores + top-n kernel (`_band_select`: two launches instead of three), where
+  walk itself and one scores + top-n kernel (`_band_topn`: two launches instead of three), where
   `band_supports` allows it (logged otherwise); not yet timed on a GPU, so off by default.
   """
   if alignment not in st.ALIGN_OFFSET:
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")
   b, kh, g, _ = qg.shape
   t, nv = jnp.asarray(t, jnp.int32), jnp.asarray(nv, jnp.int32)
+  band = None
   if scores_in_walk:
     ok, why = da.supports(qg.shape, k_cmp.shape, v_cmp.shape, SLOT_BLOCK)
     if ok:
       ok, why = band_supports(k_cmp.shape, num_sel_blocks, block, stride, sel_block, alignment)
-    if not ok:  # said once per shape; the three-kernel path below then runs (or refuses)
+    if ok:
+      r = sel_block // stride
+      band = (r, block // stride, st.ALIGN_OFFSET[alignment](r), max(16, SLOT_BLOCK // r))
+    else:  # said once per shape; the three-kernel path below then runs (or refuses)
       C.log_once(("decode_band_unsupported", qg.shape, k_cmp.shape, why), "decode scores in "
                  "the walk not used (%s): the three-kernel scoring + top-n instead", why)
-  if scores_in_walk and ok:
-    return _band_select(qg, k_cmp, v_cmp, t, nv, num_sel_blocks=num_sel_blocks, block=block,
-                        stride=stride, sel_block=sel_block, num_selected=num_selected,
-                        num_init=num_init, num_local=num_local, alignment=alignment, scale=scale,
-                        blocks_per_split=blocks_per_split, cmp_num_stages=cmp_num_stages,
-                        topn_num_warps=topn_num_warps, interpret=interpret)
-  ok, why = supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel_blocks, block, stride,
-                     sel_block, blocks_per_split)
-  if not ok:
-    raise ValueError(f"compressed_select_decode does not support this call: {why}")
-  acc, m, l, lg = da.prefix_partials(qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split,
-                                     None, 4, cmp_num_stages, interpret, want_logits=True)
+  if band is None:
+    ok, why = supports(qg.shape, k_cmp.shape, v_cmp.shape, num_sel_blocks, block, stride,
+                       sel_block, blocks_per_split)
+    if not ok:
+      raise ValueError(f"compressed_select_decode does not support this call: {why}")
+  # The walk over the compressed cache: its logits (three-kernel path) or its band sums.
+  acc, m, l, walk_out = da.prefix_partials(
+      qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split, None, 4, cmp_num_stages,
+      interpret, want_logits=band is None, band=band)
   o, lse = da.merge_splits(acc, m, l, qg.dtype)
-  m_rows, splits, seg_len = lg.shape[3], lg.shape[2], lg.shape[4]
+  m_rows = walk_out[0].shape[3] if band else walk_out.shape[3]
+  lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)
+  meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
+  npad = C.next_pow2(num_selected)
+  n = min(num_selected, num_sel_blocks)
+  if band is not None:
+    idx = _band_topn(meta, lse_rows, walk_out, g=g, nb=k_cmp.shape[2] // SLOT_BLOCK, band=band,
+                     ns=num_sel_blocks, n=n, npad=npad, sel_block=sel_block, n_init=num_init,
+                     n_local=num_local, num_warps=topn_num_warps, interpret=interpret)
+    return o, lse, idx[..., :num_selected]
+  lg = walk_out
+  splits, seg_len = lg.shape[2], lg.shape[4]
   r = sel_block // stride
   nsj = CHUNK_BLOCKS
   chunks = C.cdiv(num_sel_blocks, nsj)
-  meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
-  lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)
   kernel = functools.partial(
       _scores_kernel, g=g, m_rows=m_rows, seg_len=seg_len, r=r, c=block // stride, nsj=nsj,
       off=st.ALIGN_OFFSET[alignment](r), sel_block=sel_block, n_init=num_init,
@@ -246,9 +256,8 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
       interpret=interpret,
       name="nsa_decode_scores",
   )(meta, lse_rows, lg)
-  npad = C.next_pow2(num_selected)
   idx = pl.pallas_call(
-      functools.partial(_topn_kernel, ns=num_sel_blocks, n=min(num_selected, num_sel_blocks)),
+      functools.partial(_topn_kernel, ns=num_sel_blocks, n=n),
       grid=(b, kh),
       in_specs=[da.per_group(scores.shape[-1])],
       out_specs=da.per_group(npad),
@@ -260,43 +269,26 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   return o, lse, idx[..., :num_selected]
 
 
-def _band_select(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride, sel_block,
-                 num_selected, num_init, num_local, alignment, scale, blocks_per_split,
-                 cmp_num_stages, topn_num_warps, interpret):
-  """compressed_select_decode(scores_in_walk=True): two launches instead of three. The decode
-  walk over the compressed cache also writes Eq. 9's band sums of each 64-slot step against the
-  step's own running max (no logits reach memory), and one program per (sequence, KV group)
-  rescales them by the merged lse, sums the heads and takes the top-n (`_band_topn_kernel`)."""
-  b, kh, g, _ = qg.shape
-  r, c = sel_block // stride, block // stride  # band_supports checked the geometry
-  nsj = SLOT_BLOCK // r
-  nsj_pad = max(16, nsj)
-  nb = k_cmp.shape[2] // SLOT_BLOCK
-  steps = da.band_steps(nb)
-  acc, m, l, (own, mref, nxt, mnx) = da.prefix_partials(
-      qg, k_cmp, v_cmp, nv - 1, SLOT_BLOCK, scale, blocks_per_split, None, 4, cmp_num_stages,
-      interpret, want_logits=False, band=(r, c, st.ALIGN_OFFSET[alignment](r), nsj_pad))
-  o, lse = da.merge_splits(acc, m, l, qg.dtype)
-  m_rows = own.shape[3]
-  lse_rows = jnp.pad(lse, ((0, 0), (0, 0), (0, m_rows - g)), constant_values=-jnp.inf)
-  meta = jnp.broadcast_to(jnp.stack([nv, t]), (b, kh, 2))
-  npad = C.next_pow2(num_selected)
-  n = min(num_selected, num_sel_blocks)
-  C.log_once(("decode_band_topn", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
-             "decode block scores in the walk + top-n: qg=%s k_cmp=%s selection blocks=%d "
-             "interpret=%s", qg.shape, k_cmp.shape, num_sel_blocks, interpret)
-  idx = pl.pallas_call(
-      functools.partial(_band_topn_kernel, g=g, steps=steps, walked=nb, nsj=nsj, nsj_pad=nsj_pad,
-                        ns=num_sel_blocks, n=n, sel_block=sel_block, n_init=num_init,
-                        n_local=num_local),
+def _band_topn(meta, lse_rows, band_out, *, g, nb, band, ns, n, npad, sel_block, n_init, n_local,
+               num_warps, interpret):
+  """scores_in_walk=True's second launch: the walk's band sums band_out = (own, mref, nxt, mnx)
+  -> block_idx [B, K, NP] (`_band_topn_kernel`, one program per (sequence, KV group))."""
+  own, mref, nxt, mnx = band_out
+  b, kh, steps, m_rows, nsj_pad = own.shape
+  C.log_once(("decode_band_topn", own.shape, ns, interpret),
+             "decode block scores in the walk + top-n: band sums %s, selection blocks=%d "
+             "interpret=%s", own.shape, ns, interpret)
+  return pl.pallas_call(
+      functools.partial(_band_topn_kernel, g=g, steps=steps, walked=nb,
+                        nsj=SLOT_BLOCK // band[0], nsj_pad=nsj_pad, ns=ns, n=n,
+                        sel_block=sel_block, n_init=n_init, n_local=n_local),
       grid=(b, kh),
       in_specs=[da.per_group(2), da.per_group(m_rows), da.per_group(steps, m_rows, nsj_pad),
                 da.per_group(steps, m_rows), da.per_group(steps + 1, m_rows, nsj_pad),
                 da.per_group(steps + 1, m_rows)],
       out_specs=da.per_group(npad),
       out_shape=jax.ShapeDtypeStruct((b, kh, npad), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=topn_num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="nsa_decode_band_topn",
   )(meta, lse_rows, own, mref, nxt, mnx)
-  return o, lse, idx[..., :num_selected]

@@ -181,7 +181,7 @@ class _Walk(NamedTuple):
   cnt: jax.Array          # key blocks the tile walks
   block_of: Callable      # j -> the j-th block's index
   visible: Callable       # (j, blk, c_id) -> [ROWS, BLOCK] bool
-  row_picked: Callable | None  # (j, tok_row [ROWS]) -> [ROWS] bool (selection only), else None
+  row_picked: Callable | None  # j -> [ROWS] bool: the row's token picked entry j (selection)
   fetch: Callable         # (j, slot): TMA block j's K and V into the slot
   c_id: jax.Array         # [ROWS, BLOCK] column (key within the block)
   pos: jax.Array          # [ROWS, BLOCK] the row's token position
@@ -189,13 +189,18 @@ class _Walk(NamedTuple):
 
 def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
   """A query tile's walk over its key blocks (a _Walk), block 0 already in flight. `blocks`
-  returns (count, block_of, visible, row_picked) for the tile (_select_blocks / _cmp_blocks)."""
+  returns (count, block_of, visible, picked(j, tok) or None) for the tile (_select_blocks /
+  _cmp_blocks); the walk's row_picked(j) is picked on the [ROWS] token slots."""
   wg = plgpu.Layout.WGMMA
   r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
   c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
   tok = r_id // g                           # the row's token within the tile
   pos = tile * tq + tok                     # its position
-  cnt, block_of, visible, row_picked = blocks(b, tile, kk, tok, pos)
+  cnt, block_of, visible, picked = blocks(b, tile, kk, tok, pos)
+  row_picked = None
+  if picked is not None:  # per row, not per element: the [ROWS] token slots in the row layout
+    tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(1)) // g
+    row_picked = functools.partial(picked, tok=tok_row)
 
   def fetch(j, slot):
     keys = pl.ds(block_of(j) * BLOCK, BLOCK)
@@ -223,9 +228,6 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
       v_bar=v_bar)
   plgpu.barrier_wait(q_bar.at[0])
   row_picked = row_picked if FAST_MASK else None
-  if row_picked is not None:
-    tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0,
-                                     layout=plgpu.Layout.WGMMA.reduce(1)) // g
 
   def body(j, carry, causal=True):
     acc, m_i, l_i = carry
@@ -241,7 +243,7 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
     if row_picked is None:
       s = jnp.where(visible(j, blk, c_id), s * (scale * LOG2E), -jnp.inf)
     else:  # the token's pick as a row bias (one FMA an element); causal only where asked
-      bias = jnp.where(row_picked(j, tok_row), 0.0, -jnp.inf)
+      bias = jnp.where(row_picked(j), 0.0, -jnp.inf)
       s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [0])
       if causal:
         s = jnp.where(blk * BLOCK + c_id <= pos, s, -jnp.inf)
@@ -304,16 +306,15 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
 
 
 def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
-  """Selection: the union list of the tile; a row sees a block its token picked, causally."""
-  def visible(j, blk, c_id):
+  """Selection: the union list of the tile; a row sees a block its token picked, causally.
+  Also picked(j, tok): whether token slots tok (any shape) picked union entry j."""
+  def picked(j, tok):
     bits = bits_ref[b, tile, kk, j]
-    on = (lax.shift_right_logical(jnp.broadcast_to(bits, (ROWS, BLOCK)), tok) & 1) == 1
-    return on & (blk * BLOCK + c_id <= pos)
+    return (lax.shift_right_logical(jnp.broadcast_to(bits, tok.shape), tok) & 1) == 1
 
-  def row_picked(j, tok_row):  # [ROWS] bool: the row's token picked union entry j
-    bits = bits_ref[b, tile, kk, j]
-    return (lax.shift_right_logical(jnp.broadcast_to(bits, tok_row.shape), tok_row) & 1) == 1
-  return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible, row_picked
+  def visible(j, blk, c_id):
+    return picked(j, tok) & (blk * BLOCK + c_id <= pos)
+  return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible, picked
 
 
 def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
@@ -565,8 +566,6 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   delta = plgpu.load(delta_s, layout=wg.reduce(1))
 
   fast, regs = FAST_MASK, REG_P and not interpret
-  if fast:
-    tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(1)) // g
 
   def body(j, dq_acc, causal=True):
     slot = lax.rem(j, 2)
@@ -588,7 +587,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
     else:
       s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK))
     if fast:  # the token's pick folded into the row's shift (+inf: p = 0); causal where asked
-      shift = jnp.where(row_picked(j, tok_row), lse2, jnp.inf)
+      shift = jnp.where(row_picked(j), lse2, jnp.inf)
       p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(shift, s.shape, [0]))
       if causal:
         p = jnp.where(blk * BLOCK + c_id <= pos, p, 0.0)

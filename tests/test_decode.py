@@ -217,8 +217,8 @@ def test_decode_with_pallas_kernels_interpret_equals_parallel(in_walk, monkeypat
   kernels = decode.pallas_decode_kernels(interpret=INTERPRET)
   kernels["cmp_select_fn"] = functools.partial(kernels["cmp_select_fn"], scores_in_walk=in_walk)
   from pallas_kernels import decode_select
-  calls, real = [], decode_select._band_select
-  monkeypatch.setattr(decode_select, "_band_select", lambda *a, **k: calls.append(1) or real(*a, **k))
+  calls, real = [], decode_select._band_topn
+  monkeypatch.setattr(decode_select, "_band_topn", lambda *a, **k: calls.append(1) or real(*a, **k))
   _, step_fn = params, jax.jit(lambda p, c, x: decode.decode_step(
       nnx.merge(nnx.graphdef(model), p), c, x, check=False, **kernels))
   logits, cache = prefill_fn(params, tokens[:, :70], 74)
