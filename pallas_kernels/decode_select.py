@@ -196,7 +196,9 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   Returns o_cmp [B, K, G, Dv], lse [B, K, G] float32, block_idx [B, K, n] int32.
   scores_in_walk=True: the block scores come from Eq. 9's band sums written by the compressed
   walk itself and one scores + top-n kernel (`_band_topn`: two launches instead of three), where
-  `band_supports` allows it (logged otherwise); not yet timed on a GPU, so off by default.
+  `band_supports` allows it (logged otherwise). Correct on the H200 (compiled decode tests) but
+  slower there: 64k batch 8 192/128 0.119 ms a step against 0.078 ms (the walk 41 vs 27 us, the
+  band top-n 41 us vs scores + top-n 18 us; benchmarks/results/decode_walk_h200.md), so off.
   """
   if alignment not in st.ALIGN_OFFSET:
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")

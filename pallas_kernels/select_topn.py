@@ -34,11 +34,18 @@ from pallas_kernels._common import segment_ids_int32
 
 LOG2E = math.log2(math.e)
 BIG = 2 ** 30
-# The merge with carried bounds and the first chunk taken as the list (n = 16 = the chunk width):
-# the same indices in fewer reductions, checked in the interpreter and by CUDA lowering but not
-# yet compiled or timed on a GPU (2026-11-30), so off by default. NSA_TOPN_FAST_MERGE=1 turns it
-# on (for the A/B run: bench_nsa's top-n row, profile_step's nsa_op/topn scope).
-FAST_MERGE = os.environ.get("NSA_TOPN_FAST_MERGE", "0") == "1"
+# Two merge variants, each giving the same indices in fewer reductions. Compiled tests pass on
+# the H200 with both on and both off; the A/B there (2026-11-30, benchmarks/results/topn_merge_h200.md):
+# CARRY_BOUNDS: the merge loop carries its bounds (five reductions an iteration instead of seven).
+#   No gain at 64k (17.0 vs 17.3 ms), a loss at the 8k training layer (1.26 vs 1.12 ms): off.
+# FIRST_FILL: with n = 16 = the chunk width, the first chunk's candidates become the list unmerged.
+#   A gain where a row has few chunks (8k layer, 8 chunks: 0.94 vs 1.12 ms), a loss where it has
+#   many (64k, 64 chunks: 20.3 vs 17.3 ms; the peeled chunk is a second copy of the loop body), so
+#   it is on only up to FIRST_FILL_MAX_CHUNKS chunks (the measured shape; 16k-32k are unmeasured).
+# Env NSA_TOPN_CARRY_BOUNDS / NSA_TOPN_FIRST_FILL = 0 or 1 override the defaults.
+CARRY_BOUNDS = os.environ.get("NSA_TOPN_CARRY_BOUNDS", "0") == "1"
+FIRST_FILL = os.environ.get("NSA_TOPN_FIRST_FILL", "1") == "1"
+FIRST_FILL_MAX_CHUNKS = 8
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
 
 
@@ -72,7 +79,7 @@ def _merge(a_val, a_idx, cand, jv, *, n):
 
   One candidate per row and iteration (the best one, lower block on ties) replaces the row's worst
   entry (smallest score, highest block among equals) while any row has a candidate that beats it.
-  With FAST_MERGE the bounds for the next test are computed at the end of each iteration and
+  With CARRY_BOUNDS the bounds for the next test are computed at the end of each iteration and
   carried (five reductions an iteration instead of seven)."""
   npad = a_val.shape[1]
   slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
@@ -96,7 +103,7 @@ def _merge(a_val, a_idx, cand, jv, *, n):
     c = jnp.where(ins[:, None] & (jv == c_pick[:, None]), -jnp.inf, c)
     return a_val, a_idx, c
 
-  if FAST_MERGE:
+  if CARRY_BOUNDS:
     def carried(st):  # state: a_val, a_idx, c, their bounds, whether to go on
       a_val, a_idx, c = step(*st[:5])
       c_best, a_min = bounds(a_val, c)
@@ -185,7 +192,7 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   # 128-block row at n = 16): its candidates become the list, then chunks 1.. merge as before.
   # Every tile has at least one chunk.
   c0 = 0
-  if FAST_MERGE and nsj == n == npad:
+  if FIRST_FILL and nsj == n == npad and -(-t // (sel_block * nsj)) <= FIRST_FILL_MAX_CHUNKS:
     init, c0 = body(0, init, fill=True), 1
   a_val, a_idx, _ = lax.fori_loop(c0, chunks, body, init)
   ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))

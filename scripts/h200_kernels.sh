@@ -57,10 +57,12 @@
 # walk     the decode kernel tests compiled (scripts/gpu_tests.sh test_decode.py, ~65 s), then the
 #          fused decode step with the block scores in the compressed walk (scores_in_walk) against
 #          the committed three-kernel scoring, 64k and 128k, batch 8 and 1, with a profile; needs
-#          carry [".whl"] only where the machine lacks pytest; ~4 min estimated (ninth session).
-# fastmerge  the top-n tests compiled with FAST_MERGE on and off (they set it themselves), then
-#          the 8k training layer (as train8k) with NSA_TOPN_FAST_MERGE=0 and =1: the topn row
-#          and the profile's top-n kernel; ~3 min estimated (ninth session).
+#          carry [".whl"] only where the machine lacks pytest; ~3.5 min measured (2026-11-30:
+#          correct, slower than the three-kernel path at every shape).
+# fastmerge  the top-n tests compiled (they run the merge variants both ways), then the top-n
+#          kernel's merge variants (select_topn.CARRY_BOUNDS, FIRST_FILL) in all four combinations
+#          via NSA_TOPN_CARRY_BOUNDS / NSA_TOPN_FIRST_FILL at the 8k training layer and at 64k
+#          128/128 (the topn rows); 199 s for the A/B measured (2026-11-30).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -172,10 +174,15 @@ walk() {
 fastmerge() {
   GPU_TEST_FILES=tests/test_compress_kernels.py OUT="$OUT/fastmerge" timeout 200 \
     bash scripts/gpu_tests.sh -k "topn or lower"
-  for fm in 0 1; do
-    NSA_TOPN_FAST_MERGE=$fm timeout 200 python3 -m experiments.bench_nsa --heads 16/1 \
-      --dims 64/64 --batch 8 --T 8192 --breakdown_T 8192 --profile_T 8192 --iters 10 \
-      --out "$OUT/fastmerge_$fm"
+  local cb ff
+  for cb in 0 1; do
+    for ff in 0 1; do
+      NSA_TOPN_CARRY_BOUNDS=$cb NSA_TOPN_FIRST_FILL=$ff timeout 100 python3 -m experiments.bench_nsa \
+        --heads 16/1 --dims 64/64 --batch 8 --T 8192 --breakdown_T 8192 --iters 10 \
+        --out "$OUT/fastmerge/ab8_$cb$ff"
+      NSA_TOPN_CARRY_BOUNDS=$cb NSA_TOPN_FIRST_FILL=$ff timeout 100 python3 -m experiments.bench_nsa \
+        --T 65536 --dims 128/128 --breakdown_T 65536 --iters 5 --out "$OUT/fastmerge/ab64_$cb$ff"
+    done
   done
 }
 

@@ -105,7 +105,8 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
 @pytest.mark.parametrize("fast_merge", [False, True])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, fast_merge,
                                          monkeypatch):
-  monkeypatch.setattr(topn_module, "FAST_MERGE", fast_merge)
+  monkeypatch.setattr(topn_module, "CARRY_BOUNDS", fast_merge)
+  monkeypatch.setattr(topn_module, "FIRST_FILL", fast_merge)
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 4)
   b, dk = 2, 32
@@ -177,7 +178,8 @@ def _abstract_gpu():
                                                             (8, 8, 64, 32, True, False),
                                                             (64, 4, 192, 128, False, True)])
 def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, fast_merge, monkeypatch):
-  monkeypatch.setattr(topn_module, "FAST_MERGE", fast_merge)
+  monkeypatch.setattr(topn_module, "CARRY_BOUNDS", fast_merge)
+  monkeypatch.setattr(topn_module, "FIRST_FILL", fast_merge)
   t, l, d, lp = 1024, 32, 16, 64
   nc = (t - l) // d + 1
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
