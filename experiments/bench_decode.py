@@ -42,7 +42,7 @@ VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
             "pallas_all_topn_w1": dict(topn_num_warps=1),
             "pallas_all_topn_w4": dict(topn_num_warps=4),  # default: 2 warps (tuned 2026-11-29)
             # Eq. 9's band sums in the compressed-cache walk, one scores + top-n kernel:
-            # two launches instead of three (written 2026-11-30, not yet timed on a GPU)
+            # two launches instead of three; timed 2026-11-30: slower (decode_walk_h200.md)
             "pallas_all_walkscores": dict(scores_in_walk=True)}
 L2_BYTES = 60e6
 
