@@ -240,12 +240,14 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
     return out
   _, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, l, d,
                                                         interpret=INTERPRET))(q, kc, vc)
-  for rows, chunk, warps in ((64, 16, 4), (64, 32, 4), (128, 16, 8), (128, 32, 8)):
-    fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps: (select_topn(
+  # (rows, chunk, warps, stages); the 2026-11-29 sweep found 32-block chunks and 128 rows slower.
+  for rows, chunk, warps, stages in ((64, 16, 4, 2), (64, 16, 2, 2), (64, 16, 8, 2),
+                                     (64, 16, 4, 1), (64, 16, 4, 3), (32, 16, 2, 2)):
+    fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps, stages=stages: (select_topn(
         q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
-        rows=rows, sel_chunk=chunk, num_warps=warps, interpret=INTERPRET),)
+        rows=rows, sel_chunk=chunk, num_warps=warps, num_stages=stages, interpret=INTERPRET),)
     r = bench.time_pair(fn, [q, kc, lse], None, with_bwd=False)
-    out.append((f"topn rows{rows} chunk{chunk} w{warps}", r["fwd"], None))
+    out.append((f"topn rows{rows} chunk{chunk} w{warps} s{stages}", r["fwd"], None))
     print("SWEEP", out[-1], flush=True)
   return out
 
@@ -517,8 +519,11 @@ def main(argv=None):
     fold_sweep(key, ints(a.fold_sweep_T), a.dims.split(","), (h, kh), a.out)
   if a.sweep_T:
     res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128), parts=a.sweep_parts.split(","))
+    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "nsa_sweep.json"), "w") as f:
-      json.dump(res, f, indent=1)
+      json.dump(dict(**bc.provenance(), T=a.sweep_T, d_k=192, d_v=128, q_heads=h, kv_heads=kh,
+                     rows=[dict(variant=n, fwd_ms=fw, fwd_bwd_ms=fb) for n, fw, fb in res]),
+                f, indent=1)
   plan = [(dims, t) for dims in a.dims.split(",") for t in ints(a.T)]
   plan += [(dims, t) for dims in a.dims.split(",") for t in ints(a.long_T)]
   for dims, t in plan:

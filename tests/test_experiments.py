@@ -384,7 +384,9 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   assert all(r["T"] == 128 and r["batch"] == 2 and math.isfinite(r["ms"]) for r in recs)
   assert all(r["ms"] > 0 for r in recs if r["pass"] == "fwd")
   sweep = json.load(open(tmp_path / "nsa_sweep.json"))
-  assert [name.split()[0] for name, _, _ in sweep] == ["topn"] * 4
+  assert sweep["T"] == 128 and sweep["hardware"] and sweep["command"]
+  assert [r["variant"].split()[0] for r in sweep["rows"]] == ["topn"] * 6
+  assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] is None for r in sweep["rows"])
   prof = json.load(open(tmp_path / "nsa_profile.json"))
   assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
 
@@ -393,11 +395,12 @@ def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
   """--sweep_parts mosaic times the Mosaic GPU compression forward beside the Triton one, --impl
   pallas-mosaic the whole op (here in the interpreters, so only the code paths are checked)."""
   from experiments import bench_nsa
+  # into a folder that does not exist yet (the sweep alone once failed to create it)
   bench_nsa.main(["--T", "", "--sweep_T", "128", "--sweep_parts", "mosaic", "--heads", "16/1",
-                  "--iters", "1", "--out", str(tmp_path)])
-  sweep = json.load(open(tmp_path / "nsa_sweep.json"))
-  assert [name for name, _, _ in sweep] == ["cmp triton", "cmp mosaic-gpu fwd"]
-  assert all(f > 0 and math.isfinite(fb) for _, f, fb in sweep)
+                  "--iters", "1", "--out", str(tmp_path / "sweep")])
+  sweep = json.load(open(tmp_path / "sweep" / "nsa_sweep.json"))["rows"]
+  assert [r["variant"] for r in sweep] == ["cmp triton", "cmp mosaic-gpu fwd"]
+  assert all(r["fwd_ms"] > 0 and math.isfinite(r["fwd_bwd_ms"]) for r in sweep)
   # --impl pallas-mosaic: the whole op and its check against the plain-JAX path, into a folder
   # that does not exist yet (the check writes first)
   out = tmp_path / "new"
