@@ -342,6 +342,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments.cli import one_line_errors, parse_flags
   define_flags()
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(one_line_errors(main), flags_parser=parse_flags)

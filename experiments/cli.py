@@ -1,5 +1,7 @@
-"""Shared command-line parsing for the absl entry points."""
+"""Shared command-line parsing and error reporting for the entry points."""
 
+import functools
+import os
 import sys
 
 from absl import flags
@@ -9,9 +11,56 @@ def parse_flags(argv):
   """absl parsing, but a bad --config override is one clear line (exit 2), not a traceback."""
   try:
     return flags.FLAGS(argv)
-  except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
+  except (AttributeError, KeyError, TypeError, ValueError, OSError, flags.Error) as e:
     msg = str(e).replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
     if len(msg) > 1 and msg[0] == msg[-1] == "'":  # ml_collections wraps its message in quotes
       msg = msg[1:-1]
+    if isinstance(e, (AttributeError, KeyError)) and "Did you mean" not in msg:
+      msg = f"no such config field '{msg.strip(chr(39) + chr(34) + ' ')}' (see configs/base.py)"
     print(f"error: bad command line: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def user_errors():
+  """The exception types that mean bad input (a path, a checkpoint, a value), not a bug."""
+  from nsa_jax.training.checkpointing import CheckpointError
+  from nsa_jax.training.train import NonFiniteError
+  return (ValueError, OSError, CheckpointError, NonFiniteError)
+
+
+def one_line_errors(main):
+  """Wraps an entry point's main: bad input ends as `error: <message>` and exit status 1 instead
+  of a traceback (the messages name the problem and the fix). NSA_TRACEBACK=1 shows the
+  traceback."""
+  @functools.wraps(main)
+  def wrapped(*args, **kwargs):
+    try:
+      return main(*args, **kwargs)
+    except Exception as e:
+      if os.environ.get("NSA_TRACEBACK") == "1" or not isinstance(e, user_errors()):
+        raise
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+  return wrapped
+
+
+def run_main(main):
+  """For the argparse entry points: runs main under one_line_errors and exits with its status
+  (1 on bad input; 0 when main returns something that is not an int, such as a path)."""
+  rc = one_line_errors(main)()
+  sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def config_value(holder):
+  """The value of a config_flags flag. ml_collections defers a config file that fails to load
+  (missing, a syntax error) to this access and then raises a long OSError; this exits with one
+  line naming the file's problem (status 2, like other bad command lines)."""
+  try:
+    value = holder.value
+    value.keys()  # a config that failed to load is a placeholder raising on first use
+    return value
+  except OSError as e:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    print(f"error: bad command line: --{holder.name} could not be loaded: "
+          f"{lines[-1] if lines else e}", file=sys.stderr)
     sys.exit(2)

@@ -161,4 +161,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  from experiments.cli import run_main
+  run_main(main)

@@ -67,6 +67,7 @@ def load_checkpoint(workdir: str, step: int | None = None):
         state=ocp.args.StandardRestore()))["state"]
   except Exception as e:
     raise CheckpointError(ckpt._broken(step, "its arrays", e)) from e
+  ckpt.check_finite(step, state["params"])
   model = TransformerLM(cfg, rngs=nnx.Rngs(0))
   template = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   params = _onto(template, state["params"])
@@ -128,6 +129,9 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top
   kernels: the Pallas decode kernels (decode.pallas_decode_kernels()); None = plain JAX.
   """
   b, t = prompt_ids.shape
+  if chunk < 1 or max_new_tokens < 1 or b < 1 or t < 1:
+    raise ValueError(f"chunk={chunk}, max_new_tokens={max_new_tokens}, prompt shape "
+                     f"{tuple(prompt_ids.shape)}: each must be at least 1")
   steps = max_new_tokens - 1  # the first new token comes from the prefill logits
   max_len = t + steps
   if max_len > model.cfg.max_seq_len:
@@ -183,6 +187,19 @@ def main(argv=None):
   logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
   if args.max_new_tokens < 1:
     ap.error("--max_new_tokens must be >= 1")
+  if args.num_samples < 1:
+    ap.error("--num_samples must be >= 1")
+  if args.chunk < 1:
+    ap.error("--chunk (decode steps per jitted call) must be >= 1")
+  if args.temperature < 0:
+    ap.error("--temperature must be >= 0 (0 = greedy)")
+  if args.top_k < 0:
+    ap.error("--top_k must be >= 0 (0 = off)")
+  if not 0 < args.top_p <= 1:
+    ap.error("--top_p must be in (0, 1] (1 = off)")
+  if args.kernel == "pallas" and jax.default_backend() != "gpu":
+    ap.error(f"--kernel=pallas needs a GPU (this backend: {jax.default_backend()}); use "
+             "--kernel=auto or --kernel=xla")
   try:
     if args.workdir:
       model, what = load_checkpoint(args.workdir, args.step)

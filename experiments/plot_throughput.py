@@ -83,4 +83,5 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-  main()
+  from experiments.cli import run_main
+  run_main(main)

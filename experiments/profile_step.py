@@ -274,7 +274,9 @@ def main(argv):
   if not _CMDBUF.value:  # read when the GPU backend starts, which is below (first jax use)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_gpu_enable_command_buffer=").strip()
-  configs = [("config", _CONFIG.value)] + ([("compare", _COMPARE.value)] if _COMPARE.value else [])
+  from experiments.cli import config_value
+  configs = [("config", config_value(_CONFIG))] + (
+      [("compare", config_value(_COMPARE))] if _COMPARE.value else [])
   runs = []
   for tag, cfg in configs:
     name = f"{tag}:{cfg.model.attention}"
@@ -293,4 +295,5 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=parse_flags)
+  from experiments.cli import one_line_errors
+  app.run(one_line_errors(main), flags_parser=parse_flags)

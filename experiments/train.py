@@ -11,7 +11,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.cli import parse_flags
+from experiments.cli import config_value, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/*.py)",
                                           lock_config=True)
@@ -36,7 +36,7 @@ def main(argv):
   if train.jax.process_index() != 0:  # one voice: only process 0 logs and reports
     logging.getLogger("nsa_jax").setLevel(logging.WARNING)
   try:
-    summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    summary = train.train_and_evaluate(config_value(_CONFIG), _WORKDIR.value)
   except (ValueError, FileNotFoundError, train.CheckpointError, train.NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

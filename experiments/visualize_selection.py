@@ -209,5 +209,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments.cli import one_line_errors, parse_flags
   define_flags()
-  app.run(main)
+  app.run(one_line_errors(main), flags_parser=parse_flags)

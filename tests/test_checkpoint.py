@@ -107,3 +107,34 @@ def test_corrupt_checkpoint_names_the_step_and_keeps_the_good_ones(tmp_path):
   restored, _ = ckpt.restore(1, abstract_like(state, shardings(state)), META)
   np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
   ckpt.close()
+
+
+def test_nonfinite_parameters_are_reported_as_a_corrupt_checkpoint(tmp_path):
+  """Training only saves checked-finite parameters, so NaN/inf read back means damaged files (a
+  review overwrote bytes inside an array file: the restore succeeded and the NaN surfaced a step
+  later as 'lower the learning rate'). Here the state is written with a NaN directly."""
+  state = make_state(SEED)
+  bad = jax.tree.map(lambda x: x, state)
+  bad["params"]["layers"][0]["b"] = state["params"]["layers"][0]["b"].at[3].set(jnp.nan)
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
+  save(ckpt, 1, state)
+  save(ckpt, 2, bad)
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
+  with pytest.raises(CheckpointError, match=r"is corrupt: 1 parameter arrays hold NaN") as err:
+    ckpt.restore(2, abstract_like(state, shardings(state)), META)
+  assert "['layers'][0]['b']" in str(err.value) and "resume from step 1" in str(err.value)
+  restored, _ = ckpt.restore(1, abstract_like(state, shardings(state)), META)  # the good one
+  assert np.isfinite(np.asarray(restored["params"]["layers"][0]["b"])).all()
+  ckpt.close()
+
+
+def test_a_step_that_was_never_saved_is_named_as_missing(tmp_path):
+  ckpt = Checkpointer(str(tmp_path))
+  save(ckpt, 3, make_state(SEED))
+  save(ckpt, 6, make_state(SEED))
+  with pytest.raises(CheckpointError, match=r"no checkpoint step 5 .* holds steps \[3, 6\]"):
+    ckpt.restore(5, abstract_like(make_state(SEED), shardings(make_state(SEED))), META)
+  with pytest.raises(CheckpointError, match="no checkpoint step 5"):
+    ckpt.read_meta(5)
+  ckpt.close()

@@ -165,3 +165,22 @@ def test_mqar_values_follow_their_keys():
 def test_unknown_source_is_a_clear_error():
   with pytest.raises(ValueError, match="unknown"):
     data.make_sources(data_cfg(source="stdlb"))
+
+
+def test_token_file_problems_name_the_field_and_the_fix(tmp_path):
+  missing = str(tmp_path / "missing.bin")
+  with pytest.raises(FileNotFoundError, match=r"config.data.path=.*missing.bin.*no such file"):
+    data.make_sources(data_cfg(source="tokens", path=missing, token_dtype="uint16"))
+  empty = tmp_path / "empty.bin"
+  empty.write_bytes(b"")
+  with pytest.raises(ValueError, match=r"config.data.path=.*empty.bin.* is empty"):
+    data.make_sources(data_cfg(source="tokens", path=str(empty), token_dtype="uint16"))
+  odd = tmp_path / "odd.bin"
+  odd.write_bytes(bytes(4097))
+  with pytest.raises(ValueError, match=r"4097 bytes, not a whole number of uint32.*token_dtype"):
+    data.make_sources(data_cfg(source="tokens", path=str(odd), token_dtype="uint32"))
+  good = tmp_path / "good.bin"
+  np.arange(5000, dtype=np.uint16).tofile(good)
+  with pytest.raises(FileNotFoundError, match=r"config.data.val_path="):
+    data.make_sources(data_cfg(source="tokens", path=str(good), token_dtype="uint16",
+                               val_path=missing))

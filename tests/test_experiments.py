@@ -174,6 +174,37 @@ def test_cli_lists_runs_with_overrides(sweep_file):
                         "--run=nope", "--list"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
   assert bad.returncode == 1 and "unknown run" in bad.stderr
+  # a model the sweep's overrides make invalid: one line, not a traceback
+  bad = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--config={sweep_file}",
+                        "--run=nsa", "--config.model.n_kv_heads=3"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+  assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+  assert "not divisible by n_kv_heads=3" in bad.stderr, bad.stderr[-2000:]
+  field = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--config={sweep_file}",
+                          "--list", "--config.model.bogus=1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+  assert field.returncode == 2 and "no such config field 'bogus'" in field.stderr, field.stderr
+
+
+def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
+  """needle_eval, visualize_selection, plot_runs, compare_runs and generate: a workdir that is not
+  a training run gives `error: ...` and exit status 1 (generate's bad flags: argparse's 2)."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  nowhere = str(tmp_path / "nowhere")
+  cases = [
+      (["experiments.needle_eval", f"--workdirs={nowhere}", f"--out={tmp_path}/n.png"], 1),
+      (["experiments.visualize_selection", f"--workdir={nowhere}", f"--out={tmp_path}/v.png"], 1),
+      (["experiments.plot_runs", nowhere, f"--out={tmp_path}/p.png"], 1),
+      (["experiments.compare_runs", f"a={nowhere}"], 1),
+      (["experiments.generate", f"--workdir={nowhere}"], 1),
+      (["experiments.generate", "--config=configs/tiny_cpu.py", "--chunk=0"], 2),
+      (["experiments.generate", "--config=configs/tiny_cpu.py", "--num_samples=0"], 2),
+  ]
+  for args, code in cases:
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == code and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+    assert "error" in r.stderr, (args, r.stderr[-2000:])
 
 
 def test_cli_reuses_a_record_from_another_sweep_instead_of_training(sweep_file, tmp_path):

@@ -128,10 +128,45 @@ def test_nan_guard_names_the_step_and_keeps_the_last_good_checkpoint(full_run, t
   workdir = str(tmp_path / "run")
   subprocess.run(["cp", "-r", full_run[0], workdir], check=True)
   c = small_config(num_steps=8)
-  c.optim.learning_rate = float("inf")  # the first update after the resume breaks every weight
-  with pytest.raises(train.NonFiniteError, match=r"at step 7.*checkpoints/6"):
+  c.optim.learning_rate = 1e38  # the first update after the resume overflows every weight
+  with pytest.raises(train.NonFiniteError,
+                     match=r"at step 7, the first step after resuming from .*checkpoints/6"):
     train.train_and_evaluate(c, workdir)
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "6"]
+
+
+def test_resume_with_changed_settings_warns_and_keeps_the_earlier_config(full_run, tmp_path,
+                                                                         caplog):
+  workdir = str(tmp_path / "run")
+  subprocess.run(["cp", "-r", full_run[0], workdir], check=True)
+  with open(os.path.join(workdir, "config.json")) as f:
+    before = f.read()
+  c = small_config(num_steps=7)
+  c.optim.learning_rate = 1e-4
+  with caplog.at_level("WARNING", logger="nsa_jax"):
+    train.train_and_evaluate(c, workdir)
+  msg = "\n".join(r.getMessage() for r in caplog.records)
+  assert "resuming at step 6 with settings that differ" in msg, msg
+  assert "optim.learning_rate: 0.003 -> 0.0001" in msg and "train.num_steps: 6 -> 7" in msg, msg
+  with open(os.path.join(workdir, "config.before_step_6.json")) as f:
+    assert f.read() == before
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["optim"]["learning_rate"] == 1e-4
+
+
+@pytest.mark.parametrize("path,value", [
+    ("train.eval_every", 0), ("train.log_every", 0), ("checkpoint.every_steps", 0),
+    ("train.eval_batches", 0), ("data.global_batch_size", 0), ("train.num_steps", -3),
+    ("optim.grad_accum_steps", 0), ("optim.warmup_steps", -1), ("optim.learning_rate", -1.0),
+    ("optim.learning_rate", float("nan")), ("train.log_every", 2.5)])
+def test_loop_settings_that_would_crash_or_do_nothing_are_refused(path, value):
+  c = small_config()
+  block, key = path.split(".")
+  with c.ignore_type():
+    c[block][key] = value
+  with pytest.raises(ValueError, match=rf"config\.{path}=.*Fix: "):
+    train.check_run_config(c)
+  train.check_run_config(small_config())  # the defaults pass
 
 
 def test_mismatched_checkpoint_is_refused_without_touching_it(full_run, tmp_path):
@@ -237,6 +272,12 @@ def test_config_typos_and_bad_values_are_clear_errors(tmp_path):
   assert bad.returncode == 1, bad.stderr[-2000:]
   assert "not divisible by n_kv_heads=3" in bad.stderr and "Fix:" in bad.stderr
   assert not os.listdir(tmp_path), "a rejected config writes nothing"
+  zero = run_cli("--config=configs/tiny_cpu.py", "--config.train.eval_every=0", f"--workdir={tmp_path}")
+  assert zero.returncode == 1 and "Traceback" not in zero.stderr, zero.stderr[-2000:]
+  assert "config.train.eval_every=0: expected an integer >= 1" in zero.stderr
+  missing = run_cli("--config=configs/no_such_config.py", f"--workdir={tmp_path}")
+  assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
+  assert "no_such_config.py" in missing.stderr
   c = small_config()
   c.model.unlock()
   c.model.nsa.windw = 64

@@ -13,6 +13,8 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 ITEMS = ("state", "data", "meta")
@@ -38,6 +40,19 @@ def _diff(saved: dict, current: dict, prefix: str = "", ignore=()) -> list[str]:
 
 def _jsonable(x):
   return json.loads(json.dumps(x, default=str))
+
+
+def nonfinite_leaves(tree) -> list[str]:
+  """Paths of the floating-point leaves of tree that hold a NaN or an infinity (one jitted pass;
+  works on sharded global arrays from any process)."""
+  named = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+           if jnp.issubdtype(x.dtype, jnp.floating)]
+  if not named:
+    return []
+  flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(
+      [x for _, x in named])
+  ok = np.asarray(flags.addressable_data(0)) if hasattr(flags, "addressable_data") else flags
+  return [name for (name, _), good in zip(named, np.asarray(ok)) if not good]
 
 
 class Checkpointer:
@@ -68,7 +83,29 @@ class Checkpointer:
         data=ocp.args.JsonSave(_jsonable(data_state)),
         meta=ocp.args.JsonSave(_jsonable(meta))))
 
+  def require_step(self, step: int):
+    """A step that is not saved here is named as missing, not reported as a corrupt checkpoint."""
+    steps = self.all_steps()
+    if step not in steps:
+      raise CheckpointError(f"no checkpoint step {step} in {self.directory}: it holds steps "
+                            f"{sorted(steps) or 'none'}. Fix: pass one of those (or no step "
+                            "for the newest)")
+
+  def check_finite(self, step: int, params):
+    """Training saves only steps whose loss, gradient and parameter norms it checked to be finite,
+    so non-finite parameters in a saved step mean the files were damaged after the save."""
+    bad = nonfinite_leaves(params)
+    if bad:
+      earlier = [s for s in self.all_steps() if s < step]
+      hint = (f"move that directory away to resume from step {max(earlier)}" if earlier
+              else "move that directory away (or use a fresh --workdir) to start over")
+      raise CheckpointError(
+          f"checkpoint {self.step_dir(step)} is corrupt: {len(bad)} parameter arrays hold NaN or "
+          f"inf after reading (first: {bad[0]}), and training never saves a non-finite state. It "
+          f"was left untouched. Fix: {hint}.")
+
   def read_meta(self, step: int) -> dict:
+    self.require_step(step)
     try:
       return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # orbax raises many kinds; the user needs the path and the cause
@@ -94,6 +131,8 @@ class Checkpointer:
           state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     except Exception as e:
       raise CheckpointError(self._broken(step, "its arrays", e)) from e
+    if isinstance(out["state"], dict) and "params" in out["state"]:
+      self.check_finite(step, out["state"]["params"])
     return out["state"], out["data"]
 
   def _broken(self, step, what, err) -> str:

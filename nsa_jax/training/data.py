@@ -90,6 +90,23 @@ def _text_files(path: str) -> tuple[str, list[str]]:
   return root, files
 
 
+def _token_file(path, dtype, field):
+  """A flat token file as a read-only memmap, with errors that name the field and the fix."""
+  where = f"config.data.{field}={path!r}"
+  if not path or not os.path.isfile(path):
+    raise FileNotFoundError(f"{where}: no such file. Fix: point it at a flat {dtype.name} token "
+                            "file (e.g. numpy's tofile of the token ids)")
+  size = os.path.getsize(path)
+  if size == 0:
+    raise ValueError(f"{where} is empty. Fix: write the token ids into it first")
+  if size % dtype.itemsize:
+    other = "uint32" if dtype == np.uint16 else "uint16"
+    raise ValueError(f"{where} holds {size} bytes, not a whole number of {dtype.name} tokens "
+                     f"({dtype.itemsize} bytes each). Fix: check config.data.token_dtype (maybe "
+                     f"{other}) or the file")
+  return np.memmap(path, dtype=dtype, mode="r")
+
+
 def _position_split(tokens, val_fraction):
   n_val = max(int(len(tokens) * val_fraction), 1)
   return tokens[:-n_val], tokens[-n_val:]
@@ -130,9 +147,9 @@ def corpus_sources(cfg) -> dict[str, WindowSource]:
     dtype = np.dtype(cfg.token_dtype)
     if dtype not in (np.uint16, np.uint32):
       raise ValueError(f"config.data.token_dtype={cfg.token_dtype!r}: expected uint16 or uint32")
-    tokens = np.memmap(cfg.path, dtype=dtype, mode="r")
+    tokens = _token_file(cfg.path, dtype, "path")
     if cfg.val_path:
-      train, val = tokens, np.memmap(cfg.val_path, dtype=dtype, mode="r")
+      train, val = tokens, _token_file(cfg.val_path, dtype, "val_path")
     else:
       train, val = _position_split(tokens, cfg.val_percent / 100)
     extra = dict(path=cfg.path, val_path=cfg.val_path)

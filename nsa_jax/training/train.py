@@ -299,6 +299,35 @@ def _compile_and_report(train_step, state, batch, workdir, seq_len, is_main):
   return compiled
 
 
+# (field, lowest allowed value, what it means): loop settings a zero or negative value would turn
+# into a ZeroDivisionError mid-run, an empty validation set or a run that silently does nothing.
+_LOOP_MINIMUMS = (("train.num_steps", 1, "optimizer steps"),
+                  ("train.log_every", 1, "steps between train metric records"),
+                  ("train.eval_every", 1, "steps between validation passes"),
+                  ("train.eval_batches", 1, "validation batches per pass"),
+                  ("checkpoint.every_steps", 1, "steps between checkpoints"),
+                  ("checkpoint.max_to_keep", 1, "checkpoints kept"),
+                  ("data.global_batch_size", 1, "sequences per optimizer step"),
+                  ("data.seq_len", 1, "tokens per sequence"),
+                  ("optim.grad_accum_steps", 1, "microbatches per step"),
+                  ("optim.warmup_steps", 0, "warmup steps"))
+
+
+def check_run_config(config):
+  """The loop, data and optimizer settings that model_config_from does not cover: one clear error
+  naming the field and the fix, before anything is built."""
+  for path, low, what in _LOOP_MINIMUMS:
+    block, key = path.split(".")
+    value = config[block][key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ValueError(f"config.{path}={value!r}: expected an integer >= {low} ({what}). "
+                       f"Fix: --config.{path}=<an integer >= {low}>")
+  lr = config.optim.learning_rate
+  if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+    raise ValueError(f"config.optim.learning_rate={lr!r}: expected a finite number > 0. "
+                     "Fix: e.g. --config.optim.learning_rate=3e-4")
+
+
 def check_batch_layout(config, mesh, model_cfg):
   b, a = config.data.global_batch_size, config.optim.grad_accum_steps
   per_step = shd.batch_divisor(mesh) * a
@@ -367,12 +396,49 @@ def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool, init_from: str
   return state, step
 
 
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _record_config(config, workdir, start):
+  """Writes config.json. On a resume whose settings differ from the recorded ones (data, optimizer,
+  loop: the model itself is checked against the checkpoint), warns with the differences and keeps
+  the earlier file as config.before_step_<start>.json, so the work directory still says what its
+  first steps ran with."""
+  path = os.path.join(workdir, "config.json")
+  text = config.to_json_best_effort(indent=2)
+  if start > 0 and os.path.exists(path):
+    with open(path) as f:
+      old_text = f.read()
+    try:
+      old, new = _flat(json.loads(old_text)), _flat(json.loads(text))
+    except ValueError:
+      old, new = {"(unreadable config.json)": 0}, {}
+    diffs = [f"{k}: {old.get(k, '<missing>')!r} -> {new.get(k, '<missing>')!r}"
+             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if diffs:
+      keep = os.path.join(workdir, f"config.before_step_{start}.json")
+      with open(keep, "w") as f:
+        f.write(old_text)
+      log.warning("resuming at step %d with settings that differ from the recorded run (the "
+                  "earlier config is kept as %s):\n  %s", start, keep, "\n  ".join(diffs))
+  with open(path, "w") as f:
+    f.write(text)
+
+
 def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) -> dict:
   """Trains config in workdir, resuming from its newest checkpoint; returns a summary dict.
 
   step_hooks: callables (step, metrics) run on the host after each step's metrics arrive.
   """
   is_main = jax.process_index() == 0
+  check_run_config(config)
   mesh = shd.make_mesh(config.mesh)
   setup = build_setup(config, mesh, model_factory)
   check_batch_layout(config, mesh, setup.model_cfg)
@@ -390,8 +456,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   speed = metrics_lib.Throughput(seq * batch, flops_tok, peak and peak * jax.device_count())
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, tensorboard=config.train.tensorboard)
   if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    _record_config(config, workdir, start)
   header = dict(event="start", time=round(time.time(), 3), step=start, params=setup.num_params,
                 mesh=dict(mesh.shape), devices=jax.device_count(),
                 device_kind=jax.devices()[0].device_kind, flops_per_token=flops_tok,
@@ -425,6 +490,15 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
     last = {k: float(v) for k, v in to_host(m).items()}
     if not all(math.isfinite(last[k]) for k in ("loss", "grad_norm", "param_norm")):
       good = ckpt.latest_step()
+      if s == start + 1 and start > 0:  # the first step after a restore: suspect the restore
+        raise NonFiniteError(
+            f"non-finite training metrics at step {s}, the first step after resuming from "
+            f"{ckpt.step_dir(start)}: loss={last['loss']}, grad_norm={last['grad_norm']}, "
+            f"param_norm={last['param_norm']}. Stopped without saving. The restored parameters "
+            "were finite, so either that checkpoint's optimizer state is damaged or the changed "
+            "config (compare config.json with what the run used) diverges at once. Fix: move "
+            f"{ckpt.step_dir(start)} away to resume from the step before it, or restore the "
+            "earlier settings.")
       raise NonFiniteError(
           f"non-finite training metrics at step {s}: loss={last['loss']}, grad_norm="
           f"{last['grad_norm']}, param_norm={last['param_norm']}. Stopped without saving; the "
