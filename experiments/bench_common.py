@@ -39,6 +39,29 @@ def time_ms(fn, *args, warmup=2, iters=10, min_total_s=0.0):
   return statistics.median(times)
 
 
+CPU_MAX_T = 4096  # off a GPU the kernels run in the Pallas interpreter: code paths only
+
+
+def require_gpu(parser, lengths, *, cpu_ok=True, how=""):
+  """Benchmarks time GPU kernels. Off a GPU: refuse outright (cpu_ok=False), or allow only lengths
+  up to CPU_MAX_T, a dry run of the code paths whose numbers mean nothing (said on stderr).
+  parser.error exits with status 2 and the reason."""
+  if jax.default_backend() == "gpu":
+    return
+  backend = jax.default_backend()
+  if not cpu_ok:
+    parser.error(f"this benchmark needs a GPU (this backend: {backend}); its kernels have no CPU "
+                 "mode. Fix: run it on a GPU machine (scripts/h200_kernels.sh)")
+  big = [t for t in lengths if t > CPU_MAX_T]
+  if big:
+    parser.error(f"lengths {big} on {backend}: off a GPU the kernels run in the Pallas "
+                 f"interpreter, where T > {CPU_MAX_T} takes hours or runs out of memory and the "
+                 f"timings mean nothing. Fix: run on a GPU, or pass small lengths for a dry run of "
+                 f"the code paths{how}")
+  print(f"note: {backend} backend: a dry run of the code paths; the timings mean nothing",
+        file=sys.stderr)
+
+
 def hardware():
   d = jax.devices()[0]
   return f"{d.device_kind} ({d.platform})"

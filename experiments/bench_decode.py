@@ -311,6 +311,11 @@ def main():
   if args.plot:
     print(plot(args.plot))
     return
+  if not args.interpret:
+    bc.require_gpu(ap, [], cpu_ok=False)
+  else:
+    bc.require_gpu(ap, [int(x) for x in args.lengths.split(",") if x],
+                   how=" with --interpret (e.g. --lengths 1024)")
   global INTERPRET
   INTERPRET = args.interpret
   TIMING.update(mode=args.timing, steps=args.steps)

@@ -473,6 +473,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.plot:
     return plot(a.plot)
+  bc.require_gpu(p, [], cpu_ok=False)
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
   checks = {"mosaic": check_mosaic, "mosaicb1": check_mosaic,

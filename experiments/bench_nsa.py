@@ -493,6 +493,10 @@ def main(argv=None):
   if a.plot:
     return plot(a.plot)
   ints = lambda s: [int(x) for x in s.split(",") if x]
+  # (--breakdown_T only acts on lengths that --T / --long_T also run)
+  bc.require_gpu(p, ints(a.T) + ints(a.long_T) + ints(a.layer_T) + ints(a.fold_sweep_T)
+                 + [a.sweep_T, a.profile_T],
+                 how=" (e.g. --T 256 --breakdown_T 256)")
   global BATCH, IMPL
   IMPL = a.impl
   ops.FOLD_CUDNN_BACKWARD = a.fold_backward == "cudnn"  # recorded in every row

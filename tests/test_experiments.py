@@ -715,3 +715,24 @@ def test_named_scopes_reach_the_compiled_step():
     assert scope in ps.SCOPES and {scope, f"{scope} (bwd)"} <= labels, (scope, sorted(labels))
   # off the GPU the op runs the "xla" path, which has no branch scopes
   assert {"nsa_op/other", "nsa_op/other (bwd)"} <= labels, sorted(labels)
+
+
+def test_benchmarks_refuse_gpu_sizes_off_a_gpu(monkeypatch, capsys):
+  """Off a GPU the benchmarks are code-path dry runs: the default (GPU) lengths are refused with
+  the reason and the fix (exit 2) instead of running for minutes into an out-of-memory error,
+  and the kernels with no CPU mode refuse at once."""
+  from experiments import bench_decode, bench_kernels, bench_nsa
+  with pytest.raises(SystemExit) as e:
+    bench_nsa.main([])
+  assert e.value.code == 2 and "T > 4096" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    bench_kernels.main(["--T", "128"])
+  assert e.value.code == 2 and "needs a GPU" in capsys.readouterr().err
+  monkeypatch.setattr(sys, "argv", ["bench_decode"])
+  with pytest.raises(SystemExit) as e:
+    bench_decode.main()
+  assert e.value.code == 2 and "needs a GPU" in capsys.readouterr().err
+  monkeypatch.setattr(sys, "argv", ["bench_decode", "--interpret"])
+  with pytest.raises(SystemExit) as e:
+    bench_decode.main()
+  assert e.value.code == 2 and "--lengths 1024" in capsys.readouterr().err
