@@ -64,3 +64,12 @@ def config_value(holder):
     print(f"error: bad command line: --{holder.name} could not be loaded: "
           f"{lines[-1] if lines else e}", file=sys.stderr)
     sys.exit(2)
+
+
+def quiet_libraries():
+  """Our own INFO lines (logger nsa_jax); jax's and orbax's only from WARNING up (orbax narrates
+  every restore at INFO)."""
+  import logging
+  logging.getLogger().setLevel(logging.WARNING)
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  logging.getLogger("nsa_jax").setLevel(logging.INFO)

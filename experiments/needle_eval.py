@@ -249,6 +249,8 @@ def _save(fig, out):
 
 def main(argv):
   del argv
+  from experiments.cli import quiet_libraries
+  quiet_libraries()
   from experiments.trained_model import jit_logits, load_model, resolve_workdir, val_batches
   if not _WORKDIRS.value or not _OUT.value:
     raise app.UsageError("--workdirs and --out are required")

@@ -170,6 +170,8 @@ def overlap_report(model, config, nsa, rows: int) -> str:
 def main(argv):
   del argv
   import jax
+  from experiments.cli import quiet_libraries
+  quiet_libraries()
   from experiments.trained_model import forward_with_aux, load_model, resolve_workdir, val_batches
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required")
