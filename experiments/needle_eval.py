@@ -263,6 +263,10 @@ def main(argv):
     grids, trained = [], []
     for (workdir, _), label in zip(specs, labels):
       model, config, _ = load_model(workdir, max_seq_len=max(lengths))
+      longer = [n for n in lengths if n > config.data.seq_len]
+      if longer:
+        print(f"note: {label} was trained on {config.data.seq_len}-token sequences; lengths "
+              f"{longer} test extrapolation beyond it")
       grid = needle_grid(jit_logits(model), lengths, depths, _SAMPLES.value, _SEED.value)
       grid.update(workdir=workdir, trained_seq_len=config.data.seq_len)
       grids.append(grid)
@@ -278,7 +282,8 @@ def main(argv):
     for (workdir, _), label in zip(specs, labels):
       model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths))
       if "nsa" not in (model_cfg.layer_attention or (model_cfg.attention,)):
-        raise app.UsageError(f"{workdir}: --mode=blocks needs a model with NSA layers")
+        raise ValueError(f"{workdir}: --mode=blocks needs a model with NSA layers (this one: "
+                         f"{model_cfg.attention_kinds}). Fix: pass an NSA run's workdir")
       grid = block_grid(model, model_cfg.nsa.sel_block, lengths, depths, _SAMPLES.value,
                         _SEED.value)
       results[label] = dict(grid, workdir=workdir, num_selected=model_cfg.nsa.num_selected)

@@ -42,6 +42,11 @@ def main(argv):
     return 1
   if train.jax.process_index() != 0:
     return 0
+  if not summary["train"] and not summary["val"]:  # resumed at or past the end
+    print(f"done: the run is already at step {summary['step']} (config.train.num_steps="
+          f"{config_value(_CONFIG).train.num_steps}); nothing to train. Fix: raise num_steps to "
+          "continue it")
+    return 0
   fmt = lambda d: f"{d['loss']:.4f}" if "loss" in d else "n/a"
   print(f"done: step {summary['step']}, train loss {fmt(summary['train'])}, val loss "
         f"{fmt(summary['val'])}" + (f" (stopped by {summary['stopped']})" if summary["stopped"] else ""))
