@@ -32,6 +32,28 @@ def tokens_per_s(workdir: str) -> tuple[float, int]:
   return statistics.median(vals), len(vals)
 
 
+def attention_kinds(workdir: str) -> set[str] | None:
+  """The attention kinds a run's layers used (from its config.json), or None if it has none."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    model = json.load(f).get("model", {})
+  return set(model.get("layer_attention") or [model.get("attention", "nsa")])
+
+
+def check_pair(label: str, nsa: str, dense: str):
+  """The first run of a pair must use NSA and the second must be all dense (runs without a
+  config.json are taken as given)."""
+  kn, kd = attention_kinds(nsa), attention_kinds(dense)
+  if kn is not None and "nsa" not in kn:
+    raise ValueError(f"--pair {label!r}: the first run {nsa} has no NSA layer ({sorted(kn)}). "
+                     "Fix: LABEL=NSA_WORKDIR,DENSE_WORKDIR")
+  if kd is not None and kd != {"dense"}:
+    raise ValueError(f"--pair {label!r}: the second run {dense} is not all dense ({sorted(kd)}). "
+                     "Fix: LABEL=NSA_WORKDIR,DENSE_WORKDIR")
+
+
 def parse_pair(text: str) -> tuple[str, str, str]:
   label, sep, dirs = text.partition("=")
   nsa, comma, dense = dirs.partition(",")
@@ -49,6 +71,7 @@ def main(argv=None) -> str:
   a = p.parse_args(argv)
   rows = []
   for label, nsa, dense in map(parse_pair, a.pair):
+    check_pair(label, nsa, dense)
     (n, nw), (d, dw) = tokens_per_s(nsa), tokens_per_s(dense)
     rows.append((label, n, d, nw, dw))
   import matplotlib

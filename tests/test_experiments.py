@@ -578,6 +578,13 @@ def test_plot_throughput_median_ratio_and_errors(tmp_path):
     pt.main(["--pair", f"x={n},{empty}", "--out", str(out)])
   with pytest.raises(ValueError, match="LABEL=NSA_WORKDIR,DENSE_WORKDIR"):
     pt.main(["--pair", f"{n},{d}", "--out", str(out)])
+  # runs that say what they are (config.json): a swapped pair is refused
+  for path, kind in ((n, "nsa"), (d, "dense")):
+    with open(os.path.join(path, "config.json"), "w") as f:
+      json.dump({"model": {"attention": kind, "layer_attention": None}}, f)
+  assert "0.762x" in pt.main(["--pair", f"8k={n},{d}", "--out", str(out)])
+  with pytest.raises(ValueError, match="the first run .* has no NSA layer"):
+    pt.main(["--pair", f"8k={d},{n}", "--out", str(out)])
 
 
 def test_plot_ablations_chart_table_and_errors(tmp_path):
