@@ -16,16 +16,21 @@ def parse_flags(argv):
     if len(msg) > 1 and msg[0] == msg[-1] == "'":  # ml_collections wraps its message in quotes
       msg = msg[1:-1]
     if isinstance(e, (AttributeError, KeyError)) and "Did you mean" not in msg:
-      msg = f"no such config field '{msg.strip(chr(39) + chr(34) + ' ')}' (see configs/base.py)"
+      name = msg.strip("'\" ")
+      overridden = [a for a in argv[1:] if a.startswith("--") and "." in a.split("=", 1)[0]
+                    and a.split("=", 1)[0].rsplit(".", 1)[1] == name]
+      if not overridden:  # raised inside a config file's get_config(): a bug there, show it
+        raise
+      msg = f"no such config field '{name}' in {overridden[0].split('=', 1)[0]} (see configs/base.py)"
     print(f"error: bad command line: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
-def user_errors():
-  """The exception types that mean bad input (a path, a checkpoint, a value), not a bug."""
-  from nsa_jax.training.checkpointing import CheckpointError
-  from nsa_jax.training.train import NonFiniteError
-  return (ValueError, OSError, CheckpointError, NonFiniteError)
+def is_user_error(e: BaseException) -> bool:
+  """Bad input (a path, a checkpoint, a value), not a bug: ValueError, OSError and the training
+  library's CheckpointError / NonFiniteError (matched by name: no heavy import on the error path)."""
+  return isinstance(e, (ValueError, OSError)) or any(
+      c.__name__ in ("CheckpointError", "NonFiniteError") for c in type(e).__mro__)
 
 
 def one_line_errors(main):
@@ -37,9 +42,10 @@ def one_line_errors(main):
     try:
       return main(*args, **kwargs)
     except Exception as e:
-      if os.environ.get("NSA_TRACEBACK") == "1" or not isinstance(e, user_errors()):
+      if os.environ.get("NSA_TRACEBACK") == "1" or not is_user_error(e):
         raise
-      print(f"error: {e}", file=sys.stderr)
+      msg = str(e) if "Fix" in str(e) else f"{type(e).__name__}: {e} (NSA_TRACEBACK=1 shows where)"
+      print(f"error: {msg}", file=sys.stderr)
       return 1
   return wrapped
 

@@ -42,10 +42,14 @@ def main(argv):
     return 1
   if train.jax.process_index() != 0:
     return 0
-  if not summary["train"] and not summary["val"]:  # resumed at or past the end
+  total = config_value(_CONFIG).train.num_steps
+  if not summary["train"] and not summary["val"] and summary["step"] >= total:  # already done
     print(f"done: the run is already at step {summary['step']} (config.train.num_steps="
-          f"{config_value(_CONFIG).train.num_steps}); nothing to train. Fix: raise num_steps to "
+          f"{total}); nothing to train. Fix: raise num_steps to "
           "continue it")
+    return 0
+  if not summary["train"] and not summary["val"]:  # stop_after at the resumed step (said above)
+    print(f"done: step {summary['step']}; nothing trained in this invocation")
     return 0
   fmt = lambda d: f"{d['loss']:.4f}" if "loss" in d else "n/a"
   print(f"done: step {summary['step']}, train loss {fmt(summary['train'])}, val loss "

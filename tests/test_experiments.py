@@ -729,6 +729,7 @@ def test_benchmarks_refuse_gpu_sizes_off_a_gpu(monkeypatch, capsys):
   the reason and the fix (exit 2) instead of running for minutes into an out-of-memory error,
   and the kernels with no CPU mode refuse at once."""
   from experiments import bench_decode, bench_kernels, bench_nsa
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the same on a GPU machine
   with pytest.raises(SystemExit) as e:
     bench_nsa.main([])
   assert e.value.code == 2 and "T > 4096" in capsys.readouterr().err

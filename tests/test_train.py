@@ -154,11 +154,43 @@ def test_resume_with_changed_settings_warns_and_keeps_the_earlier_config(full_ru
     assert json.load(f)["optim"]["learning_rate"] == 1e-4
 
 
+def test_every_earlier_config_is_kept_and_routine_changes_do_not_warn(tmp_path, caplog):
+  """Two resumes from the same step with different settings keep both earlier configs (a
+  review: the second overwrote the first, losing what the first steps ran with); changing only
+  how an invocation runs (stop_after, time limit, progress bar) is routine and keeps nothing."""
+  wd = str(tmp_path)
+  a, b, c = small_config(), small_config(), small_config()
+  b.optim.learning_rate, c.optim.learning_rate = 1e-4, 5e-5
+  train._record_config(a, wd, 0)
+  train._record_config(b, wd, 6)
+  train._record_config(c, wd, 6)
+  lr = lambda name: json.load(open(os.path.join(wd, name)))["optim"]["learning_rate"]
+  assert lr("config.before_step_6.json") == a.optim.learning_rate
+  assert lr("config.before_step_6.2.json") == 1e-4 and lr("config.json") == 5e-5
+  d = small_config()
+  d.optim.learning_rate = 5e-5
+  d.train.stop_after, d.train.progress_bar = 9, True
+  caplog.clear()  # the two resumes above warned
+  with caplog.at_level("WARNING", logger="nsa_jax"):
+    train._record_config(d, wd, 8)
+  assert not caplog.records and not os.path.exists(os.path.join(wd, "config.before_step_8.json"))
+  assert json.load(open(os.path.join(wd, "config.json")))["train"]["stop_after"] == 9
+
+
+def test_a_bug_inside_a_config_file_is_not_blamed_on_the_command_line(tmp_path):
+  bad = tmp_path / "buggy_config.py"
+  bad.write_text("import os\n\ndef get_config():\n  return os.path.joinn('a')\n")
+  r = run_cli(f"--config={bad}", f"--workdir={tmp_path / 'w'}")
+  assert r.returncode != 0 and "joinn" in r.stderr and "Traceback" in r.stderr, r.stderr[-2000:]
+  assert "no such config field" not in r.stderr
+
+
 @pytest.mark.parametrize("path,value", [
     ("train.eval_every", 0), ("train.log_every", 0), ("checkpoint.every_steps", 0),
     ("train.eval_batches", 0), ("data.global_batch_size", 0), ("train.num_steps", -3),
     ("optim.grad_accum_steps", 0), ("optim.warmup_steps", -1), ("optim.learning_rate", -1.0),
-    ("optim.learning_rate", float("nan")), ("train.log_every", 2.5)])
+    ("optim.learning_rate", float("nan")), ("train.log_every", 2.5),
+    ("checkpoint.max_to_keep", 0)])
 def test_loop_settings_that_would_crash_or_do_nothing_are_refused(path, value):
   c = small_config()
   block, key = path.split(".")
@@ -167,6 +199,10 @@ def test_loop_settings_that_would_crash_or_do_nothing_are_refused(path, value):
   with pytest.raises(ValueError, match=rf"config\.{path}=.*Fix: "):
     train.check_run_config(c)
   train.check_run_config(small_config())  # the defaults pass
+  keep_all = small_config()
+  with keep_all.ignore_type():
+    keep_all.checkpoint.max_to_keep = None  # orbax: keep every checkpoint
+  train.check_run_config(keep_all)
 
 
 def test_mismatched_checkpoint_is_refused_without_touching_it(full_run, tmp_path):

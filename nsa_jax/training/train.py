@@ -319,6 +319,8 @@ def check_run_config(config):
   for path, low, what in _LOOP_MINIMUMS:
     block, key = path.split(".")
     value = config[block][key]
+    if path == "checkpoint.max_to_keep" and value is None:  # orbax: keep every checkpoint
+      continue
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
       raise ValueError(f"config.{path}={value!r}: expected an integer >= {low} ({what}). "
                        f"Fix: --config.{path}=<an integer >= {low}>")
@@ -406,6 +408,13 @@ def _flat(d, prefix=""):
   return out
 
 
+# How an invocation runs, not what it trains: changing these on a resume is routine (the
+# preemption workflow), so they neither warn nor keep a copy of the earlier config.
+_RUN_CONTROL_FIELDS = frozenset({"train.stop_after", "train.time_limit_minutes",
+                                 "train.progress_bar", "train.tensorboard", "train.plot",
+                                 "train.hlo_report", "checkpoint.async_save"})
+
+
 def _record_config(config, workdir, start):
   """Writes config.json. On a resume whose settings differ from the recorded ones (data, optimizer,
   loop: the model itself is checked against the checkpoint), warns with the differences and keeps
@@ -421,9 +430,14 @@ def _record_config(config, workdir, start):
     except ValueError:
       old, new = {"(unreadable config.json)": 0}, {}
     diffs = [f"{k}: {old.get(k, '<missing>')!r} -> {new.get(k, '<missing>')!r}"
-             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+             for k in sorted(set(old) | set(new))
+             if old.get(k) != new.get(k) and k not in _RUN_CONTROL_FIELDS]
     if diffs:
       keep = os.path.join(workdir, f"config.before_step_{start}.json")
+      n = 1
+      while os.path.exists(keep):  # a second resume from the same step keeps both earlier files
+        n += 1
+        keep = os.path.join(workdir, f"config.before_step_{start}.{n}.json")
       with open(keep, "w") as f:
         f.write(old_text)
       log.warning("resuming at step %d with settings that differ from the recorded run (the "
@@ -495,10 +509,11 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
             f"non-finite training metrics at step {s}, the first step after resuming from "
             f"{ckpt.step_dir(start)}: loss={last['loss']}, grad_norm={last['grad_norm']}, "
             f"param_norm={last['param_norm']}. Stopped without saving. The restored parameters "
-            "were finite, so either that checkpoint's optimizer state is damaged or the changed "
-            "config (compare config.json with what the run used) diverges at once. Fix: move "
-            f"{ckpt.step_dir(start)} away to resume from the step before it, or restore the "
-            "earlier settings.")
+            "were finite. If settings changed at this resume, the earlier ones are in the "
+            "work directory's config.before_step_* file (the log above lists the changes); "
+            "otherwise that checkpoint's optimizer state may be damaged. Fix: restore the "
+            "earlier settings or lower config.optim.learning_rate, or move "
+            f"{ckpt.step_dir(start)} away to resume from the step before it.")
       raise NonFiniteError(
           f"non-finite training metrics at step {s}: loss={last['loss']}, grad_norm="
           f"{last['grad_norm']}, param_norm={last['param_norm']}. Stopped without saving; the "
