@@ -305,7 +305,9 @@ def decode_step(model, cache: DecodeCache, token, *, select_fn=None, prefix_fn=N
 
   token [B] int. Outside jit a full cache raises ValueError. Under jit (cache.pos traced) the check
   cannot raise: call `check_room(cache, n)` before a loop of n steps; an overflowing step returns
-  NaN logits (and its cache writes land in the last slot).
+  NaN logits, and its cache writes go where the clamped index points (the dense cache's last
+  slot, the window ring's slot t % W, the selection cache's padding): the cache is then stale,
+  not corrupt-looking, so call check_room first.
   select_fn, prefix_fn, cmp_select_fn, select_window_fn: Pallas decode kernels for the selection /
   compression and window branches / fused compression + top-n / selection + window in one launch
   (see `pallas_decode_kernels`); None = plain JAX.
