@@ -48,7 +48,7 @@ def define_flags():
   _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position", "blocks"],
                             "what to evaluate (blocks: per needle cell, how often each NSA layer's "
                             "selection holds every block the key spans at the answer queries)")
-  _WORKDIRS = flags.DEFINE_list("workdirs", [], "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
+  _WORKDIRS = flags.DEFINE_list("workdirs", None, "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
   _LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
   _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512"], "needle: context lengths")
   _DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "needle: depth fractions")
@@ -253,7 +253,7 @@ def main(argv):
   quiet_libraries()
   from experiments.trained_model import jit_logits, load_model, resolve_workdir, val_batches
   if not _WORKDIRS.value or not _OUT.value:
-    raise app.UsageError("--workdirs and --out are required")
+    raise ValueError("--workdirs and --out are required")
   specs = [resolve_workdir(w) for w in _WORKDIRS.value]
   labels = _LABELS.value or [label for _, label in specs]
   results = {}
@@ -318,4 +318,5 @@ def main(argv):
 if __name__ == "__main__":
   from experiments.cli import one_line_errors, parse_flags
   define_flags()
+  flags.mark_flags_as_required(["workdirs", "out"])  # a missing one: one line, not the usage
   app.run(one_line_errors(main), flags_parser=parse_flags)

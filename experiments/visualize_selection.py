@@ -174,7 +174,7 @@ def main(argv):
   quiet_libraries()
   from experiments.trained_model import forward_with_aux, load_model, resolve_workdir, val_batches
   if not _WORKDIR.value:
-    raise app.UsageError("--workdir is required")
+    raise ValueError("--workdir is required")
   workdir, label = resolve_workdir(_WORKDIR.value)
   model, config, model_cfg = load_model(workdir)
   per_batch = config.data.global_batch_size
@@ -213,4 +213,5 @@ def main(argv):
 if __name__ == "__main__":
   from experiments.cli import one_line_errors, parse_flags
   define_flags()
+  flags.mark_flags_as_required(["workdir"])  # a missing one: one line, not the usage
   app.run(one_line_errors(main), flags_parser=parse_flags)

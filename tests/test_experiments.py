@@ -199,12 +199,15 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
       (["experiments.generate", f"--workdir={nowhere}"], 1),
       (["experiments.generate", "--config=configs/tiny_cpu.py", "--chunk=0"], 2),
       (["experiments.generate", "--config=configs/tiny_cpu.py", "--num_samples=0"], 2),
+      (["experiments.needle_eval", f"--out={tmp_path}/n.png"], 2),  # a required flag missing
+      (["experiments.visualize_selection", f"--out={tmp_path}/v.png"], 2),
   ]
   for args, code in cases:
     r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == code and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
     assert "error" in r.stderr, (args, r.stderr[-2000:])
+    assert "USAGE" not in r.stderr and len(r.stderr.splitlines()) < 8, (args, r.stderr[-2000:])
 
 
 def test_cli_reuses_a_record_from_another_sweep_instead_of_training(sweep_file, tmp_path):
