@@ -252,8 +252,6 @@ def main(argv):
   from experiments.cli import quiet_libraries
   quiet_libraries()
   from experiments.trained_model import jit_logits, load_model, resolve_workdir, val_batches
-  if not _WORKDIRS.value or not _OUT.value:
-    raise ValueError("--workdirs and --out are required")
   specs = [resolve_workdir(w) for w in _WORKDIRS.value]
   labels = _LABELS.value or [label for _, label in specs]
   results = {}
@@ -281,7 +279,7 @@ def main(argv):
     depths = [float(x) for x in _DEPTHS.value]
     for (workdir, _), label in zip(specs, labels):
       model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths))
-      if "nsa" not in (model_cfg.layer_attention or (model_cfg.attention,)):
+      if "nsa" not in model_cfg.attention_kinds:
         raise ValueError(f"{workdir}: --mode=blocks needs a model with NSA layers (this one: "
                          f"{model_cfg.attention_kinds}). Fix: pass an NSA run's workdir")
       grid = block_grid(model, model_cfg.nsa.sel_block, lengths, depths, _SAMPLES.value,

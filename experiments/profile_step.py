@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.cli import parse_flags
+from experiments.cli import config_value, one_line_errors, parse_flags
 
 _CONFIG = _COMPARE = _OUT = _WARMUP = _TIMED = _STEPS = _CMDBUF = None
 
@@ -274,7 +274,6 @@ def main(argv):
   if not _CMDBUF.value:  # read when the GPU backend starts, which is below (first jax use)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_gpu_enable_command_buffer=").strip()
-  from experiments.cli import config_value
   configs = [("config", config_value(_CONFIG))] + (
       [("compare", config_value(_COMPARE))] if _COMPARE.value else [])
   runs = []
@@ -295,5 +294,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  from experiments.cli import one_line_errors
   app.run(one_line_errors(main), flags_parser=parse_flags)

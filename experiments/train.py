@@ -11,7 +11,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.cli import config_value, parse_flags
+from experiments.cli import config_value, parse_flags, quiet_libraries
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/*.py)",
                                           lock_config=True)
@@ -29,20 +29,20 @@ def main(argv):
   from nsa_jax.training import train  # after flag parsing: --help stays fast
   # Our own INFO lines (run header, which NSA implementation ran); others' only from WARNING up:
   # jax and orbax narrate every backend probe and every save at INFO.
-  logging.getLogger().setLevel(logging.WARNING)
-  logging.getLogger("nsa_jax").setLevel(logging.INFO)
+  quiet_libraries()
   train.initialize_distributed(_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   if train.jax.process_index() != 0:  # one voice: only process 0 logs and reports
     logging.getLogger("nsa_jax").setLevel(logging.WARNING)
+  config = config_value(_CONFIG)
   try:
-    summary = train.train_and_evaluate(config_value(_CONFIG), _WORKDIR.value)
+    summary = train.train_and_evaluate(config, _WORKDIR.value)
   except (ValueError, FileNotFoundError, train.CheckpointError, train.NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   if train.jax.process_index() != 0:
     return 0
-  total = config_value(_CONFIG).train.num_steps
+  total = config.train.num_steps
   if not summary["train"] and not summary["val"] and summary["step"] >= total:  # already done
     print(f"done: the run is already at step {summary['step']} (config.train.num_steps="
           f"{total}); nothing to train. Fix: raise num_steps to "

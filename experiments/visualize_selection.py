@@ -173,8 +173,6 @@ def main(argv):
   from experiments.cli import quiet_libraries
   quiet_libraries()
   from experiments.trained_model import forward_with_aux, load_model, resolve_workdir, val_batches
-  if not _WORKDIR.value:
-    raise ValueError("--workdir is required")
   workdir, label = resolve_workdir(_WORKDIR.value)
   model, config, model_cfg = load_model(workdir)
   per_batch = config.data.global_batch_size

@@ -24,17 +24,19 @@ class CheckpointError(RuntimeError):
   """A checkpoint in the work directory cannot be used; the message says which and why."""
 
 
-def _diff(saved: dict, current: dict, prefix: str = "", ignore=()) -> list[str]:
-  """Human-readable differences between two JSON-like dicts (dotted paths in ignore skipped)."""
+def config_diff(saved: dict, current: dict, prefix: str = "", ignore=(),
+          fmt="{key}: checkpoint has {a!r}, config has {b!r}") -> list[str]:
+  """Human-readable differences between two JSON-like dicts (dotted paths in ignore skipped),
+  one fmt line (key = dotted path, a = saved, b = current) each."""
   out = []
   for key in sorted(set(saved) | set(current)):
     if f"{prefix}{key}" in ignore:
       continue
     a, b = saved.get(key, "<missing>"), current.get(key, "<missing>")
     if isinstance(a, dict) and isinstance(b, dict):
-      out += _diff(a, b, f"{prefix}{key}.", ignore)
+      out += config_diff(a, b, f"{prefix}{key}.", ignore, fmt)
     elif a != b:
-      out.append(f"{prefix}{key}: checkpoint has {a!r}, config has {b!r}")
+      out.append(fmt.format(key=f"{prefix}{key}", a=a, b=b))
   return out
 
 
@@ -51,8 +53,8 @@ def nonfinite_leaves(tree) -> list[str]:
     return []
   flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(
       [x for _, x in named])
-  ok = np.asarray(flags.addressable_data(0)) if hasattr(flags, "addressable_data") else flags
-  return [name for (name, _), good in zip(named, np.asarray(ok)) if not good]
+  ok = np.asarray(flags.addressable_data(0))  # replicated: every process holds all of it
+  return [name for (name, _), good in zip(named, ok) if not good]
 
 
 class Checkpointer:
@@ -96,13 +98,10 @@ class Checkpointer:
     so non-finite parameters in a saved step mean the files were damaged after the save."""
     bad = nonfinite_leaves(params)
     if bad:
-      earlier = [s for s in self.all_steps() if s < step]
-      hint = (f"move that directory away to resume from step {max(earlier)}" if earlier
-              else "move that directory away (or use a fresh --workdir) to start over")
       raise CheckpointError(
           f"checkpoint {self.step_dir(step)} is corrupt: {len(bad)} parameter arrays hold NaN or "
           f"inf after reading (first: {bad[0]}), and training never saves a non-finite state. It "
-          f"was left untouched. Fix: {hint}.")
+          f"was left untouched. Fix: {self._move_away_hint(step)}.")
 
   def read_meta(self, step: int) -> dict:
     self.require_step(step)
@@ -119,7 +118,7 @@ class Checkpointer:
     array is read directly into its shards.
     """
     meta = self.read_meta(step)
-    problems = _diff(meta.get("model", {}), _jsonable(expected_meta["model"]), ignore=ignore)
+    problems = config_diff(meta.get("model", {}), _jsonable(expected_meta["model"]), ignore=ignore)
     if problems:
       raise CheckpointError(
           f"checkpoint {self.step_dir(step)} was written for a different model:\n  "
@@ -135,13 +134,15 @@ class Checkpointer:
       self.check_finite(step, out["state"]["params"])
     return out["state"], out["data"]
 
-  def _broken(self, step, what, err) -> str:
+  def _move_away_hint(self, step) -> str:
     earlier = [s for s in self.all_steps() if s < step]
-    hint = (f"move that directory away to resume from step {max(earlier)}" if earlier
+    return (f"move that directory away to resume from step {max(earlier)}" if earlier
             else "move that directory away (or use a fresh --workdir) to start over")
+
+  def _broken(self, step, what, err) -> str:
     return (f"checkpoint {self.step_dir(step)} is corrupt or incompatible: could not read {what} "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
-            f"It was left untouched. Fix: {hint}.")
+            f"It was left untouched. Fix: {self._move_away_hint(step)}.")
 
   def wait(self):
     self.manager.wait_until_finished()

@@ -27,7 +27,8 @@ from nsa_jax.config import ModelConfig, NSAConfig
 from nsa_jax.training import data as data_lib
 from nsa_jax.training import metrics as metrics_lib
 from nsa_jax.training import sharding as shd
-from nsa_jax.training.checkpointing import Checkpointer, CheckpointError, abstract_like
+from nsa_jax.training.checkpointing import (Checkpointer, CheckpointError, abstract_like,
+                                            config_diff)
 from nsa_jax.training.optim import make_optimizer
 
 log = logging.getLogger("nsa_jax.training")
@@ -398,16 +399,6 @@ def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool, init_from: str
   return state, step
 
 
-def _flat(d, prefix=""):
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 # How an invocation runs, not what it trains: changing these on a resume is routine (the
 # preemption workflow), so they neither warn nor keep a copy of the earlier config.
 _RUN_CONTROL_FIELDS = frozenset({"train.stop_after", "train.time_limit_minutes",
@@ -426,12 +417,11 @@ def _record_config(config, workdir, start):
     with open(path) as f:
       old_text = f.read()
     try:
-      old, new = _flat(json.loads(old_text)), _flat(json.loads(text))
+      old = json.loads(old_text)
     except ValueError:
-      old, new = {"(unreadable config.json)": 0}, {}
-    diffs = [f"{k}: {old.get(k, '<missing>')!r} -> {new.get(k, '<missing>')!r}"
-             for k in sorted(set(old) | set(new))
-             if old.get(k) != new.get(k) and k not in _RUN_CONTROL_FIELDS]
+      old = {"(unreadable config.json)": 0}
+    diffs = config_diff(old, json.loads(text), ignore=_RUN_CONTROL_FIELDS,
+                        fmt="{key}: {a!r} -> {b!r}")
     if diffs:
       keep = os.path.join(workdir, f"config.before_step_{start}.json")
       n = 1
