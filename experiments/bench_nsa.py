@@ -236,10 +236,14 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
     r = bench.time_pair(fn, [q, kc, vc], ct)
     out.append((name, r["fwd"], r["fwd_bwd"]))
     print("SWEEP", out[-1], flush=True)
-  if "topn" not in parts:
+  if "topn" not in parts and "topnvar" not in parts:
     return out
   _, lse = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, l, d,
                                                         interpret=INTERPRET))(q, kc, vc)
+  if "topnvar" in parts:
+    out += topn_variants(q, kc, lse, cfg, bench)
+  if "topn" not in parts:
+    return out
   # (rows, chunk, warps, stages); the 2026-11-29 sweep found 32-block chunks and 128 rows slower.
   for rows, chunk, warps, stages in ((64, 16, 4, 2), (64, 16, 2, 2), (64, 16, 8, 2),
                                      (64, 16, 4, 1), (64, 16, 4, 3), (32, 16, 2, 2)):
@@ -249,6 +253,33 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
     r = bench.time_pair(fn, [q, kc, lse], None, with_bwd=False)
     out.append((f"topn rows{rows} chunk{chunk} w{warps} s{stages}", r["fwd"], None))
     print("SWEEP", out[-1], flush=True)
+  return out
+
+
+def topn_variants(q, kc, lse, cfg, bench):
+  """The top-n kernel's optional code paths (select_topn.CARRY_VEC x SPLIT_LOOP) at the default
+  launch parameters, each checked against the first's indices (same blocks expected, up to
+  float-order near-ties): [(name, fwd_ms, None, {"same_slots": fraction})]."""
+  from pallas_kernels import select_topn as st
+  saved = {k: getattr(st, k) for k in ("CARRY_VEC", "SPLIT_LOOP")}
+  out, base = [], None
+  try:
+    for cv, sl in ((False, False), (True, False), (False, True), (True, True)):
+      st.CARRY_VEC, st.SPLIT_LOOP = cv, sl
+      fn = lambda q, kc, lse: (select_topn(q, kc, lse, block=cfg.cmp_block, stride=cfg.cmp_stride,
+                                           sel_block=cfg.sel_block, num_selected=cfg.num_selected,
+                                           interpret=INTERPRET),)
+      r = bench.time_pair(fn, [q, kc, lse], None, with_bwd=False)
+      idx = jax.jit(fn)(q, kc, lse)[0]
+      base = idx if base is None else base
+      same = float(jnp.mean((idx == base).astype(jnp.float32)))
+      out.append((f"topn carry_vec={int(cv)} split_loop={int(sl)}", r["fwd"], None,
+                  {"same_slots": round(same, 6)}))
+      print("SWEEP", out[-1], flush=True)
+      del idx
+  finally:
+    for k, v in saved.items():
+      setattr(st, k, v)
   return out
 
 
@@ -475,8 +506,10 @@ def main(argv=None):
   p.add_argument("--check", action="store_true")
   p.add_argument("--sweep_T", type=int, default=0)
   p.add_argument("--sweep_parts", default="cmp,topn",
-                 help="which kernels --sweep_T varies: cmp, topn, mosaic (Mosaic GPU compression "
+                 help="which kernels --sweep_T varies: cmp, topn (launch parameters), topnvar "
+                      "(the top-n kernel's optional code paths), mosaic (Mosaic GPU compression "
                       "forward vs Triton)")
+  p.add_argument("--sweep_dims", default="192/128", help="d_k/d_v of the --sweep_T shape")
   p.add_argument("--fold_sweep_T", default="",
                  help="time the compression branch as Triton kernels, the cuDNN fold, and the "
                       "cuDNN fold forward + Triton backward at these T (each --dims entry, "
@@ -522,12 +555,14 @@ def main(argv=None):
   if a.fold_sweep_T:
     fold_sweep(key, ints(a.fold_sweep_T), a.dims.split(","), (h, kh), a.out)
   if a.sweep_T:
-    res = sweep(key, a.sweep_T, paper_cfg(h, kh, 192, 128), parts=a.sweep_parts.split(","))
+    sdk, sdv = ints(a.sweep_dims.replace("/", ","))
+    res = sweep(key, a.sweep_T, paper_cfg(h, kh, sdk, sdv), parts=a.sweep_parts.split(","))
     os.makedirs(a.out, exist_ok=True)
+    rows = [dict(variant=r[0], fwd_ms=r[1], fwd_bwd_ms=r[2], **(r[3] if len(r) > 3 else {}))
+            for r in res]
     with open(os.path.join(a.out, "nsa_sweep.json"), "w") as f:
-      json.dump(dict(**bc.provenance(), T=a.sweep_T, d_k=192, d_v=128, q_heads=h, kv_heads=kh,
-                     rows=[dict(variant=n, fwd_ms=fw, fwd_bwd_ms=fb) for n, fw, fb in res]),
-                f, indent=1)
+      json.dump(dict(**bc.provenance(), T=a.sweep_T, d_k=sdk, d_v=sdv, q_heads=h, kv_heads=kh,
+                     batch=BATCH, rows=rows), f, indent=1)
   plan = [(dims, t) for dims in a.dims.split(",") for t in ints(a.T)]
   plan += [(dims, t) for dims in a.dims.split(",") for t in ints(a.long_T)]
   for dims, t in plan:

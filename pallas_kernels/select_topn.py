@@ -25,6 +25,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -46,6 +47,16 @@ BIG = 2 ** 30
 CARRY_BOUNDS = os.environ.get("NSA_TOPN_CARRY_BOUNDS", "0") == "1"
 FIRST_FILL = os.environ.get("NSA_TOPN_FIRST_FILL", "1") == "1"
 FIRST_FILL_MAX_CHUNKS = 8
+# Two ways to do less work a chunk, each giving the same indices (tests run both ways):
+# CARRY_VEC: Eq. 9's part for the next chunk touches only its first column(s) (one column for
+#   l <= l': the previous chunk's last compressed block, weight 1 in the paper's overlap
+#   alignment), so it is carried as a [rows] vector (a weighted row sum of p in float32) instead
+#   of three more band matmuls that are almost all zeros.
+# SPLIT_LOOP: chunks every row of the tile fully sees (all but the last one or two of a row)
+#   skip the visibility mask; a second loop masks the rest. No segment ids only.
+# Env NSA_TOPN_CARRY_VEC / NSA_TOPN_SPLIT_LOOP = 0 or 1.
+CARRY_VEC = os.environ.get("NSA_TOPN_CARRY_VEC", "0") == "1"
+SPLIT_LOOP = os.environ.get("NSA_TOPN_SPLIT_LOOP", "0") == "1"
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
 
 
@@ -55,6 +66,13 @@ def _band(u, k_base, r, c):
   k = k_base - u
   w = jnp.minimum(jnp.minimum(k, r - 1), jnp.minimum(c - 1, r + c - 2 - k)) + 1
   return jnp.where((k >= 0) & (k <= r + c - 2), w, 0).astype(jnp.float32)
+
+
+def carried_columns(r, c, nsj, off):
+  """The next chunk's selection blocks (columns v) that this chunk's compressed blocks feed
+  through Eq. 9's band (static: at most two for l <= l')."""
+  k = r * (nsj + np.arange(nsj)[None, :]) + off - np.arange(r * nsj)[:, None]
+  return [int(v) for v in np.nonzero(((k >= 0) & (k <= r + c - 2)).any(axis=0))[0]]
 
 
 def _split3(x):
@@ -158,11 +176,18 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   u = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 0)
   v = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 1)
   w_own = _band(u, r * v + off, r, c).astype(jnp.bfloat16)
-  w_next = _band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   chunks = last // sel_block // nsj + 1
+  if CARRY_VEC:
+    cols = carried_columns(r, c, nsj, off)
+    col = lax.broadcasted_iota(jnp.int32, (m, nsj), 1)
+    uc = lax.iota(jnp.int32, bkc)
+    # the weights as [bkc] vectors, built like _band (a kernel cannot capture array constants)
+    wvecs = [_band(uc, r * (nsj + vv) + off, r, c) for vv in cols]
+  else:
+    w_next = _band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
 
-  def body(ci, st, fill=False):
+  def body(ci, st, fill=False, masked=True):
     a_val, a_idx, carry = st
     start = ci * bkc if fill else pl.multiple_of(ci * bkc, bkc)  # fill: ci is the literal 0
     kidx = start + lax.iota(jnp.int32, bkc)
@@ -170,13 +195,25 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     bseg = bseg_ref[pl.ds(start, bkc)] if has_seg else None
     bpure = bpure_ref[pl.ds(start, bkc)] if has_seg else None
     s = ca.dot_pieces(qs, ks) * (scale * LOG2E)
-    vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-    p = jnp.where(vis & real_head[:, None], jnp.exp2(s - lse2[:, None]), 0.0)  # Eq. 8
+    p = jnp.exp2(s - lse2[:, None])  # Eq. 8
+    if masked:
+      vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+      if gp > g:
+        vis = vis & real_head[:, None]
+      p = jnp.where(vis, p, 0.0)
+    elif gp > g:
+      p = jnp.where(real_head[:, None], p, 0.0)
     parts = _split3(p)
     own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
-    nxt = _exact_dot(parts, w_next)
-    own = jnp.sum(own.reshape(tq, gp, nsj), axis=1) + carry  # Eq. 10 [tq, nsj]
-    carry = jnp.sum(nxt.reshape(tq, gp, nsj), axis=1)
+    if CARRY_VEC:
+      for vv, cv in zip(cols, carry):
+        own = own + jnp.where(col == vv, cv[:, None], 0.0)
+      own = jnp.sum(own.reshape(tq, gp, nsj), axis=1)  # Eq. 10 [tq, nsj]
+      carry = tuple(jnp.sum(p * wv[None, :], axis=1) for wv in wvecs)
+    else:
+      nxt = _exact_dot(parts, w_next)
+      own = jnp.sum(own.reshape(tq, gp, nsj), axis=1) + carry  # Eq. 10 [tq, nsj]
+      carry = jnp.sum(nxt.reshape(tq, gp, nsj), axis=1)
     j = ci * nsj + lax.broadcasted_iota(jnp.int32, (tq, nsj), 1)
     elig = (j <= cur[:, None]) & (j >= first[:, None])
     forced = elig & ((j < first[:, None] + n_init) | (j > cur[:, None] - n_local))
@@ -186,14 +223,21 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     a_val, a_idx = _merge(a_val, a_idx, cand, j, n=n)
     return a_val, a_idx, carry
 
-  init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32),
-          jnp.zeros((tq, nsj), jnp.float32))
+  carry0 = (tuple(jnp.zeros((m,), jnp.float32) for _ in cols) if CARRY_VEC
+            else jnp.zeros((tq, nsj), jnp.float32))
+  init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32), carry0)
   # With nsj == n == NP the first chunk needs no merge (16 of the ~45 merge iterations of a
   # 128-block row at n = 16): its candidates become the list, then chunks 1.. merge as before.
   # Every tile has at least one chunk.
   c0 = 0
   if FIRST_FILL and nsj == n == npad and -(-t // (sel_block * nsj)) <= FIRST_FILL_MAX_CHUNKS:
     init, c0 = body(0, init, fill=True), 1
+  if SPLIT_LOOP and not has_seg:
+    # chunks whose every compressed block the tile's first token sees (so every row does)
+    nv0 = ca.num_visible(tile * tq, block, stride, nc)
+    full = jnp.clip(nv0 // bkc, c0, chunks)
+    init = lax.fori_loop(c0, full, functools.partial(body, masked=False), init)
+    c0 = full
   a_val, a_idx, _ = lax.fori_loop(c0, chunks, body, init)
   ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
 

@@ -92,26 +92,40 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
 
 # ----------------------------------------------------------------------------- top-n
 
-@pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg", [
-    (4, 2, 300, 16, 8, 32, 5, "overlap", False),
-    (1, 3, 200, 16, 8, 32, 4, "literal", True),
-    (16, 1, 260, 32, 16, 64, 3, "overlap", True),
-    (8, 1, 333, 16, 8, 16, 6, "literal", False),
-    (16, 1, 400, 16, 8, 16, 4, "overlap", False),  # G=16 over several 32-block chunks
+TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "SPLIT_LOOP")
+
+
+def _set_topn_variants(monkeypatch, on):
+  """Every optional code path of the top-n kernel on, or every one off."""
+  for name in TOPN_VARIANTS:
+    monkeypatch.setattr(topn_module, name, on)
+
+
+@pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg,n_local", [
+    (4, 2, 300, 16, 8, 32, 5, "overlap", False, 2),
+    (1, 3, 200, 16, 8, 32, 4, "literal", True, 2),
+    (16, 1, 260, 32, 16, 64, 3, "overlap", True, 2),
+    (8, 1, 333, 16, 8, 16, 6, "literal", False, 2),
+    (16, 1, 400, 16, 8, 16, 4, "overlap", False, 2),  # G=16 over several 32-block chunks
     # n = 16 = the chunk width: the first chunk becomes the list without a merge
-    (16, 1, 700, 16, 8, 16, 16, "overlap", True),
-    (4, 2, 600, 16, 8, 16, 16, "literal", False),
+    (16, 1, 700, 16, 8, 16, 16, "overlap", True, 2),
+    (4, 2, 600, 16, 8, 16, 16, "literal", False, 2),
+    # fewer forced local blocks: the blocks a token only partly sees then count, so the
+    # visibility mask (and its skipping on fully seen chunks) shows in the indices
+    (16, 1, 400, 16, 8, 16, 4, "overlap", False, 0),
+    (4, 2, 520, 32, 16, 64, 6, "overlap", False, 1),
+    (2, 2, 300, 16, 8, 32, 5, "literal", True, 0),
 ])
-@pytest.mark.parametrize("fast_merge", [False, True])
-def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, fast_merge,
+@pytest.mark.parametrize("variants", [False, True])
+def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, n_local, variants,
                                          monkeypatch):
-  monkeypatch.setattr(topn_module, "CARRY_BOUNDS", fast_merge)
-  monkeypatch.setattr(topn_module, "FIRST_FILL", fast_merge)
+  _set_topn_variants(monkeypatch, variants)
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 4)
   b, dk = 2, 32
   cfg = NSAConfig(num_heads=g * kv, num_kv_heads=kv, head_dim=dk, head_dim_v=None, cmp_block=l,
-                  cmp_stride=d, sel_block=lp, num_selected=n, window=64, score_alignment=align)
+                  cmp_stride=d, sel_block=lp, num_selected=n, window=64, score_alignment=align,
+                  num_local_blocks=n_local)
   nc = cfg.num_cmp_blocks(t)
   q = jax.random.normal(ks[0], (b, t, g * kv, dk))
   kc = jax.random.normal(ks[1], (b, nc, kv, dk))
@@ -119,8 +133,8 @@ def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, 
   _, lse, p = reference.compressed_attention(q, kc, kc, l, d, seg)
   want = reference.select_blocks(reference.selection_scores(p, kv, t, cfg), cfg, seg)
   got = jax.jit(lambda q, kc, lse, seg: select_topn(
-      q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, alignment=align,
-      segment_ids=seg, interpret=INTERPRET))(q, kc, lse, seg)
+      q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, num_local=n_local,
+      alignment=align, segment_ids=seg, interpret=INTERPRET))(q, kc, lse, seg)
   bad = np.argwhere(np.asarray(want != got))
   assert got.shape == want.shape and got.dtype == jnp.int32
   assert bad.size == 0, (f"{len(bad)} slots differ, first at {bad[0]}: want "
@@ -174,12 +188,11 @@ def _abstract_gpu():
                                   num_cores=132))))
 
 
-@pytest.mark.parametrize("h,kv,dk,dv,use_seg,fast_merge", [(64, 4, 192, 128, False, False),
-                                                            (8, 8, 64, 32, True, False),
-                                                            (64, 4, 192, 128, False, True)])
-def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, fast_merge, monkeypatch):
-  monkeypatch.setattr(topn_module, "CARRY_BOUNDS", fast_merge)
-  monkeypatch.setattr(topn_module, "FIRST_FILL", fast_merge)
+@pytest.mark.parametrize("h,kv,dk,dv,use_seg,variants", [(64, 4, 192, 128, False, False),
+                                                          (8, 8, 64, 32, True, False),
+                                                          (64, 4, 192, 128, False, True)])
+def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, variants, monkeypatch):
+  _set_topn_variants(monkeypatch, variants)
   t, l, d, lp = 1024, 32, 16, 64
   nc = (t - l) // d + 1
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)

@@ -404,8 +404,8 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   from experiments import bench_nsa
   try:
     bench_nsa.main(["--T", "128", "--breakdown_T", "128", "--sweep_T", "128", "--sweep_parts",
-                    "topn", "--profile_T", "128", "--heads", "4/1", "--dims", "32/16", "--iters", "1",
-                    "--batch", "2", "--out", str(tmp_path)])
+                    "topn,topnvar", "--sweep_dims", "32/32", "--profile_T", "128", "--heads", "4/1",
+                    "--dims", "32/16", "--iters", "1", "--batch", "2", "--out", str(tmp_path)])
     # the inputs really carry the batch (the records' field alone comes from the same global)
     assert bench_nsa.make_inputs(jax.random.key(0), 128, bench_nsa.paper_cfg(4, 1, 32, 16))[0].shape \
         == (2, 128, 4, 32)
@@ -419,8 +419,12 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   assert all(r["ms"] > 0 for r in recs if r["pass"] == "fwd")
   sweep = json.load(open(tmp_path / "nsa_sweep.json"))
   assert sweep["T"] == 128 and sweep["hardware"] and sweep["command"]
-  assert [r["variant"].split()[0] for r in sweep["rows"]] == ["topn"] * 6
+  assert (sweep["d_k"], sweep["d_v"], sweep["batch"]) == (32, 32, 2)
+  assert [r["variant"].split()[0] for r in sweep["rows"]] == ["topn"] * 10
   assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] is None for r in sweep["rows"])
+  # the code-path variants pick the same blocks as the first (no near-ties at this size)
+  variants = [r for r in sweep["rows"] if "carry_vec" in r["variant"]]
+  assert len(variants) == 4 and all(r["same_slots"] == 1.0 for r in variants), variants
   prof = json.load(open(tmp_path / "nsa_profile.json"))
   assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
 
