@@ -479,7 +479,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
   assert documented == defined == {"union4", "auto", "profile", "cmpsplit", "nsa", "decode",
                                     "train8k", "sel8k", "mosaic", "mosaic8k", "mosaiccmp",
                                     "mosaicnsa", "auto8k", "registry", "mosaicws", "cmpfold",
-                                    "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge"}
+                                    "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
+                                    "topnvar"}
 
 
 def test_needle_key_blocks_and_coverage():
