@@ -47,7 +47,13 @@ VARIANTS = {
     "merge elementwise + band 1 dot": {"_merge": merge_elementwise, "_exact_dot": band_hi_only},
     "merge elementwise + band 1 dot + no final sort": {
         "_merge": merge_elementwise, "_exact_dot": band_hi_only, "_ascending": ascending_cheap},
+    # exact alternatives (select_topn's flags; these give the right indices)
+    "rank merge, skip": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True},
+    "rank merge, always": {"RANK_MERGE": True, "RANK_MERGE_SKIP": False},
+    "rank merge, skip + carry_vec": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True,
+                                     "CARRY_VEC": True},
 }
+EXACT = ["base", "rank merge, skip", "rank merge, always", "rank merge, skip + carry_vec"]
 
 
 def run(t, dk, variants, rows=64, warps=4):
@@ -77,6 +83,12 @@ def run(t, dk, variants, rows=64, warps=4):
 
 if __name__ == "__main__":
   res = []
+  if sys.argv[2:] == ["exact"]:  # the exact alternatives only, 64k both head dims, 16k, 32k
+    for t, dk in ((65536, 192), (65536, 128), (32768, 192), (16384, 192)):
+      res += run(t, dk, EXACT)
+    with open(sys.argv[1], "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, rows=res), f, indent=1)
+    sys.exit(0)
   res += run(65536, 192, list(VARIANTS))
   res += run(65536, 128, ["base", "merge elementwise", "merge elementwise + band 1 dot"])
   for t in (16384, 32768):  # base only: per-program vs per-chunk cost (chunks ~ T, programs ~ T)

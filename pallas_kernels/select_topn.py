@@ -56,6 +56,12 @@ FIRST_FILL_MAX_CHUNKS = 8
 #   skip the visibility mask; a second loop masks the rest. No segment ids only.
 # Env NSA_TOPN_CARRY_VEC / NSA_TOPN_SPLIT_LOOP = 0 or 1.
 CARRY_VEC = os.environ.get("NSA_TOPN_CARRY_VEC", "0") == "1"
+# RANK_MERGE: merge a chunk by ranks (every entry of list + chunk counts what beats it; the n
+#   best move to the slot of their rank) in a fixed number of whole-tile steps, instead of the
+#   while loop that inserts one candidate a row per iteration. RANK_MERGE_SKIP: only for chunks
+#   where some candidate beats a row's n-th best (a branch instead of the fixed cost).
+RANK_MERGE = os.environ.get("NSA_TOPN_RANK_MERGE", "0") == "1"
+RANK_MERGE_SKIP = os.environ.get("NSA_TOPN_RANK_MERGE_SKIP", "1") == "1"
 SPLIT_LOOP = os.environ.get("NSA_TOPN_SPLIT_LOOP", "0") == "1"
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
 
@@ -144,6 +150,58 @@ def _merge(a_val, a_idx, cand, jv, *, n):
   return a_val, a_idx
 
 
+def _rank_merge(a_val, a_idx, cand, jv, *, n):
+  """_merge's result without its loop: the n best of list + chunk by (score desc, block asc).
+
+  Every candidate's block is above every listed block (chunks come in order), so a listed entry
+  beats an equal candidate; equal listed entries (only empty slots: -inf, -1) order by slot. The
+  order is strict, so the ranks of the list's n real slots and the S candidates are distinct, and
+  the entry of rank s < n moves to slot s."""
+  npad, ns = a_val.shape[1], cand.shape[1]
+  slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
+  real = slot < n
+  a3, ai3 = a_val[:, :, None], a_idx[:, :, None]  # [tq, NP, 1]: the entry ranked
+  b3, bi3 = a_val[:, None, :], a_idx[:, None, :]  # [tq, 1, NP]: the entries it is compared with
+  s1 = lax.broadcasted_iota(jnp.int32, (1, npad, npad), 1)
+  s2 = lax.broadcasted_iota(jnp.int32, (1, npad, npad), 2)
+  c3, c3t = cand[:, :, None], cand[:, None, :]  # [tq, S, 1], [tq, 1, S]
+  k1 = lax.broadcasted_iota(jnp.int32, (1, ns, ns), 1)
+  k2 = lax.broadcasted_iota(jnp.int32, (1, ns, ns), 2)
+  real2 = (s2 < n)
+  # listed entry: beaten by listed entries before it in the order, and by better candidates
+  over_a = (b3 > a3) | ((b3 == a3) & ((bi3 < ai3) | ((bi3 == ai3) & (s2 < s1))))
+  rank_a = (jnp.sum((over_a & real2).astype(jnp.int32), axis=2)
+            + jnp.sum((c3t > a3).astype(jnp.int32), axis=2))
+  rank_a = jnp.where(real, rank_a, BIG)
+  # candidate: beaten by listed entries at least as good, and by candidates before it in the order
+  over_c = (c3t > c3) | ((c3t == c3) & (k2 < k1))
+  rank_c = (jnp.sum(((b3 >= c3) & real[:, None, :]).astype(jnp.int32), axis=2)
+            + jnp.sum(over_c.astype(jnp.int32), axis=2))
+  # the entry of rank s goes to slot s (slots >= n: empty)
+  dest = lax.broadcasted_iota(jnp.int32, (1, npad, npad), 1)  # [1, slot, source]
+  from_a = rank_a[:, None, :] == dest
+  from_c = rank_c[:, None, :] == lax.broadcasted_iota(jnp.int32, (1, npad, ns), 1)
+  new_val = jnp.maximum(jnp.max(jnp.where(from_a, b3, -jnp.inf), axis=2),
+                        jnp.max(jnp.where(from_c, c3t, -jnp.inf), axis=2))
+  new_idx = (jnp.sum(jnp.where(from_a, bi3, 0), axis=2)
+             + jnp.sum(jnp.where(from_c, jv[:, None, :], 0), axis=2))
+  return jnp.where(real, new_val, -jnp.inf), jnp.where(real, new_idx, -1)
+
+
+def _merge_chunk(a_val, a_idx, cand, jv, *, n):
+  """The chunk's merge: _merge's loop, or _rank_merge (RANK_MERGE), skipped where no candidate
+  beats a row's n-th best (RANK_MERGE_SKIP)."""
+  if not RANK_MERGE:
+    return _merge(a_val, a_idx, cand, jv, n=n)
+  if not RANK_MERGE_SKIP:
+    return _rank_merge(a_val, a_idx, cand, jv, n=n)
+  slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
+  a_min = jnp.min(jnp.where(slot < n, a_val, jnp.inf), axis=1)
+  beats = jnp.max((jnp.max(cand, axis=1) > a_min).astype(jnp.int32)) > 0
+  return lax.cond(beats, lambda: _rank_merge(a_val, a_idx, cand, jv, n=n),
+                  lambda: (a_val, a_idx))
+
+
 def _ascending(a_val, a_idx, *, n):
   """[tq, NP] chosen blocks -> ascending block ids, -1 in empty slots (and in slots >= n)."""
   slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
@@ -220,7 +278,7 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
     if fill:  # the first chunk's nsj = n candidates are the list (-inf: empty slots)
       return cand, j, carry
-    a_val, a_idx = _merge(a_val, a_idx, cand, j, n=n)
+    a_val, a_idx = _merge_chunk(a_val, a_idx, cand, j, n=n)
     return a_val, a_idx, carry
 
   carry0 = (tuple(jnp.zeros((m,), jnp.float32) for _ in cols) if CARRY_VEC

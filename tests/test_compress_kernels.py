@@ -92,13 +92,17 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
 
 # ----------------------------------------------------------------------------- top-n
 
-TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "SPLIT_LOOP")
+TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "SPLIT_LOOP", "RANK_MERGE")
 
 
-def _set_topn_variants(monkeypatch, on):
-  """Every optional code path of the top-n kernel on, or every one off."""
+def _set_topn_variants(monkeypatch, variants):
+  """"on": every optional code path of the top-n kernel on; "off": every one off; "rank_always":
+  the rank merge on every chunk (no skip), the rest off."""
   for name in TOPN_VARIANTS:
-    monkeypatch.setattr(topn_module, name, on)
+    monkeypatch.setattr(topn_module, name, variants == "on")
+  monkeypatch.setattr(topn_module, "RANK_MERGE_SKIP", variants != "rank_always")
+  if variants == "rank_always":
+    monkeypatch.setattr(topn_module, "RANK_MERGE", True)
 
 
 @pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg,n_local", [
@@ -116,7 +120,7 @@ def _set_topn_variants(monkeypatch, on):
     (4, 2, 520, 32, 16, 64, 6, "overlap", False, 1),
     (2, 2, 300, 16, 8, 32, 5, "literal", True, 0),
 ])
-@pytest.mark.parametrize("variants", [False, True])
+@pytest.mark.parametrize("variants", ["off", "on", "rank_always"])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, n_local, variants,
                                          monkeypatch):
   _set_topn_variants(monkeypatch, variants)
@@ -188,9 +192,10 @@ def _abstract_gpu():
                                   num_cores=132))))
 
 
-@pytest.mark.parametrize("h,kv,dk,dv,use_seg,variants", [(64, 4, 192, 128, False, False),
-                                                          (8, 8, 64, 32, True, False),
-                                                          (64, 4, 192, 128, False, True)])
+@pytest.mark.parametrize("h,kv,dk,dv,use_seg,variants", [(64, 4, 192, 128, False, "off"),
+                                                          (8, 8, 64, 32, True, "off"),
+                                                          (64, 4, 192, 128, False, "on"),
+                                                          (64, 4, 192, 128, False, "rank_always")])
 def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, variants, monkeypatch):
   _set_topn_variants(monkeypatch, variants)
   t, l, d, lp = 1024, 32, 16, 64
