@@ -52,8 +52,13 @@ VARIANTS = {
     "rank merge, always": {"RANK_MERGE": True, "RANK_MERGE_SKIP": False},
     "rank merge, skip + carry_vec": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True,
                                      "CARRY_VEC": True},
+    "q reload": {"Q_RELOAD": True},
+    "q reload + carry_vec": {"Q_RELOAD": True, "CARRY_VEC": True},
+    "q reload + rank merge, skip + carry_vec": {"Q_RELOAD": True, "RANK_MERGE": True,
+                                                "CARRY_VEC": True},
 }
-EXACT = ["base", "rank merge, skip", "rank merge, always", "rank merge, skip + carry_vec"]
+EXACT = ["base", "rank merge, skip", "rank merge, always", "rank merge, skip + carry_vec",
+         "q reload", "q reload + carry_vec", "q reload + rank merge, skip + carry_vec"]
 
 
 def run(t, dk, variants, rows=64, warps=4):
@@ -83,6 +88,12 @@ def run(t, dk, variants, rows=64, warps=4):
 
 if __name__ == "__main__":
   res = []
+  if sys.argv[2:] == ["qreload"]:
+    for t, dk in ((65536, 192), (65536, 128), (16384, 192)):
+      res += run(t, dk, ["base"] + EXACT[4:])
+    with open(sys.argv[1], "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, rows=res), f, indent=1)
+    sys.exit(0)
   if sys.argv[2:] == ["exact"]:  # the exact alternatives only, 64k both head dims, 16k, 32k
     for t, dk in ((65536, 192), (65536, 128), (32768, 192), (16384, 192)):
       res += run(t, dk, EXACT)

@@ -61,6 +61,9 @@ CARRY_VEC = os.environ.get("NSA_TOPN_CARRY_VEC", "0") == "1"
 #   while loop that inserts one candidate a row per iteration. RANK_MERGE_SKIP: only for chunks
 #   where some candidate beats a row's n-th best (a branch instead of the fixed cost).
 RANK_MERGE = os.environ.get("NSA_TOPN_RANK_MERGE", "0") == "1"
+# Q_RELOAD: load the tile's queries in every chunk step (from L1/L2) instead of holding them in
+#   registers across the walk (fewer live registers, more loads).
+Q_RELOAD = os.environ.get("NSA_TOPN_Q_RELOAD", "0") == "1"
 RANK_MERGE_SKIP = os.environ.get("NSA_TOPN_RANK_MERGE_SKIP", "1") == "1"
 SPLIT_LOOP = os.environ.get("NSA_TOPN_SPLIT_LOOP", "0") == "1"
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
@@ -222,7 +225,7 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   # Only padded heads are dropped: tokens past T copy token T-1 whole, so they compute (and store)
   # exactly its indices.
   real_head = lax.iota(jnp.int32, m) % gp < g
-  qs = ca.load_rows(q_ref, row, dk_pieces)
+  qs = None if Q_RELOAD else ca.load_rows(q_ref, row, dk_pieces)
   lse = lse_ref[row]
   lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
   seg_q = seg_ref[pos] if has_seg else None
@@ -252,7 +255,8 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     ks = ca.load_block(k_ref, start, bkc, dk_pieces)
     bseg = bseg_ref[pl.ds(start, bkc)] if has_seg else None
     bpure = bpure_ref[pl.ds(start, bkc)] if has_seg else None
-    s = ca.dot_pieces(qs, ks) * (scale * LOG2E)
+    qc = ca.load_rows(q_ref, row, dk_pieces) if Q_RELOAD else qs
+    s = ca.dot_pieces(qc, ks) * (scale * LOG2E)
     p = jnp.exp2(s - lse2[:, None])  # Eq. 8
     if masked:
       vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)

@@ -92,7 +92,8 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
 
 # ----------------------------------------------------------------------------- top-n
 
-TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "SPLIT_LOOP", "RANK_MERGE")
+TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "SPLIT_LOOP", "RANK_MERGE",
+                 "Q_RELOAD")
 
 
 def _set_topn_variants(monkeypatch, variants):
