@@ -256,16 +256,31 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
   return out
 
 
+# The top-n kernel's optional code paths timed by --sweep_parts topnvar: name -> flags of
+# pallas_kernels.select_topn set on top of the defaults.
+TOPN_FLAG_SETS = {
+    "default": {},
+    "carry_vec": {"CARRY_VEC": True},
+    "rank_merge": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True},
+    "rank_merge+carry_vec": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True, "CARRY_VEC": True},
+    "rank_merge_always+carry_vec": {"RANK_MERGE": True, "RANK_MERGE_SKIP": False,
+                                    "CARRY_VEC": True},
+    "split_loop": {"SPLIT_LOOP": True},
+}
+
+
 def topn_variants(q, kc, lse, cfg, bench):
-  """The top-n kernel's optional code paths (select_topn.CARRY_VEC x SPLIT_LOOP) at the default
-  launch parameters, each checked against the first's indices (same blocks expected, up to
-  float-order near-ties): [(name, fwd_ms, None, {"same_slots": fraction})]."""
+  """The top-n kernel's optional code paths (TOPN_FLAG_SETS) at the default launch parameters,
+  each checked against the first's indices (the same blocks expected, up to float-order
+  near-ties): [(name, fwd_ms, None, {"same_slots": fraction})]."""
   from pallas_kernels import select_topn as st
-  saved = {k: getattr(st, k) for k in ("CARRY_VEC", "SPLIT_LOOP")}
+  names = {k for flags in TOPN_FLAG_SETS.values() for k in flags}
+  saved = {k: getattr(st, k) for k in names}
   out, base = [], None
   try:
-    for cv, sl in ((False, False), (True, False), (False, True), (True, True)):
-      st.CARRY_VEC, st.SPLIT_LOOP = cv, sl
+    for name, flags in TOPN_FLAG_SETS.items():
+      for k, v in saved.items():
+        setattr(st, k, flags.get(k, v))
       fn = lambda q, kc, lse: (select_topn(q, kc, lse, block=cfg.cmp_block, stride=cfg.cmp_stride,
                                            sel_block=cfg.sel_block, num_selected=cfg.num_selected,
                                            interpret=INTERPRET),)
@@ -273,8 +288,7 @@ def topn_variants(q, kc, lse, cfg, bench):
       idx = jax.jit(fn)(q, kc, lse)[0]
       base = idx if base is None else base
       same = float(jnp.mean((idx == base).astype(jnp.float32)))
-      out.append((f"topn carry_vec={int(cv)} split_loop={int(sl)}", r["fwd"], None,
-                  {"same_slots": round(same, 6)}))
+      out.append((f"topn {name}", r["fwd"], None, {"same_slots": round(same, 6)}))
       print("SWEEP", out[-1], flush=True)
       del idx
   finally:

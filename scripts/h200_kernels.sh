@@ -63,10 +63,11 @@
 #          kernel's merge variants (select_topn.CARRY_BOUNDS, FIRST_FILL) in all four combinations
 #          via NSA_TOPN_CARRY_BOUNDS / NSA_TOPN_FIRST_FILL at the 8k training layer and at 64k
 #          128/128 (the topn rows); 199 s for the A/B measured (2026-11-30).
-# topnvar  the top-n tests compiled (every optional code path on, then off), then the top-n
-#          kernel's CARRY_VEC x SPLIT_LOOP paths (bench_nsa --sweep_parts topnvar, each checked
-#          against the first's indices) at 64k for both head dims and at the 8k training layer,
-#          then the whole op at 64k with both paths on (NSA_TOPN_CARRY_VEC/SPLIT_LOOP=1).
+# topnvar  the top-n tests compiled (every optional code path on, then off; 179 s with the first
+#          version of the sweep, 2026-12-01), then topnsweep.
+# topnsweep  the top-n kernel's optional code paths (bench_nsa --sweep_parts topnvar:
+#          TOPN_FLAG_SETS, each checked against the default's indices) at the 8k training layer
+#          and at 16k, 32k, 64k for both head dims.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -192,15 +193,18 @@ fastmerge() {
 topnvar() {
   GPU_TEST_FILES=tests/test_compress_kernels.py OUT="$OUT/topnvar" timeout 240 \
     bash scripts/gpu_tests.sh -k "topn or lower"
-  local dims
-  for dims in 192/128 128/128; do
-    timeout 120 python3 -m experiments.bench_nsa --T '' --sweep_T 65536 --sweep_parts topnvar \
-      --sweep_dims $dims --out "$OUT/topnvar/sweep64_${dims/\//_}"
-  done
+  topnsweep
+}
+topnsweep() {
+  local dims t
   timeout 100 python3 -m experiments.bench_nsa --T '' --sweep_T 8192 --sweep_parts topnvar \
-    --sweep_dims 64/64 --heads 16/1 --batch 8 --iters 10 --out "$OUT/topnvar/sweep8k"
-  NSA_TOPN_CARRY_VEC=1 NSA_TOPN_SPLIT_LOOP=1 timeout 200 python3 -m experiments.bench_nsa \
-    --T 65536 --dims 192/128,128/128 --breakdown_T 65536 --iters 5 --out "$OUT/topnvar/nsa64"
+    --sweep_dims 64/64 --heads 16/1 --batch 8 --iters 10 --out "$OUT/topnsweep/sweep8k"
+  for t in 16384 32768 65536; do
+    for dims in 192/128 128/128; do
+      timeout 120 python3 -m experiments.bench_nsa --T '' --sweep_T $t --sweep_parts topnvar \
+        --sweep_dims $dims --out "$OUT/topnsweep/sweep${t}_${dims/\//_}"
+    done
+  done
 }
 
 nvidia-smi -L >> "$OUT/log.txt" 2>&1

@@ -420,11 +420,13 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   sweep = json.load(open(tmp_path / "nsa_sweep.json"))
   assert sweep["T"] == 128 and sweep["hardware"] and sweep["command"]
   assert (sweep["d_k"], sweep["d_v"], sweep["batch"]) == (32, 32, 2)
-  assert [r["variant"].split()[0] for r in sweep["rows"]] == ["topn"] * 10
+  assert [r["variant"].split()[0] for r in sweep["rows"]] == ["topn"] * (
+      6 + len(bench_nsa.TOPN_FLAG_SETS))
   assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] is None for r in sweep["rows"])
   # the code-path variants pick the same blocks as the first (no near-ties at this size)
-  variants = [r for r in sweep["rows"] if "carry_vec" in r["variant"]]
-  assert len(variants) == 4 and all(r["same_slots"] == 1.0 for r in variants), variants
+  variants = [r for r in sweep["rows"] if "same_slots" in r]
+  assert [r["variant"] for r in variants] == [f"topn {k}" for k in bench_nsa.TOPN_FLAG_SETS]
+  assert all(r["same_slots"] == 1.0 for r in variants), variants
   prof = json.load(open(tmp_path / "nsa_profile.json"))
   assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
 
@@ -480,7 +482,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "train8k", "sel8k", "mosaic", "mosaic8k", "mosaiccmp",
                                     "mosaicnsa", "auto8k", "registry", "mosaicws", "cmpfold",
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
-                                    "topnvar"}
+                                    "topnvar", "topnsweep"}
 
 
 def test_needle_key_blocks_and_coverage():
