@@ -40,25 +40,23 @@ def ascending_cheap(a_val, a_idx, *, n):
   return a_idx
 
 
+LOOP = {"RANK_MERGE": False, "CARRY_VEC": False}  # select_topn's paths when first timed
 VARIANTS = {
-    "base": {},
-    "merge elementwise": {"_merge": merge_elementwise},
-    "band 1 dot": {"_exact_dot": band_hi_only},
-    "merge elementwise + band 1 dot": {"_merge": merge_elementwise, "_exact_dot": band_hi_only},
+    "base": LOOP,  # the loop merge, as when first timed
+    "merge elementwise": {**LOOP, "_merge": merge_elementwise},
+    "band 1 dot": {**LOOP, "_exact_dot": band_hi_only},
+    "merge elementwise + band 1 dot": {**LOOP, "_merge": merge_elementwise,
+                                       "_exact_dot": band_hi_only},
     "merge elementwise + band 1 dot + no final sort": {
-        "_merge": merge_elementwise, "_exact_dot": band_hi_only, "_ascending": ascending_cheap},
-    # exact alternatives (select_topn's flags; these give the right indices)
-    "rank merge, skip": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True},
-    "rank merge, always": {"RANK_MERGE": True, "RANK_MERGE_SKIP": False},
-    "rank merge, skip + carry_vec": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True,
-                                     "CARRY_VEC": True},
-    "q reload": {"Q_RELOAD": True},
-    "q reload + carry_vec": {"Q_RELOAD": True, "CARRY_VEC": True},
-    "q reload + rank merge, skip + carry_vec": {"Q_RELOAD": True, "RANK_MERGE": True,
-                                                "CARRY_VEC": True},
+        **LOOP, "_merge": merge_elementwise, "_exact_dot": band_hi_only,
+        "_ascending": ascending_cheap},
+    # exact alternatives (select_topn's flags; these give the right indices). Rows measured
+    # 2026-12-01 with flags since removed (RANK_MERGE_SKIP, Q_RELOAD) are in the results file.
+    "loop merge": {"RANK_MERGE": False, "CARRY_VEC": False},
+    "rank merge": {"RANK_MERGE": True, "CARRY_VEC": False},
+    "rank merge + carry_vec": {"RANK_MERGE": True, "CARRY_VEC": True},
 }
-EXACT = ["base", "rank merge, skip", "rank merge, always", "rank merge, skip + carry_vec",
-         "q reload", "q reload + carry_vec", "q reload + rank merge, skip + carry_vec"]
+EXACT = ["loop merge", "rank merge", "rank merge + carry_vec"]
 
 
 def run(t, dk, variants, rows=64, warps=4):
@@ -88,12 +86,6 @@ def run(t, dk, variants, rows=64, warps=4):
 
 if __name__ == "__main__":
   res = []
-  if sys.argv[2:] == ["qreload"]:
-    for t, dk in ((65536, 192), (65536, 128), (16384, 192)):
-      res += run(t, dk, ["base"] + EXACT[4:])
-    with open(sys.argv[1], "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, rows=res), f, indent=1)
-    sys.exit(0)
   if sys.argv[2:] == ["exact"]:  # the exact alternatives only, 64k both head dims, 16k, 32k
     for t, dk in ((65536, 192), (65536, 128), (32768, 192), (16384, 192)):
       res += run(t, dk, EXACT)

@@ -260,12 +260,10 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
 # pallas_kernels.select_topn set on top of the defaults.
 TOPN_FLAG_SETS = {
     "default": {},
-    "carry_vec": {"CARRY_VEC": True},
-    "rank_merge": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True},
-    "rank_merge+carry_vec": {"RANK_MERGE": True, "RANK_MERGE_SKIP": True, "CARRY_VEC": True},
-    "rank_merge_always+carry_vec": {"RANK_MERGE": True, "RANK_MERGE_SKIP": False,
-                                    "CARRY_VEC": True},
-    "split_loop": {"SPLIT_LOOP": True},
+    "loop merge": {"CARRY_VEC": False, "RANK_MERGE": False},
+    "carry_vec": {"CARRY_VEC": True, "RANK_MERGE": False},
+    "rank_merge": {"CARRY_VEC": False, "RANK_MERGE": True},
+    "rank_merge+carry_vec": {"CARRY_VEC": True, "RANK_MERGE": True},
 }
 
 

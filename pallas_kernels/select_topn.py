@@ -35,37 +35,49 @@ from pallas_kernels._common import segment_ids_int32
 
 LOG2E = math.log2(math.e)
 BIG = 2 ** 30
-# Two merge variants, each giving the same indices in fewer reductions. Compiled tests pass on
-# the H200 with both on and both off; the A/B there (2026-11-30, benchmarks/results/topn_merge_h200.md):
+# Optional code paths of the kernel, each giving the same indices (the tests run every one on and
+# off, compiled on the H200 too). A/Bs: benchmarks/results/topn_merge_h200.md (2026-11-30) and
+# topn_paths_h200.md (2026-12-01).
 # CARRY_BOUNDS: the merge loop carries its bounds (five reductions an iteration instead of seven).
 #   No gain at 64k (17.0 vs 17.3 ms), a loss at the 8k training layer (1.26 vs 1.12 ms): off.
 # FIRST_FILL: with n = 16 = the chunk width, the first chunk's candidates become the list unmerged.
 #   A gain where a row has few chunks (8k layer, 8 chunks: 0.94 vs 1.12 ms), a loss where it has
-#   many (64k, 64 chunks: 20.3 vs 17.3 ms; the peeled chunk is a second copy of the loop body), so
-#   it is on only up to FIRST_FILL_MAX_CHUNKS chunks (the measured shape; 16k-32k are unmeasured).
-# Env NSA_TOPN_CARRY_BOUNDS / NSA_TOPN_FIRST_FILL = 0 or 1 override the defaults.
-CARRY_BOUNDS = os.environ.get("NSA_TOPN_CARRY_BOUNDS", "0") == "1"
-FIRST_FILL = os.environ.get("NSA_TOPN_FIRST_FILL", "1") == "1"
-FIRST_FILL_MAX_CHUNKS = 8
-# Two ways to do less work a chunk, each giving the same indices (tests run both ways):
+#   many (64k, 64 chunks: 20.3 vs 17.3 ms), so it is on only up to FIRST_FILL_MAX_CHUNKS chunks.
 # CARRY_VEC: Eq. 9's part for the next chunk touches only its first column(s) (one column for
 #   l <= l': the previous chunk's last compressed block, weight 1 in the paper's overlap
 #   alignment), so it is carried as a [rows] vector (a weighted row sum of p in float32) instead
 #   of three more band matmuls that are almost all zeros.
-# SPLIT_LOOP: chunks every row of the tile fully sees (all but the last one or two of a row)
-#   skip the visibility mask; a second loop masks the rest. No segment ids only.
-# Env NSA_TOPN_CARRY_VEC / NSA_TOPN_SPLIT_LOOP = 0 or 1.
-CARRY_VEC = os.environ.get("NSA_TOPN_CARRY_VEC", "0") == "1"
-# RANK_MERGE: merge a chunk by ranks (every entry of list + chunk counts what beats it; the n
-#   best move to the slot of their rank) in a fixed number of whole-tile steps, instead of the
-#   while loop that inserts one candidate a row per iteration. RANK_MERGE_SKIP: only for chunks
-#   where some candidate beats a row's n-th best (a branch instead of the fixed cost).
-RANK_MERGE = os.environ.get("NSA_TOPN_RANK_MERGE", "0") == "1"
-# Q_RELOAD: load the tile's queries in every chunk step (from L1/L2) instead of holding them in
-#   registers across the walk (fewer live registers, more loads).
-Q_RELOAD = os.environ.get("NSA_TOPN_Q_RELOAD", "0") == "1"
-RANK_MERGE_SKIP = os.environ.get("NSA_TOPN_RANK_MERGE_SKIP", "1") == "1"
-SPLIT_LOOP = os.environ.get("NSA_TOPN_SPLIT_LOOP", "0") == "1"
+# RANK_MERGE: merge a chunk by ranks (every entry of list + chunk counts what beats it; the n best
+#   move to the slot of their rank) in a fixed number of whole-tile steps, instead of the while
+#   loop that inserts one candidate a row per iteration.
+#   The two together, against the loop alone: 16k 1.49 vs 2.15 ms (128/128) and 2.01 vs 2.21
+#   (192/128), 32k 4.90 vs 5.39 and 5.32 vs 6.69; mixed at 64k (19.5 vs 21.0 at 192/128, 18.1 vs
+#   17.6 at 128/128) and a loss at the 8k layer (1.15 vs 0.91). So they are on for rows of
+#   RANK_MERGE_CHUNKS chunks (9 to 32: T in (8k, 32k] at l' = 64) and off elsewhere.
+# None means that rule; env NSA_TOPN_<NAME> = 0 or 1 forces a path off or on.
+
+
+def _env_flag(name, default):
+  v = os.environ.get(f"NSA_TOPN_{name}")
+  return default if v is None else v == "1"
+
+
+CARRY_BOUNDS = _env_flag("CARRY_BOUNDS", False)
+FIRST_FILL = _env_flag("FIRST_FILL", True)
+FIRST_FILL_MAX_CHUNKS = 8
+CARRY_VEC = _env_flag("CARRY_VEC", None)
+RANK_MERGE = _env_flag("RANK_MERGE", None)
+RANK_MERGE_CHUNKS = (9, 32)
+
+
+def chunk_paths(row_chunks):
+  """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks: the flags where set, else
+  the measured rule (both on for RANK_MERGE_CHUNKS)."""
+  lo, hi = RANK_MERGE_CHUNKS
+  auto = lo <= row_chunks <= hi
+  return (auto if CARRY_VEC is None else CARRY_VEC, auto if RANK_MERGE is None else RANK_MERGE)
+
+
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}
 
 
@@ -191,20 +203,6 @@ def _rank_merge(a_val, a_idx, cand, jv, *, n):
   return jnp.where(real, new_val, -jnp.inf), jnp.where(real, new_idx, -1)
 
 
-def _merge_chunk(a_val, a_idx, cand, jv, *, n):
-  """The chunk's merge: _merge's loop, or _rank_merge (RANK_MERGE), skipped where no candidate
-  beats a row's n-th best (RANK_MERGE_SKIP)."""
-  if not RANK_MERGE:
-    return _merge(a_val, a_idx, cand, jv, n=n)
-  if not RANK_MERGE_SKIP:
-    return _rank_merge(a_val, a_idx, cand, jv, n=n)
-  slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
-  a_min = jnp.min(jnp.where(slot < n, a_val, jnp.inf), axis=1)
-  beats = jnp.max((jnp.max(cand, axis=1) > a_min).astype(jnp.int32)) > 0
-  return lax.cond(beats, lambda: _rank_merge(a_val, a_idx, cand, jv, n=n),
-                  lambda: (a_val, a_idx))
-
-
 def _ascending(a_val, a_idx, *, n):
   """[tq, NP] chosen blocks -> ascending block ids, -1 in empty slots (and in slots >= n)."""
   slot = lax.broadcasted_iota(jnp.int32, a_val.shape, 1)
@@ -219,13 +217,13 @@ def _ascending(a_val, a_idx, *, n):
 
 def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref, idx_ref, *, tq, g,
                  gp, m, t, h, kh, nc, block, stride, sel_block, nsj, n, npad, n_init, n_local, off,
-                 dk_pieces, scale, has_seg):
+                 dk_pieces, scale, has_seg, carry_vec, rank_merge):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = ca.tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   # Only padded heads are dropped: tokens past T copy token T-1 whole, so they compute (and store)
   # exactly its indices.
   real_head = lax.iota(jnp.int32, m) % gp < g
-  qs = None if Q_RELOAD else ca.load_rows(q_ref, row, dk_pieces)
+  qs = ca.load_rows(q_ref, row, dk_pieces)
   lse = lse_ref[row]
   lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
   seg_q = seg_ref[pos] if has_seg else None
@@ -239,7 +237,7 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   w_own = _band(u, r * v + off, r, c).astype(jnp.bfloat16)
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   chunks = last // sel_block // nsj + 1
-  if CARRY_VEC:
+  if carry_vec:
     cols = carried_columns(r, c, nsj, off)
     col = lax.broadcasted_iota(jnp.int32, (m, nsj), 1)
     uc = lax.iota(jnp.int32, bkc)
@@ -248,26 +246,21 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   else:
     w_next = _band(u, r * (nsj + v) + off, r, c).astype(jnp.bfloat16)
 
-  def body(ci, st, fill=False, masked=True):
+  def body(ci, st, fill=False):
     a_val, a_idx, carry = st
     start = ci * bkc if fill else pl.multiple_of(ci * bkc, bkc)  # fill: ci is the literal 0
     kidx = start + lax.iota(jnp.int32, bkc)
     ks = ca.load_block(k_ref, start, bkc, dk_pieces)
     bseg = bseg_ref[pl.ds(start, bkc)] if has_seg else None
     bpure = bpure_ref[pl.ds(start, bkc)] if has_seg else None
-    qc = ca.load_rows(q_ref, row, dk_pieces) if Q_RELOAD else qs
-    s = ca.dot_pieces(qc, ks) * (scale * LOG2E)
-    p = jnp.exp2(s - lse2[:, None])  # Eq. 8
-    if masked:
-      vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
-      if gp > g:
-        vis = vis & real_head[:, None]
-      p = jnp.where(vis, p, 0.0)
-    elif gp > g:
-      p = jnp.where(real_head[:, None], p, 0.0)
+    s = ca.dot_pieces(qs, ks) * (scale * LOG2E)
+    vis = ca.cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    if gp > g:
+      vis = vis & real_head[:, None]
+    p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)  # Eq. 8
     parts = _split3(p)
     own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
-    if CARRY_VEC:
+    if carry_vec:
       for vv, cv in zip(cols, carry):
         own = own + jnp.where(col == vv, cv[:, None], 0.0)
       own = jnp.sum(own.reshape(tq, gp, nsj), axis=1)  # Eq. 10 [tq, nsj]
@@ -282,10 +275,10 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
     if fill:  # the first chunk's nsj = n candidates are the list (-inf: empty slots)
       return cand, j, carry
-    a_val, a_idx = _merge_chunk(a_val, a_idx, cand, j, n=n)
+    a_val, a_idx = (_rank_merge if rank_merge else _merge)(a_val, a_idx, cand, j, n=n)
     return a_val, a_idx, carry
 
-  carry0 = (tuple(jnp.zeros((m,), jnp.float32) for _ in cols) if CARRY_VEC
+  carry0 = (tuple(jnp.zeros((m,), jnp.float32) for _ in cols) if carry_vec
             else jnp.zeros((tq, nsj), jnp.float32))
   init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32), carry0)
   # With nsj == n == NP the first chunk needs no merge (16 of the ~45 merge iterations of a
@@ -294,12 +287,6 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   c0 = 0
   if FIRST_FILL and nsj == n == npad and -(-t // (sel_block * nsj)) <= FIRST_FILL_MAX_CHUNKS:
     init, c0 = body(0, init, fill=True), 1
-  if SPLIT_LOOP and not has_seg:
-    # chunks whose every compressed block the tile's first token sees (so every row does)
-    nv0 = ca.num_visible(tile * tq, block, stride, nc)
-    full = jnp.clip(nv0 // bkc, c0, chunks)
-    init = lax.fori_loop(c0, full, functools.partial(body, masked=False), init)
-    c0 = full
   a_val, a_idx, _ = lax.fori_loop(c0, chunks, body, init)
   ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
 
@@ -374,7 +361,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
       _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
       sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
-      has_seg=has_seg)
+      has_seg=has_seg, **dict(zip(("carry_vec", "rank_merge"), chunk_paths(ca.cdiv(ns, nsj)))))
   w = ca._whole
   idx = pl.pallas_call(
       kernel,

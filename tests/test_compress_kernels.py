@@ -92,18 +92,25 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
 
 # ----------------------------------------------------------------------------- top-n
 
-TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "SPLIT_LOOP", "RANK_MERGE",
-                 "Q_RELOAD")
+TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "RANK_MERGE")
 
 
 def _set_topn_variants(monkeypatch, variants):
-  """"on": every optional code path of the top-n kernel on; "off": every one off; "rank_always":
-  the rank merge on every chunk (no skip), the rest off."""
+  """"on": every optional code path of the top-n kernel forced on; "off": every one off;
+  "rank_only": the rank merge alone."""
   for name in TOPN_VARIANTS:
-    monkeypatch.setattr(topn_module, name, variants == "on")
-  monkeypatch.setattr(topn_module, "RANK_MERGE_SKIP", variants != "rank_always")
-  if variants == "rank_always":
-    monkeypatch.setattr(topn_module, "RANK_MERGE", True)
+    monkeypatch.setattr(topn_module, name, variants == "on" or (variants == "rank_only"
+                                                                and name == "RANK_MERGE"))
+
+
+def test_topn_paths_follow_the_measured_rule(monkeypatch):
+  for name in ("CARRY_VEC", "RANK_MERGE"):
+    monkeypatch.setattr(topn_module, name, None)
+  lo, hi = topn_module.RANK_MERGE_CHUNKS
+  assert topn_module.chunk_paths(lo - 1) == topn_module.chunk_paths(hi + 1) == (False, False)
+  assert topn_module.chunk_paths(lo) == topn_module.chunk_paths(hi) == (True, True)
+  monkeypatch.setattr(topn_module, "RANK_MERGE", False)  # a set flag wins over the rule
+  assert topn_module.chunk_paths(lo) == (True, False)
 
 
 @pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg,n_local", [
@@ -121,7 +128,7 @@ def _set_topn_variants(monkeypatch, variants):
     (4, 2, 520, 32, 16, 64, 6, "overlap", False, 1),
     (2, 2, 300, 16, 8, 32, 5, "literal", True, 0),
 ])
-@pytest.mark.parametrize("variants", ["off", "on", "rank_always"])
+@pytest.mark.parametrize("variants", ["off", "on", "rank_only"])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, n_local, variants,
                                          monkeypatch):
   _set_topn_variants(monkeypatch, variants)
@@ -196,7 +203,7 @@ def _abstract_gpu():
 @pytest.mark.parametrize("h,kv,dk,dv,use_seg,variants", [(64, 4, 192, 128, False, "off"),
                                                           (8, 8, 64, 32, True, "off"),
                                                           (64, 4, 192, 128, False, "on"),
-                                                          (64, 4, 192, 128, False, "rank_always")])
+                                                          (64, 4, 192, 128, False, "rank_only")])
 def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, variants, monkeypatch):
   _set_topn_variants(monkeypatch, variants)
   t, l, d, lp = 1024, 32, 16, 64
