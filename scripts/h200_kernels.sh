@@ -68,6 +68,8 @@
 # topnsweep  the top-n kernel's optional code paths (bench_nsa --sweep_parts topnvar:
 #          TOPN_FLAG_SETS, each checked against the default's indices) at the 8k training layer
 #          and at 16k, 32k, 64k for both head dims.
+# topnlayers  the same at the 16k and 32k training layers (16/1 heads, 64/64, batch 4 and 2, as
+#          h200_runs.sh context16/context32), where the new default turns both paths on.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -204,6 +206,14 @@ topnsweep() {
       timeout 120 python3 -m experiments.bench_nsa --T '' --sweep_T $t --sweep_parts topnvar \
         --sweep_dims $dims --out "$OUT/topnsweep/sweep${t}_${dims/\//_}"
     done
+  done
+}
+topnlayers() {
+  local t b
+  for t in 16384 32768; do
+    b=$(( 65536 / t ))
+    timeout 100 python3 -m experiments.bench_nsa --T '' --sweep_T $t --sweep_parts topnvar \
+      --sweep_dims 64/64 --heads 16/1 --batch $b --iters 10 --out "$OUT/topnlayers/sweep$t"
   done
 }
 

@@ -482,7 +482,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "train8k", "sel8k", "mosaic", "mosaic8k", "mosaiccmp",
                                     "mosaicnsa", "auto8k", "registry", "mosaicws", "cmpfold",
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
-                                    "topnvar", "topnsweep"}
+                                    "topnvar", "topnsweep",
+                                    "topnlayers"}
 
 
 def test_needle_key_blocks_and_coverage():
