@@ -52,8 +52,10 @@ BIG = 2 ** 30
 #   loop that inserts one candidate a row per iteration.
 #   The two together, against the loop alone: 16k 1.49 vs 2.15 ms (128/128) and 2.01 vs 2.21
 #   (192/128), 32k 4.90 vs 5.39 and 5.32 vs 6.69; mixed at 64k (19.5 vs 21.0 at 192/128, 18.1 vs
-#   17.6 at 128/128) and a loss at the 8k layer (1.15 vs 0.91). So they are on for rows of
-#   RANK_MERGE_CHUNKS chunks (9 to 32: T in (8k, 32k] at l' = 64) and off elsewhere.
+#   17.6 at 128/128) and a loss at the 8k layer (1.15 vs 0.91). At the 16k and 32k training
+#   layers (16/1 heads, d_k = 64) a loss too (2.04 vs 1.87 and 2.77 vs 2.48 ms, one run). So they
+#   are on for rows of RANK_MERGE_CHUNKS chunks (9 to 32: T in (8k, 32k] at l' = 64) with
+#   d_k >= RANK_MERGE_MIN_DK, and off elsewhere.
 # None means that rule; env NSA_TOPN_<NAME> = 0 or 1 forces a path off or on.
 
 
@@ -68,13 +70,14 @@ FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
 RANK_MERGE = _env_flag("RANK_MERGE", None)
 RANK_MERGE_CHUNKS = (9, 32)
+RANK_MERGE_MIN_DK = 128
 
 
-def chunk_paths(row_chunks):
-  """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks: the flags where set, else
-  the measured rule (both on for RANK_MERGE_CHUNKS)."""
+def chunk_paths(row_chunks, dk):
+  """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks and head dim d_k: the flags
+  where set, else the measured rule (both on for RANK_MERGE_CHUNKS at d_k >= RANK_MERGE_MIN_DK)."""
   lo, hi = RANK_MERGE_CHUNKS
-  auto = lo <= row_chunks <= hi
+  auto = lo <= row_chunks <= hi and dk >= RANK_MERGE_MIN_DK
   return (auto if CARRY_VEC is None else CARRY_VEC, auto if RANK_MERGE is None else RANK_MERGE)
 
 
@@ -361,7 +364,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
       _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
       sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
-      has_seg=has_seg, **dict(zip(("carry_vec", "rank_merge"), chunk_paths(ca.cdiv(ns, nsj)))))
+      has_seg=has_seg, **dict(zip(("carry_vec", "rank_merge"), chunk_paths(ca.cdiv(ns, nsj), dk))))
   w = ca._whole
   idx = pl.pallas_call(
       kernel,

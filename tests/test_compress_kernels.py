@@ -107,10 +107,12 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
   for name in ("CARRY_VEC", "RANK_MERGE"):
     monkeypatch.setattr(topn_module, name, None)
   lo, hi = topn_module.RANK_MERGE_CHUNKS
-  assert topn_module.chunk_paths(lo - 1) == topn_module.chunk_paths(hi + 1) == (False, False)
-  assert topn_module.chunk_paths(lo) == topn_module.chunk_paths(hi) == (True, True)
+  dk = topn_module.RANK_MERGE_MIN_DK
+  paths = topn_module.chunk_paths
+  assert paths(lo - 1, dk) == paths(hi + 1, dk) == paths(lo, dk // 2) == (False, False)
+  assert paths(lo, dk) == paths(hi, 2 * dk) == (True, True)
   monkeypatch.setattr(topn_module, "RANK_MERGE", False)  # a set flag wins over the rule
-  assert topn_module.chunk_paths(lo) == (True, False)
+  assert paths(lo, dk) == (True, False)
 
 
 @pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg,n_local", [
