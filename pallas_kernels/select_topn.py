@@ -53,9 +53,11 @@ BIG = 2 ** 30
 #   The two together, against the loop alone: 16k 1.49 vs 2.15 ms (128/128) and 2.01 vs 2.21
 #   (192/128), 32k 4.90 vs 5.39 and 5.32 vs 6.69; mixed at 64k (19.5 vs 21.0 at 192/128, 18.1 vs
 #   17.6 at 128/128) and a loss at the 8k layer (1.15 vs 0.91). At the 16k and 32k training
-#   layers (16/1 heads, d_k = 64) a loss too (2.04 vs 1.87 and 2.77 vs 2.48 ms, one run). So they
-#   are on for rows of RANK_MERGE_CHUNKS chunks (9 to 32: T in (8k, 32k] at l' = 64) with
-#   d_k >= RANK_MERGE_MIN_DK, and off elsewhere.
+#   layers (16/1 heads, d_k = 64) the pair loses (2.04 vs 1.87 and 2.77 vs 2.48 ms) but the rank
+#   merge alone wins at 16k (1.37 / 1.47 vs 1.87 / 1.96 ms, two runs; 32k: 2.63 / 2.52 vs
+#   2.48 / 2.86). So for rows of RANK_MERGE_CHUNKS chunks (9 to 32: T in (8k, 32k] at
+#   l' = 64) the rank merge is on, and the vector carry with it at d_k >= CARRY_VEC_MIN_DK; the
+#   loop merge and the matmul carry elsewhere.
 # None means that rule; env NSA_TOPN_<NAME> = 0 or 1 forces a path off or on.
 
 
@@ -70,15 +72,17 @@ FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
 RANK_MERGE = _env_flag("RANK_MERGE", None)
 RANK_MERGE_CHUNKS = (9, 32)
-RANK_MERGE_MIN_DK = 128
+CARRY_VEC_MIN_DK = 128
 
 
 def chunk_paths(row_chunks, dk):
   """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks and head dim d_k: the flags
-  where set, else the measured rule (both on for RANK_MERGE_CHUNKS at d_k >= RANK_MERGE_MIN_DK)."""
+  where set, else the measured rule (the rank merge for RANK_MERGE_CHUNKS, the vector carry
+  with it at d_k >= CARRY_VEC_MIN_DK)."""
   lo, hi = RANK_MERGE_CHUNKS
-  auto = lo <= row_chunks <= hi and dk >= RANK_MERGE_MIN_DK
-  return (auto if CARRY_VEC is None else CARRY_VEC, auto if RANK_MERGE is None else RANK_MERGE)
+  rank = lo <= row_chunks <= hi
+  carry = rank and dk >= CARRY_VEC_MIN_DK
+  return (carry if CARRY_VEC is None else CARRY_VEC, rank if RANK_MERGE is None else RANK_MERGE)
 
 
 ALIGN_OFFSET = {"overlap": lambda r: r - 1, "literal": lambda r: 0}

@@ -107,10 +107,11 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
   for name in ("CARRY_VEC", "RANK_MERGE"):
     monkeypatch.setattr(topn_module, name, None)
   lo, hi = topn_module.RANK_MERGE_CHUNKS
-  dk = topn_module.RANK_MERGE_MIN_DK
+  dk = topn_module.CARRY_VEC_MIN_DK
   paths = topn_module.chunk_paths
-  assert paths(lo - 1, dk) == paths(hi + 1, dk) == paths(lo, dk // 2) == (False, False)
+  assert paths(lo - 1, dk) == paths(hi + 1, dk) == (False, False)
   assert paths(lo, dk) == paths(hi, 2 * dk) == (True, True)
+  assert paths(lo, dk // 2) == (False, True)
   monkeypatch.setattr(topn_module, "RANK_MERGE", False)  # a set flag wins over the rule
   assert paths(lo, dk) == (True, False)
 
