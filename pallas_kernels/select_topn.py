@@ -10,7 +10,8 @@ selection blocks in chunks of `sel_chunk` (= r * sel_chunk compressed blocks, r 
      computes p @ W to float32 accuracy (W holds small integers, exact in bfloat16);
   3. Eq. 10: sum over the group's heads (a reshape + sum over the tile rows of one token);
   4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
-     top-n (replace-the-minimum while any candidate beats the current n-th best).
+     top-n: replace-the-minimum while any candidate beats the current n-th best (`_merge`), or
+     for rows of 9-32 chunks all at once by ranks (`_rank_merge`; see RANK_MERGE below).
 Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
 to the lower block index (a later chunk never displaces an equal score; the evicted entry is the
 smallest score, highest index), output ascending, -1 in empty slots. Floating-point sums run in a
@@ -43,10 +44,10 @@ BIG = 2 ** 30
 # FIRST_FILL: with n = 16 = the chunk width, the first chunk's candidates become the list unmerged.
 #   A gain where a row has few chunks (8k layer, 8 chunks: 0.94 vs 1.12 ms), a loss where it has
 #   many (64k, 64 chunks: 20.3 vs 17.3 ms), so it is on only up to FIRST_FILL_MAX_CHUNKS chunks.
-# CARRY_VEC: Eq. 9's part for the next chunk touches only its first column(s) (one column for
-#   l <= l': the previous chunk's last compressed block, weight 1 in the paper's overlap
-#   alignment), so it is carried as a [rows] vector (a weighted row sum of p in float32) instead
-#   of three more band matmuls that are almost all zeros.
+# CARRY_VEC: Eq. 9's part for the next chunk touches only its first column(s) (one, or two with
+#   the literal alignment and l >= 3d; in the paper's overlap alignment only the chunk's last
+#   compressed block, weight 1), so each is carried as a [rows] vector (a weighted row sum of p
+#   in float32) instead of three more band matmuls that are almost all zeros.
 # RANK_MERGE: merge a chunk by ranks (every entry of list + chunk counts what beats it; the n best
 #   move to the slot of their rank) in a fixed number of whole-tile steps, instead of the while
 #   loop that inserts one candidate a row per iteration.

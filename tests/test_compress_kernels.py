@@ -6,6 +6,7 @@ Fresh random inputs every run; the seed is in every failure message.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -97,10 +98,65 @@ TOPN_VARIANTS = ("CARRY_BOUNDS", "FIRST_FILL", "CARRY_VEC", "RANK_MERGE")
 
 def _set_topn_variants(monkeypatch, variants):
   """"on": every optional code path of the top-n kernel forced on; "off": every one off;
-  "rank_only": the rank merge alone."""
+  "rank_fill": the rank merge with FIRST_FILL (loop-free merge, matmul carry); "carry": the
+  vector carry with the loop merge."""
+  on = {"on": TOPN_VARIANTS, "off": (), "rank_fill": ("RANK_MERGE", "FIRST_FILL"),
+        "carry": ("CARRY_VEC",)}[variants]
   for name in TOPN_VARIANTS:
-    monkeypatch.setattr(topn_module, name, variants == "on" or (variants == "rank_only"
-                                                                and name == "RANK_MERGE"))
+    monkeypatch.setattr(topn_module, name, name in on)
+
+
+def _topn_rule(vals, n):
+  """The reference's rule on candidate scores [rows, S] (block j = column j): the n best by
+  (score desc, block asc), ascending, -1 for -inf and empty slots (reference.topn_blocks)."""
+  v, i = jax.lax.top_k(jnp.asarray(vals), min(n, vals.shape[1]))
+  i = np.sort(np.where(np.asarray(v) == -np.inf, 2 ** 30, np.asarray(i)), axis=-1)
+  i = np.where(i == 2 ** 30, -1, i)
+  return np.pad(i, ((0, 0), (0, n - i.shape[1])), constant_values=-1)
+
+
+@pytest.mark.parametrize("n,fill", [(1, False), (3, False), (5, False), (16, False), (16, True)])
+@pytest.mark.parametrize("merge", ["_merge", "_rank_merge"])
+def test_merges_keep_the_topn_rule_through_ties_and_infinities(n, fill, merge):
+  """Both chunk merges, outside a kernel, after every chunk: scores drawn from {-inf, +inf, four
+  small integers} so that ties (between chunks, inside a chunk, among forced +inf blocks) decide
+  most slots, which random normal scores in the kernel tests almost never do."""
+  rng = np.random.default_rng(_seed())
+  rows, width, chunks = 64, 16, 5
+  npad = 1 << (n - 1).bit_length()
+  pool = np.array([-np.inf, np.inf, 0.0, 1.0, 2.0, 3.0], np.float32)
+  vals = rng.choice(pool, size=(rows, chunks * width), p=[.15, .1, .2, .2, .2, .15])
+  fn = jax.jit(functools.partial(getattr(topn_module, merge), n=n))
+  a_val = jnp.full((rows, npad), -jnp.inf, jnp.float32)
+  a_idx = jnp.full((rows, npad), -1, jnp.int32)
+  c0 = 0
+  if fill:  # FIRST_FILL's start: the first chunk is the list
+    a_val, a_idx, c0 = jnp.asarray(vals[:, :width]), jnp.broadcast_to(
+        jnp.arange(width, dtype=jnp.int32), (rows, width)), 1
+  for ci in range(c0, chunks):
+    j = jnp.broadcast_to(ci * width + jnp.arange(width, dtype=jnp.int32), (rows, width))
+    a_val, a_idx = fn(a_val, a_idx, jnp.asarray(vals[:, ci * width:(ci + 1) * width]), j)
+    got = np.asarray(topn_module._ascending(a_val, a_idx, n=n))[:, :n]
+    want = _topn_rule(vals[:, :(ci + 1) * width], n)
+    bad = np.argwhere((got != want).any(axis=1))
+    assert bad.size == 0, (merge, ci, vals[bad[0, 0], :(ci + 1) * width], got[bad[0, 0]],
+                           want[bad[0, 0]])
+    assert np.all(np.asarray(a_val)[:, n:] == -np.inf) and np.all(np.asarray(a_idx)[:, n:] == -1)
+
+
+def test_select_topn_asks_the_rule_with_its_chunks_and_head_dim(monkeypatch):
+  """select_topn passes the row's chunk count and d_k to chunk_paths (traced only)."""
+  seen = []
+  real = topn_module.chunk_paths
+  monkeypatch.setattr(topn_module, "chunk_paths", lambda c, dk: seen.append((c, dk)) or real(c, dk))
+  t, h, dk, l, d, lp = 2304, 4, 32, 16, 8, 16  # 144 selection blocks: 9 chunks of 16
+  nc = (t - l) // d + 1
+  jax.eval_shape(lambda q, kc, lse: select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
+                                                num_selected=4),
+                 jax.ShapeDtypeStruct((1, t, h, dk), jnp.float32),
+                 jax.ShapeDtypeStruct((1, nc, 1, dk), jnp.float32),
+                 jax.ShapeDtypeStruct((1, t, h), jnp.float32))
+  assert seen == [(9, dk)]
 
 
 def test_topn_paths_follow_the_measured_rule(monkeypatch):
@@ -130,8 +186,13 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
     (16, 1, 400, 16, 8, 16, 4, "overlap", False, 0),
     (4, 2, 520, 32, 16, 64, 6, "overlap", False, 1),
     (2, 2, 300, 16, 8, 32, 5, "literal", True, 0),
+    # literal alignment with l >= 3d: Eq. 9 carries two columns into the next chunk
+    (4, 1, 700, 32, 8, 32, 5, "literal", False, 1),
+    # l = d: nothing is carried
+    (2, 2, 200, 8, 8, 16, 4, "overlap", False, 1),
+    (2, 2, 200, 8, 8, 16, 4, "literal", True, 1),
 ])
-@pytest.mark.parametrize("variants", ["off", "on", "rank_only"])
+@pytest.mark.parametrize("variants", ["off", "on", "rank_fill", "carry"])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, n_local, variants,
                                          monkeypatch):
   _set_topn_variants(monkeypatch, variants)
@@ -206,7 +267,7 @@ def _abstract_gpu():
 @pytest.mark.parametrize("h,kv,dk,dv,use_seg,variants", [(64, 4, 192, 128, False, "off"),
                                                           (8, 8, 64, 32, True, "off"),
                                                           (64, 4, 192, 128, False, "on"),
-                                                          (64, 4, 192, 128, False, "rank_only")])
+                                                          (64, 4, 192, 128, False, "rank_fill")])
 def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, variants, monkeypatch):
   _set_topn_variants(monkeypatch, variants)
   t, l, d, lp = 1024, 32, 16, 64
