@@ -73,15 +73,16 @@ FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
 RANK_MERGE = _env_flag("RANK_MERGE", None)
 RANK_MERGE_CHUNKS = (9, 32)
+RANK_MERGE_MAX_N = 16  # the measured n; the rank merge's [rows, NP, NP] compares grow as n^2
 CARRY_VEC_MIN_DK = 128
 
 
-def chunk_paths(row_chunks, dk):
-  """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks and head dim d_k: the flags
-  where set, else the measured rule (the rank merge for RANK_MERGE_CHUNKS, the vector carry
-  with it at d_k >= CARRY_VEC_MIN_DK)."""
+def chunk_paths(row_chunks, dk, n=16):
+  """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks, head dim d_k and n selected
+  blocks: the flags where set, else the measured rule (the rank merge for RANK_MERGE_CHUNKS and
+  n <= RANK_MERGE_MAX_N, the vector carry with it at d_k >= CARRY_VEC_MIN_DK)."""
   lo, hi = RANK_MERGE_CHUNKS
-  rank = lo <= row_chunks <= hi
+  rank = lo <= row_chunks <= hi and n <= RANK_MERGE_MAX_N
   carry = rank and dk >= CARRY_VEC_MIN_DK
   return (carry if CARRY_VEC is None else CARRY_VEC, rank if RANK_MERGE is None else RANK_MERGE)
 
@@ -365,11 +366,12 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
     first = jnp.zeros((b, t), jnp.int32)
   npad = ca.next_pow2(num_selected)
   scale = float(dk ** -0.5 if scale is None else scale)
+  carry_vec, rank_merge = chunk_paths(ca.cdiv(ns, nsj), dk, num_selected)
   kernel = functools.partial(
       _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
       sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
-      has_seg=has_seg, **dict(zip(("carry_vec", "rank_merge"), chunk_paths(ca.cdiv(ns, nsj), dk))))
+      has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge)
   w = ca._whole
   idx = pl.pallas_call(
       kernel,

@@ -145,10 +145,11 @@ def test_merges_keep_the_topn_rule_through_ties_and_infinities(n, fill, merge):
 
 
 def test_select_topn_asks_the_rule_with_its_chunks_and_head_dim(monkeypatch):
-  """select_topn passes the row's chunk count and d_k to chunk_paths (traced only)."""
+  """select_topn passes the row's chunk count, d_k and n to chunk_paths (traced only)."""
   seen = []
   real = topn_module.chunk_paths
-  monkeypatch.setattr(topn_module, "chunk_paths", lambda c, dk: seen.append((c, dk)) or real(c, dk))
+  monkeypatch.setattr(topn_module, "chunk_paths",
+                      lambda c, dk, n: seen.append((c, dk, n)) or real(c, dk, n))
   t, h, dk, l, d, lp = 2304, 4, 32, 16, 8, 16  # 144 selection blocks: 9 chunks of 16
   nc = (t - l) // d + 1
   jax.eval_shape(lambda q, kc, lse: select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
@@ -156,7 +157,7 @@ def test_select_topn_asks_the_rule_with_its_chunks_and_head_dim(monkeypatch):
                  jax.ShapeDtypeStruct((1, t, h, dk), jnp.float32),
                  jax.ShapeDtypeStruct((1, nc, 1, dk), jnp.float32),
                  jax.ShapeDtypeStruct((1, t, h), jnp.float32))
-  assert seen == [(9, dk)]
+  assert seen == [(9, dk, 4)]
 
 
 def test_topn_paths_follow_the_measured_rule(monkeypatch):
@@ -168,6 +169,7 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
   assert paths(lo - 1, dk) == paths(hi + 1, dk) == (False, False)
   assert paths(lo, dk) == paths(hi, 2 * dk) == (True, True)
   assert paths(lo, dk // 2) == (False, True)
+  assert paths(lo, dk, n=topn_module.RANK_MERGE_MAX_N + 1) == (False, False)  # unmeasured n
   monkeypatch.setattr(topn_module, "RANK_MERGE", False)  # a set flag wins over the rule
   assert paths(lo, dk) == (True, False)
 
