@@ -3,7 +3,9 @@
 # (monkeypatched module functions, so the kernel source is untouched), and at several T to split
 # per-program from per-chunk cost. Stand-ins give WRONG indices: timing only, never a result.
 #   python3 benchmarks/topn_ablation_trial.py        (on a GPU; prints one line per variant)
-# Results: benchmarks/results/topn_ablation_trial.md.
+# Results: benchmarks/results/topn_paths_h200.md (section 1) and topn_paths_h200.json.
+# Timing: the mean of 5 back-to-back calls after one warm-up (not bench_common.time_ms's median of
+# synchronised calls), as the recorded rows were measured.
 import json
 import sys
 import time

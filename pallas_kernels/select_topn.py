@@ -201,9 +201,8 @@ def _rank_merge(a_val, a_idx, cand, jv, *, n):
   over_c = (c3t > c3) | ((c3t == c3) & (k2 < k1))
   rank_c = (jnp.sum(((b3 >= c3) & real[:, None, :]).astype(jnp.int32), axis=2)
             + jnp.sum(over_c.astype(jnp.int32), axis=2))
-  # the entry of rank s goes to slot s (slots >= n: empty)
-  dest = lax.broadcasted_iota(jnp.int32, (1, npad, npad), 1)  # [1, slot, source]
-  from_a = rank_a[:, None, :] == dest
+  # the entry of rank s goes to slot s (slots >= n: empty); s1 indexes [1, slot, source] here
+  from_a = rank_a[:, None, :] == s1
   from_c = rank_c[:, None, :] == lax.broadcasted_iota(jnp.int32, (1, npad, ns), 1)
   new_val = jnp.maximum(jnp.max(jnp.where(from_a, b3, -jnp.inf), axis=2),
                         jnp.max(jnp.where(from_c, c3t, -jnp.inf), axis=2))
@@ -226,7 +225,7 @@ def _ascending(a_val, a_idx, *, n):
 
 def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref, idx_ref, *, tq, g,
                  gp, m, t, h, kh, nc, block, stride, sel_block, nsj, n, npad, n_init, n_local, off,
-                 dk_pieces, scale, has_seg, carry_vec, rank_merge):
+                 dk_pieces, scale, has_seg, carry_vec, rank_merge, first_fill):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = ca.tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   # Only padded heads are dropped: tokens past T copy token T-1 whole, so they compute (and store)
@@ -294,7 +293,7 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   # 128-block row at n = 16): its candidates become the list, then chunks 1.. merge as before.
   # Every tile has at least one chunk.
   c0 = 0
-  if FIRST_FILL and nsj == n == npad and -(-t // (sel_block * nsj)) <= FIRST_FILL_MAX_CHUNKS:
+  if first_fill:
     init, c0 = body(0, init, fill=True), 1
   a_val, a_idx, _ = lax.fori_loop(c0, chunks, body, init)
   ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
@@ -366,12 +365,14 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
     first = jnp.zeros((b, t), jnp.int32)
   npad = ca.next_pow2(num_selected)
   scale = float(dk ** -0.5 if scale is None else scale)
-  carry_vec, rank_merge = chunk_paths(ca.cdiv(ns, nsj), dk, num_selected)
+  row_chunks = ca.cdiv(ns, nsj)
+  carry_vec, rank_merge = chunk_paths(row_chunks, dk, num_selected)
+  first_fill = FIRST_FILL and nsj == num_selected == npad and row_chunks <= FIRST_FILL_MAX_CHUNKS
   kernel = functools.partial(
       _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
       sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
-      has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge)
+      has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge, first_fill=first_fill)
   w = ca._whole
   idx = pl.pallas_call(
       kernel,
