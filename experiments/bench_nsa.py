@@ -407,6 +407,9 @@ def check(key, t, cfg):
                  jax.jit(with_grad(op(impl)))(args, ct))
   (po, pg), (xo2, xg) = out.pop("pallas"), out.pop("xla")
   out["nsa_o_relerr"] = relerr(po, xo2)
+  # which compression path the whole op took at this T (the fold from ops.FOLD_MIN_BLOCKS on)
+  out["nsa_cmp_path"] = (ops._auto_cmp_backend(args[0], args[2], None) if IMPL == "pallas"
+                         else IMPL)
   names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
   out["nsa_grad_relerr"] = {n: relerr(a, b) for n, a, b in zip(names, pg, xg)}
   return out
@@ -516,6 +519,10 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--budget_s", type=float, default=1e9)
   p.add_argument("--check", action="store_true")
+  p.add_argument("--check_T", type=int, default=0,
+                 help="length of --check's comparison (default 2048 on a GPU, 256 off one). From "
+                      "16384 (1023 compressed blocks) the whole op runs the compression branch "
+                      "through the cuDNN fold, as it does in the timed tables")
   p.add_argument("--sweep_T", type=int, default=0)
   p.add_argument("--sweep_parts", default="cmp,topn",
                  help="which kernels --sweep_T varies: cmp, topn (launch parameters), topnvar "
@@ -540,7 +547,7 @@ def main(argv=None):
   ints = lambda s: [int(x) for x in s.split(",") if x]
   # (--breakdown_T only acts on lengths that --T / --long_T also run)
   bc.require_gpu(p, ints(a.T) + ints(a.long_T) + ints(a.layer_T) + ints(a.fold_sweep_T)
-                 + [a.sweep_T, a.profile_T],
+                 + [a.sweep_T, a.profile_T, a.check_T],
                  how=" (e.g. --T 256 --breakdown_T 256)")
   global BATCH, IMPL
   IMPL = a.impl
@@ -554,7 +561,7 @@ def main(argv=None):
   if a.check:
     dk, dv = ints(a.dims.split(",")[-1].replace("/", ","))
     try:
-      res = check(key, 2048 if ON_GPU else 256, paper_cfg(h, kh, dk, dv))
+      res = check(key, a.check_T or (2048 if ON_GPU else 256), paper_cfg(h, kh, dk, dv))
     except Exception as e:  # e.g. a kernel that does not compile: record it, time the rest
       res = dict(impl=IMPL, failed=f"{type(e).__name__}: {str(e)[:600]}")
     print("CHECK", json.dumps(res), flush=True)
