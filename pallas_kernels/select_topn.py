@@ -11,7 +11,7 @@ selection blocks in chunks of `sel_chunk` (= r * sel_chunk compressed blocks, r 
   3. Eq. 10: sum over the group's heads (a reshape + sum over the tile rows of one token);
   4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
      top-n: replace-the-minimum while any candidate beats the current n-th best (`_merge`), or
-     for rows of 9-32 chunks all at once by ranks (`_rank_merge`; see RANK_MERGE below).
+     for rows of up to 32 chunks all at once by ranks (`_rank_merge`; see RANK_MERGE below).
 Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
 to the lower block index (a later chunk never displaces an equal score; the evicted entry is the
 smallest score, highest index), output ascending, -1 in empty slots. Floating-point sums run in a
@@ -56,9 +56,13 @@ BIG = 2 ** 30
 #   17.6 at 128/128) and a loss at the 8k layer (1.15 vs 0.91). At the 16k and 32k training
 #   layers (16/1 heads, d_k = 64) the pair loses (2.04 vs 1.87 and 2.77 vs 2.48 ms) but the rank
 #   merge alone wins at 16k (1.37 / 1.47 vs 1.87 / 1.96 ms, two runs; 32k: 2.63 / 2.52 vs
-#   2.48 / 2.86). So for rows of RANK_MERGE_CHUNKS chunks (9 to 32: T in (8k, 32k] at
-#   l' = 64) the rank merge is on, and the vector carry with it at d_k >= CARRY_VEC_MIN_DK; the
-#   loop merge and the matmul carry elsewhere.
+#   2.48 / 2.86). Rows of 8 chunks (T = 8k), twelfth session (topn_paths_h200.md, runs 5, 6, 10,
+#   11): the rank merge alone beat the default (loop merge + FIRST_FILL) in every run, 0.80 /
+#   0.81 / 0.81 vs 0.91 / 0.94 / 1.30 ms at the 8k training layer (16/1 heads, 64/64, batch 8),
+#   0.67 vs 0.88 (192/128) and 0.51 vs 0.84 (128/128) at paper heads; the vector carry with it
+#   lost there (0.78 and 0.56). So for rows of RANK_MERGE_CHUNKS chunks (1 to 32: T <= 32k at
+#   l' = 64) the rank merge is on, with the vector carry at d_k >= CARRY_VEC_MIN_DK from
+#   CARRY_VEC_MIN_CHUNKS chunks on; the loop merge and the matmul carry elsewhere (64k: mixed).
 # None means that rule; env NSA_TOPN_<NAME> = 0 or 1 forces a path off or on.
 
 
@@ -72,7 +76,8 @@ FIRST_FILL = _env_flag("FIRST_FILL", True)
 FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
 RANK_MERGE = _env_flag("RANK_MERGE", None)
-RANK_MERGE_CHUNKS = (9, 32)
+RANK_MERGE_CHUNKS = (1, 32)
+CARRY_VEC_MIN_CHUNKS = 9
 RANK_MERGE_MAX_N = 16  # the measured n; the rank merge's [rows, NP, NP] compares grow as n^2
 CARRY_VEC_MIN_DK = 128
 
@@ -80,10 +85,11 @@ CARRY_VEC_MIN_DK = 128
 def chunk_paths(row_chunks, dk, n=16):
   """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks, head dim d_k and n selected
   blocks: the flags where set, else the measured rule (the rank merge for RANK_MERGE_CHUNKS and
-  n <= RANK_MERGE_MAX_N, the vector carry with it at d_k >= CARRY_VEC_MIN_DK)."""
+  n <= RANK_MERGE_MAX_N, the vector carry with it at d_k >= CARRY_VEC_MIN_DK from
+  CARRY_VEC_MIN_CHUNKS chunks on)."""
   lo, hi = RANK_MERGE_CHUNKS
   rank = lo <= row_chunks <= hi and n <= RANK_MERGE_MAX_N
-  carry = rank and dk >= CARRY_VEC_MIN_DK
+  carry = rank and dk >= CARRY_VEC_MIN_DK and row_chunks >= CARRY_VEC_MIN_CHUNKS
   return (carry if CARRY_VEC is None else CARRY_VEC, rank if RANK_MERGE is None else RANK_MERGE)
 
 

@@ -166,12 +166,15 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
   lo, hi = topn_module.RANK_MERGE_CHUNKS
   dk = topn_module.CARRY_VEC_MIN_DK
   paths = topn_module.chunk_paths
+  cv = topn_module.CARRY_VEC_MIN_CHUNKS
+  assert lo <= cv <= hi
   assert paths(lo - 1, dk) == paths(hi + 1, dk) == (False, False)
-  assert paths(lo, dk) == paths(hi, 2 * dk) == (True, True)
-  assert paths(lo, dk // 2) == (False, True)
-  assert paths(lo, dk, n=topn_module.RANK_MERGE_MAX_N + 1) == (False, False)  # unmeasured n
+  assert paths(cv, dk) == paths(hi, 2 * dk) == (True, True)
+  assert paths(lo, dk) == paths(cv - 1, 2 * dk) == (False, True)  # short rows: no vector carry
+  assert paths(cv, dk // 2) == (False, True)
+  assert paths(cv, dk, n=topn_module.RANK_MERGE_MAX_N + 1) == (False, False)  # unmeasured n
   monkeypatch.setattr(topn_module, "RANK_MERGE", False)  # a set flag wins over the rule
-  assert paths(lo, dk) == (True, False)
+  assert paths(cv, dk) == (True, False)
 
 
 @pytest.mark.parametrize("g,kv,t,l,d,lp,n,align,use_seg,n_local", [
