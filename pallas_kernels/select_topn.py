@@ -62,7 +62,8 @@ BIG = 2 ** 30
 #   0.67 vs 0.88 (192/128) and 0.51 vs 0.84 (128/128) at paper heads; the vector carry with it
 #   lost there (0.78 and 0.56). So for rows of RANK_MERGE_CHUNKS chunks (1 to 32: T <= 32k at
 #   l' = 64) the rank merge is on, with the vector carry at d_k >= CARRY_VEC_MIN_DK from
-#   CARRY_VEC_MIN_CHUNKS chunks on; the loop merge and the matmul carry elsewhere (64k: mixed).
+#   CARRY_VEC_MIN_CHUNKS chunks on; at 64k both together at d_k >= 192 (LONG_ROW_CHUNKS below);
+#   the loop merge and the matmul carry elsewhere.
 # None means that rule; env NSA_TOPN_<NAME> = 0 or 1 forces a path off or on.
 
 
@@ -80,16 +81,24 @@ RANK_MERGE_CHUNKS = (1, 32)
 CARRY_VEC_MIN_CHUNKS = 9
 RANK_MERGE_MAX_N = 16  # the measured n; the rank merge's [rows, NP, NP] compares grow as n^2
 CARRY_VEC_MIN_DK = 128
+# Rows of 33-64 chunks (T in (32k, 64k] at l' = 64): both paths together only at d_k >= 192, where
+# they won in all four runs (64k 192/128: 19.8 / 19.5 / 19.6 / 19.9 vs loop 20.1 / 21.0 / 20.9 /
+# 21.0 ms); at 128/128 they lost in all four (18.0 / 18.1 / 18.3 / 17.9 vs 16.7 / 17.6 / 17.4 / 17.7).
+LONG_ROW_CHUNKS = (33, 64)
+LONG_ROW_MIN_DK = 192
 
 
 def chunk_paths(row_chunks, dk, n=16):
   """(carry_vec, rank_merge) for rows of at most `row_chunks` chunks, head dim d_k and n selected
   blocks: the flags where set, else the measured rule (the rank merge for RANK_MERGE_CHUNKS and
   n <= RANK_MERGE_MAX_N, the vector carry with it at d_k >= CARRY_VEC_MIN_DK from
-  CARRY_VEC_MIN_CHUNKS chunks on)."""
+  CARRY_VEC_MIN_CHUNKS chunks on; both for LONG_ROW_CHUNKS at d_k >= LONG_ROW_MIN_DK)."""
   lo, hi = RANK_MERGE_CHUNKS
   rank = lo <= row_chunks <= hi and n <= RANK_MERGE_MAX_N
   carry = rank and dk >= CARRY_VEC_MIN_DK and row_chunks >= CARRY_VEC_MIN_CHUNKS
+  if (LONG_ROW_CHUNKS[0] <= row_chunks <= LONG_ROW_CHUNKS[1] and dk >= LONG_ROW_MIN_DK
+      and n <= RANK_MERGE_MAX_N):
+    rank = carry = True
   return (carry if CARRY_VEC is None else CARRY_VEC, rank if RANK_MERGE is None else RANK_MERGE)
 
 

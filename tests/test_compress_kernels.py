@@ -173,6 +173,12 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
   assert paths(lo, dk) == paths(cv - 1, 2 * dk) == (False, True)  # short rows: no vector carry
   assert paths(cv, dk // 2) == (False, True)
   assert paths(cv, dk, n=topn_module.RANK_MERGE_MAX_N + 1) == (False, False)  # unmeasured n
+  l0, l1 = topn_module.LONG_ROW_CHUNKS  # 64k rows: both paths only at the larger head dim
+  big = topn_module.LONG_ROW_MIN_DK
+  assert hi < l0 <= l1
+  assert paths(l0, big) == paths(l1, 2 * big) == (True, True)
+  assert paths(l0, big - 16) == paths(l1 + 1, big) == (False, False)
+  assert paths(l1, big, n=topn_module.RANK_MERGE_MAX_N + 1) == (False, False)
   monkeypatch.setattr(topn_module, "RANK_MERGE", False)  # a set flag wins over the rule
   assert paths(cv, dk) == (True, False)
 
