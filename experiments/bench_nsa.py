@@ -409,7 +409,7 @@ def check(key, t, cfg):
   out["nsa_o_relerr"] = relerr(po, xo2)
   # which compression path the whole op took at this T (the fold from ops.FOLD_MIN_BLOCKS on)
   out["nsa_cmp_path"] = (ops._auto_cmp_backend(args[0], args[2], None) if IMPL == "pallas"
-                         else IMPL)
+                         else {"pallas-triton": "triton", "pallas-mosaic": "mosaic"}[IMPL])
   names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
   out["nsa_grad_relerr"] = {n: relerr(a, b) for n, a, b in zip(names, pg, xg)}
   return out
@@ -520,9 +520,11 @@ def main(argv=None):
   p.add_argument("--budget_s", type=float, default=1e9)
   p.add_argument("--check", action="store_true")
   p.add_argument("--check_T", type=int, default=0,
-                 help="length of --check's comparison (default 2048 on a GPU, 256 off one). From "
-                      "16384 (1023 compressed blocks) the whole op runs the compression branch "
-                      "through the cuDNN fold, as it does in the timed tables")
+                 help="length of --check's comparison (default 2048 on a GPU, 256 off one), at "
+                      "the last --dims entry. The whole op folds the compression branch into cuDNN "
+                      "as in the timed tables from 16384 at d_k == d_v (forward and backward) and "
+                      "from 32768 at d_k != d_v (forward only); the record's nsa_cmp_path says "
+                      "which path ran")
   p.add_argument("--sweep_T", type=int, default=0)
   p.add_argument("--sweep_parts", default="cmp,topn",
                  help="which kernels --sweep_T varies: cmp, topn (launch parameters), topnvar "

@@ -171,7 +171,14 @@ def profile_config(config, tag, warmup, timed, steps):
   batch = train.to_global(next(batches), setup)  # one batch, reused: the data is not measured
   with jax.set_mesh(mesh):
     # Compiled once up front so that its HLO can name the fusions' scopes (same executable).
-    step = step.lower(state, batch).compile()
+    # Start-up split into tracing + lowering (Python, Pallas kernels to Triton / Mosaic IR) and
+    # XLA's compilation (kernels included), the two halves of a training run's first step.
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    lower_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step = lowered.compile()
+    compile_s = time.perf_counter() - t0
     fused = fusion_scopes(step.as_text() or "")
     for _ in range(warmup):
       state, m = step(state, batch)
@@ -212,6 +219,7 @@ def profile_config(config, tag, warmup, timed, steps):
                               if "nsa" in setup.model_cfg.attention_kinds else None),
               params=setup.num_params, seq_len=config.data.seq_len,
               batch=config.data.global_batch_size, ms_per_step=round(ms, 3),
+              lower_s=round(lower_s, 2), compile_s=round(compile_s, 2),
               tokens_per_s=round(tokens / ms * 1e3, 1),
               kernel_ms_per_step=round(sum(groups.values()) / 1e3, 3),
               groups_ms={g: round(v / 1e3, 3) for g, v in sorted(groups.items(),
@@ -238,6 +246,8 @@ def markdown(doc) -> str:
   rows = [("attention", lambda r: str(r["attention"])),
           ("batch x seq_len", lambda r: f"{r['batch']} x {r['seq_len']}"),
           ("ms / step (untraced)", lambda r: f"{r['ms_per_step']:.1f}"),
+          ("start-up: trace + lower, s", lambda r: f"{r.get('lower_s', float('nan')):.1f}"),
+          ("start-up: XLA compile, s", lambda r: f"{r.get('compile_s', float('nan')):.1f}"),
           ("tokens / s", lambda r: f"{r['tokens_per_s']:,.0f}"),
           ("device kernels, ms / step", lambda r: f"{r['kernel_ms_per_step']:.1f}")]
   groups = []

@@ -38,6 +38,12 @@
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
 #          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
 #          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample.
+# context16_1gpu, context32_1gpu
+#          the same pairs one after another on ONE GPU, for sessions where only the one-GPU kind
+#          is lent (run this script there with `carry=[".whl"]` too): NSA (280 s limit) then
+#          dense (200 s), fresh work directories. NSA's start-up at 16k / 32k took more than 125 s
+#          on one H200 (2026-12-01: both NSA runs killed at that limit before step 10): one
+#          length a call.
 #
 # Work directories (1.2 GB checkpoints) stay under /tmp/h200; the small results (metrics.jsonl,
 # config.json, loss.png, collectives.json, logs, tables, pictures) are packed into $OUT/<phase>.tgz.
@@ -143,6 +149,22 @@ impl8() {  # NSA at 8k x 8 with two kernel implementations side by side (IMPL_A 
 }
 context16() { context_pair 16384 4; }
 context32() { context_pair 32768 2; }
+
+context_1gpu() {  # context_1gpu <seq_len> <batch>: NSA, then dense, on GPU 0
+  local f
+  f=$(ctx_flags "$1" "$2")
+  rm -rf "$T/context/nsa_$1" "$T/context/dense_$1"  # a rerun must not resume a saved run
+  CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s TERM 280 python3 -m experiments.train --config=$SWEEP \
+    --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1
+  echo "context nsa_$1: exit $? (124: cut at its limit)"
+  keep "$T/context/nsa_$1" "context_nsa_$1"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s TERM 200 python3 -m experiments.train --config=$SWEEP \
+    --workdir=$T/context/dense_$1 --config.model.attention=dense $f > "$R/context_dense_$1.log" 2>&1
+  echo "context dense_$1: exit $? (124: cut at its limit)"
+  keep "$T/context/dense_$1" "context_dense_$1"
+}
+context16_1gpu() { context_1gpu 16384 4; }
+context32_1gpu() { context_1gpu 32768 2; }
 
 sweep_pair() {  # sweep_pair <sweep> <runs on GPU 0> <runs on GPU 1> [<name> [ablate flags...]]:
   # two runs each fit one call; results and logs under <name> (default <sweep>)_gpu

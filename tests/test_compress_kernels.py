@@ -179,6 +179,12 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
   assert paths(l0, big) == paths(l1, 2 * big) == (True, True)
   assert paths(l0, big - 16) == paths(l1 + 1, big) == (False, False)
   assert paths(l1, big, n=topn_module.RANK_MERGE_MAX_N + 1) == (False, False)
+  # the measured shapes themselves (topn_paths_h200.md): rows of 8 chunks (8k) at d_k 64 and 192,
+  # 16 (16k) and 32 (32k) at 192, 64 (64k) at 192 and 128, 128 (128k, unmeasured) at 192
+  assert paths(8, 64) == paths(8, 192) == (False, True)
+  assert paths(16, 64) == (False, True) and paths(16, 192) == paths(32, 128) == (True, True)
+  assert paths(64, 192) == (True, True) and paths(64, 128) == (False, False)
+  assert paths(128, 192) == (False, False)
   monkeypatch.setattr(topn_module, "RANK_MERGE", False)  # a set flag wins over the rule
   assert paths(cv, dk) == (True, False)
 

@@ -393,7 +393,8 @@ def _script_phases(name):
 def test_h200_runs_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_runs.sh")
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
-                "blocks", "context8", "context16", "context32", "impl8", "selgain", "prof8k"):
+                "blocks", "context8", "context16", "context32", "context16_1gpu", "context32_1gpu",
+                "impl8", "selgain", "prof8k"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
 
@@ -644,6 +645,8 @@ def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
   assert doc["command_buffers"] is False and "off (--nocommand_buffers)" in open(
       tmp_path / "step_profile.md").read()
   assert all(run["ms_per_step"] > 0 and run["tokens_per_s"] > 0 for run in doc["runs"])
+  assert all(run["lower_s"] > 0 and run["compile_s"] > 0 for run in doc["runs"])  # start-up split
+  assert "start-up: XLA compile, s" in open(tmp_path / "step_profile.md").read()
   assert doc["runs"][0]["implementation"] == "auto" and doc["runs"][1]["implementation"] is None
   assert "compare:dense" in open(tmp_path / "step_profile.md").read()
   names = {"[Stream #14] nsa_select_topn": "NSA top-n (Pallas)",

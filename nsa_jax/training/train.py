@@ -513,6 +513,8 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
     speed.tick()
     if s == start + 1:
       speed.reset()  # the first step includes compilation
+      bar.write(f"step {s} done {time.time() - loop_start:.0f} s after the loop started "
+                "(compilation included)")
     if s % config.train.log_every == 0 or s == end or log_now:
       rates = speed.report() if s > start + 1 else {}
       writer.write(s, {**last, **rates}, prefix="train/")
@@ -524,6 +526,8 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   if start >= end and start < total:
     bar.write(f"nothing to do: resumed at step {start}, and config.train.stop_after={stop_after} "
               "stops there. Fix: raise or unset stop_after to continue")
+  if start < end:  # the first call compiles the step: minutes at long context on a GPU
+    bar.write(f"compiling the training step (seq_len {seq}; the first step waits for it) ...")
   with _StopFlag() as stop, jax.set_mesh(mesh):
     try:
       for s in range(start + 1, end + 1):
