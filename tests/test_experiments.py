@@ -758,3 +758,29 @@ def test_benchmarks_refuse_gpu_sizes_off_a_gpu(monkeypatch, capsys):
   with pytest.raises(SystemExit) as e:
     bench_decode.main()
   assert e.value.code == 2 and "--lengths 1024" in capsys.readouterr().err
+
+
+def test_compare_fla_table_chart_and_errors(tmp_path):
+  """compare_fla: speed-ups over each run's own dense baseline and the ms ratio, from the committed
+  H200 table and FLA reference; a table without whole-op rows, or without a common T, is refused."""
+  from experiments import compare_fla
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ours = os.path.join(root, "benchmarks/results/nsa_h200_rank8k.json")
+  fla = os.path.join(root, "benchmarks/results/fla_nsa_h200_reference.json")
+  out = tmp_path / "vs_fla.png"
+  assert compare_fla.main(["--ours", ours, "--fla", fla, "--out", str(out)]) == str(out)
+  assert out.exists() and (tmp_path / "vs_fla.md").exists()
+  table = compare_fla.rows(compare_fla.load_ours(ours, 128, 128), json.load(open(fla)))
+  r = next(r for r in table if r["T"] == 65536 and r["part"] == "whole" and r["pass_"] == "fwd")
+  rec = next(x for x in json.load(open(ours)) if x["op"] == "nsa" and x["pass"] == "fwd"
+             and x["T"] == 65536 and x["d_k"] == 128)
+  assert r["ours_ms"] == rec["ms"] and r["ours_speedup"] == pytest.approx(rec["cudnn_ms"] / rec["ms"])
+  assert r["fla_speedup"] == pytest.approx(125.0 / 57.2)
+  assert r["fla_over_ours_ms"] == pytest.approx(57.2 / rec["ms"])
+  assert {(r["T"], r["part"]) for r in table} >= {(8192, "whole"), (65536, "select")}
+  with pytest.raises(ValueError, match="no whole-op"):
+    compare_fla.load_ours(ours, 64, 64)
+  bad = tmp_path / "fla.json"
+  bad.write_text(json.dumps({"source": "x", "rows": [{"T": 123}]}))
+  with pytest.raises(ValueError, match="no sequence length is in both"):
+    compare_fla.rows(compare_fla.load_ours(ours, 128, 128), json.load(open(bad)))
