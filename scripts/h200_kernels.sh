@@ -70,6 +70,10 @@
 #          and at 16k, 32k, 64k for both head dims.
 # topnlayers  the same at the 16k and 32k training layers (16/1 heads, 64/64, batch 4 and 2, as
 #          h200_runs.sh context16/context32), where the new default turns both paths on.
+# topnptx  a diagnostic: compile the top-n kernel at 64k (128/128) with XLA's dumps on
+#          (--xla_dump_to + --xla_gpu_dump_llvmir), list what was written and which files name the
+#          kernel, and run ptxas -v (registers, spills) on any PTX that does. On 2026-12-01
+#          --xla_dump_to alone wrote no PTX for the Pallas kernels; this is the next attempt.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -214,6 +218,29 @@ topnlayers() {
     b=$(( 65536 / t ))
     timeout 100 python3 -m experiments.bench_nsa --T '' --sweep_T $t --sweep_parts topnvar \
       --sweep_dims 64/64 --heads 16/1 --batch $b --iters 10 --out "$OUT/topnlayers/sweep$t"
+  done
+}
+topnptx() {
+  local d=/tmp/topn_dump f ptxas
+  rm -rf "$d"
+  mkdir -p "$OUT/topnptx"
+  XLA_FLAGS="--xla_dump_to=$d --xla_gpu_dump_llvmir" timeout 200 python3 -c '
+import jax, jax.numpy as jnp
+from pallas_kernels import select_topn as st
+t, h, kh, dk = 65536, 64, 4, 128
+nc = (t - 32) // 16 + 1
+q = jnp.zeros((1, t, h, dk), jnp.bfloat16)
+kc = jnp.zeros((1, nc, kh, dk), jnp.bfloat16)
+lse = jnp.zeros((1, t, h), jnp.float32)
+f = lambda q, kc, lse: st.select_topn(q, kc, lse, block=32, stride=16, sel_block=64, num_selected=16)
+jax.jit(f).lower(q, kc, lse).compile()
+print("top-n kernel compiled")'
+  ls -la "$d" > "$OUT/topnptx/dump_files.txt" 2>&1
+  grep -l "nsa_select_topn" "$d"/* 2>/dev/null | tee "$OUT/topnptx/files_naming_the_kernel.txt"
+  ptxas=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -1)
+  for f in $(grep -l "nsa_select_topn" "$d"/*.ptx 2>/dev/null); do
+    cp "$f" "$OUT/topnptx/"
+    [ -n "$ptxas" ] && "$ptxas" -v -arch=sm_90a "$f" -o /tmp/topn.cubin 2>&1 | tail -8
   done
 }
 
