@@ -17,7 +17,6 @@ from nsa_jax.config import NSAConfig
 ops.on_gpu = lambda: True
 _w = ops.window_attention
 ops.window_attention = lambda *a, **k: _w(*a, **{**k, "allow_cudnn": False})
-import pallas_kernels.select_attention as sa
 L = int(sys.argv[1]); T = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 b, h, kh, d = 8, 16, 1, 64
 cfg = NSAConfig(num_heads=h, num_kv_heads=kh, head_dim=d, head_dim_v=d)

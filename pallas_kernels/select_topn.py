@@ -51,20 +51,13 @@ BIG = 2 ** 30
 # RANK_MERGE: merge a chunk by ranks (every entry of list + chunk counts what beats it; the n best
 #   move to the slot of their rank) in a fixed number of whole-tile steps, instead of the while
 #   loop that inserts one candidate a row per iteration.
-#   The two together, against the loop alone: 16k 1.49 vs 2.15 ms (128/128) and 2.01 vs 2.21
-#   (192/128), 32k 4.90 vs 5.39 and 5.32 vs 6.69; mixed at 64k (19.5 vs 21.0 at 192/128, 18.1 vs
-#   17.6 at 128/128) and a loss at the 8k layer (1.15 vs 0.91). At the 16k and 32k training
-#   layers (16/1 heads, d_k = 64) the pair loses (2.04 vs 1.87 and 2.77 vs 2.48 ms) but the rank
-#   merge alone wins at 16k (1.37 / 1.47 vs 1.87 / 1.96 ms, two runs; 32k: 2.63 / 2.52 vs
-#   2.48 / 2.86). Rows of 8 chunks (T = 8k), twelfth session (topn_paths_h200.md, runs 5, 6, 10,
-#   11): the rank merge alone beat the default (loop merge + FIRST_FILL) in every run, 0.80 /
-#   0.81 / 0.81 vs 0.91 / 0.94 / 1.30 ms at the 8k training layer (16/1 heads, 64/64, batch 8),
-#   0.67 vs 0.88 (192/128) and 0.51 vs 0.84 (128/128) at paper heads; the vector carry with it
-#   lost there (0.78 and 0.56). So for rows of RANK_MERGE_CHUNKS chunks (1 to 32: T <= 32k at
-#   l' = 64) the rank merge is on, with the vector carry at d_k >= CARRY_VEC_MIN_DK from
-#   CARRY_VEC_MIN_CHUNKS chunks on; at 64k both together at d_k >= 192 (LONG_ROW_CHUNKS below);
-#   the loop merge and the matmul carry elsewhere.
-# None means that rule; env NSA_TOPN_<NAME> = 0 or 1 forces a path off or on.
+# When CARRY_VEC and RANK_MERGE are None, chunk_paths picks them per shape by the rule measured
+# in topn_paths_h200.md (every run's numbers are there): the rank merge for rows of up to 32
+# chunks (T <= 32k at l' = 64; 8k-32k faster in every run), with the vector carry from 9 chunks
+# at d_k >= 128 (it lost at 8 chunks and at d_k = 64); rows of 33-64 chunks (64k) take both only
+# at d_k >= 192 (faster in all four runs at 192/128, slower in all four at 128/128); the loop
+# merge and the matmul carry elsewhere, and for n above the measured 16.
+# Env NSA_TOPN_<NAME> = 0 or 1 forces a path off or on.
 
 
 def _env_flag(name, default):
@@ -81,10 +74,7 @@ RANK_MERGE_CHUNKS = (1, 32)
 CARRY_VEC_MIN_CHUNKS = 9
 RANK_MERGE_MAX_N = 16  # the measured n; the rank merge's [rows, NP, NP] compares grow as n^2
 CARRY_VEC_MIN_DK = 128
-# Rows of 33-64 chunks (T in (32k, 64k] at l' = 64): both paths together only at d_k >= 192, where
-# they won in all four runs (64k 192/128: 19.8 / 19.5 / 19.6 / 19.9 vs loop 20.1 / 21.0 / 20.9 /
-# 21.0 ms); at 128/128 they lost in all four (18.0 / 18.1 / 18.3 / 17.9 vs 16.7 / 17.6 / 17.4 / 17.7).
-LONG_ROW_CHUNKS = (33, 64)
+LONG_ROW_CHUNKS = (33, 64)  # rows where both paths need d_k >= LONG_ROW_MIN_DK
 LONG_ROW_MIN_DK = 192
 
 
@@ -93,12 +83,12 @@ def chunk_paths(row_chunks, dk, n=16):
   blocks: the flags where set, else the measured rule (the rank merge for RANK_MERGE_CHUNKS and
   n <= RANK_MERGE_MAX_N, the vector carry with it at d_k >= CARRY_VEC_MIN_DK from
   CARRY_VEC_MIN_CHUNKS chunks on; both for LONG_ROW_CHUNKS at d_k >= LONG_ROW_MIN_DK)."""
-  lo, hi = RANK_MERGE_CHUNKS
-  rank = lo <= row_chunks <= hi and n <= RANK_MERGE_MAX_N
-  carry = rank and dk >= CARRY_VEC_MIN_DK and row_chunks >= CARRY_VEC_MIN_CHUNKS
-  if (LONG_ROW_CHUNKS[0] <= row_chunks <= LONG_ROW_CHUNKS[1] and dk >= LONG_ROW_MIN_DK
-      and n <= RANK_MERGE_MAX_N):
-    rank = carry = True
+  rank = carry = False
+  if n <= RANK_MERGE_MAX_N:
+    if RANK_MERGE_CHUNKS[0] <= row_chunks <= RANK_MERGE_CHUNKS[1]:
+      rank, carry = True, dk >= CARRY_VEC_MIN_DK and row_chunks >= CARRY_VEC_MIN_CHUNKS
+    elif LONG_ROW_CHUNKS[0] <= row_chunks <= LONG_ROW_CHUNKS[1]:
+      rank = carry = dk >= LONG_ROW_MIN_DK
   return (carry if CARRY_VEC is None else CARRY_VEC, rank if RANK_MERGE is None else RANK_MERGE)
 
 

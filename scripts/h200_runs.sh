@@ -121,13 +121,18 @@ ctx_flags() {  # ctx_flags <seq_len> <batch>: the throughput runs' overrides (CT
     --config.train.eval_every=100000"
 }
 
-context_pair() {  # context_pair <seq_len> <batch>
-  local f
-  f=$(ctx_flags "$1" "$2")
-  CUDA_VISIBLE_DEVICES=0 timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
-    --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout -k 60 -s TERM 300 python3 -m experiments.train --config=$SWEEP \
-    --workdir=$T/context/dense_$1 --config.model.attention=dense $f > "$R/context_dense_$1.log" 2>&1 &
+ctx_run() {  # ctx_run <nsa|dense> <seq_len> <batch> <gpu> <limit_s> <kill_s>: one throughput run
+  local x=""
+  [ "$1" = dense ] && x="--config.model.attention=dense"
+  CUDA_VISIBLE_DEVICES=$4 timeout -k "$6" -s TERM "$5" python3 -m experiments.train \
+    --config=$SWEEP --workdir=$T/context/$1_$2 $x $(ctx_flags "$2" "$3") \
+    > "$R/context_$1_$2.log" 2>&1
+  echo "context $1_$2: exit $? (124: cut at its limit)"
+}
+
+context_pair() {  # context_pair <seq_len> <batch>: NSA on GPU 0 and dense on GPU 1 at once
+  ctx_run nsa "$1" "$2" 0 300 60 &
+  ctx_run dense "$1" "$2" 1 300 60 &
   wait_runs
   keep "$T/context/nsa_$1" "context_nsa_$1"
   keep "$T/context/dense_$1" "context_dense_$1"
@@ -151,16 +156,10 @@ context16() { context_pair 16384 4; }
 context32() { context_pair 32768 2; }
 
 context_1gpu() {  # context_1gpu <seq_len> <batch>: NSA, then dense, on GPU 0
-  local f
-  f=$(ctx_flags "$1" "$2")
   rm -rf "$T/context/nsa_$1" "$T/context/dense_$1"  # a rerun must not resume a saved run
-  CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s TERM 280 python3 -m experiments.train --config=$SWEEP \
-    --workdir=$T/context/nsa_$1 $f > "$R/context_nsa_$1.log" 2>&1
-  echo "context nsa_$1: exit $? (124: cut at its limit)"
+  ctx_run nsa "$1" "$2" 0 280 20
   keep "$T/context/nsa_$1" "context_nsa_$1"
-  CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s TERM 200 python3 -m experiments.train --config=$SWEEP \
-    --workdir=$T/context/dense_$1 --config.model.attention=dense $f > "$R/context_dense_$1.log" 2>&1
-  echo "context dense_$1: exit $? (124: cut at its limit)"
+  ctx_run dense "$1" "$2" 0 200 20
   keep "$T/context/dense_$1" "context_dense_$1"
 }
 context16_1gpu() { context_1gpu 16384 4; }
