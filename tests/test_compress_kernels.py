@@ -107,12 +107,15 @@ def _set_topn_variants(monkeypatch, variants):
 
 
 def _topn_rule(vals, n):
-  """The reference's rule on candidate scores [rows, S] (block j = column j): the n best by
-  (score desc, block asc), ascending, -1 for -inf and empty slots (reference.topn_blocks)."""
-  v, i = jax.lax.top_k(jnp.asarray(vals), min(n, vals.shape[1]))
-  i = np.sort(np.where(np.asarray(v) == -np.inf, 2 ** 30, np.asarray(i)), axis=-1)
-  i = np.where(i == 2 ** 30, -1, i)
-  return np.pad(i, ((0, 0), (0, n - i.shape[1])), constant_values=-1)
+  """reference.topn_blocks on candidate scores [rows, S] (block j = column j), every block
+  eligible and none forced: the n best by (score desc, block asc), ascending, -1 for -inf and
+  empty slots."""
+  cfg = NSAConfig(num_heads=1, num_kv_heads=1, head_dim=16, num_selected=n, num_init_blocks=0,
+                  num_local_blocks=0)
+  rows, s = vals.shape
+  cur, first = jnp.full((1, rows), s - 1), jnp.zeros((1, 1), jnp.int32)  # all eligible
+  return np.asarray(reference.topn_blocks(jnp.asarray(vals)[None, :, None, :], cur, first,
+                                          cfg))[0, :, 0]
 
 
 @pytest.mark.parametrize("n,fill", [(1, False), (3, False), (5, False), (16, False), (16, True)])
