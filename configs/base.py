@@ -30,6 +30,7 @@ def get_base_config() -> ConfigDict:
   c.model.param_dtype = "float32"  # parameter (and optimizer state) dtype
   c.model.tie_embeddings = False   # share the input embedding with the output projection
   c.model.remat = False            # recompute each block in the backward pass (saves memory)
+  c.model.layer_loop = "unrolled"  # trace one layer, unroll it (start-up); "scan" | "python"
 
   # --- model.nsa: fields of nsa_jax.NSAConfig (head counts come from model.*) ----------------
   c.model.nsa = ConfigDict()

@@ -101,6 +101,39 @@ class TransformerLM(nnx.Module):
     one_hot = jax.nn.one_hot(tokens.astype(jnp.int32), self.cfg.vocab_size, dtype=dt)
     return jnp.einsum("btv,vd->btd", one_hot, table, precision=jax.lax.Precision.HIGHEST)
 
+  def _scan_blocks(self, x, segment_ids, positions, return_selector_loss):
+    """The blocks as jax.lax.scan over each stretch of consecutive same-kind layers
+    (cfg.layer_loop "unrolled" or "scan"): the stretch's parameters are stacked along a new
+    leading axis (the stack's transpose hands each layer its own gradient; unrolled, XLA reads
+    the slices in place), and one traced layer runs over them. Returns (x, [selector loss per
+    NSA layer])."""
+    sel_losses, blocks, i = [], list(self.blocks), 0
+    while i < len(blocks):
+      j = i
+      while j < len(blocks) and blocks[j].kind == blocks[i].kind:
+        j += 1
+      graphdef, first = nnx.split(blocks[i])
+      states = [first] + [nnx.split(b)[1] for b in blocks[i + 1:j]]
+      stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+      nsa = blocks[i].kind == "nsa"
+
+      def body(h, state, graphdef=graphdef, nsa=nsa):
+        out = nnx.merge(graphdef, state)(h, segment_ids, positions,
+                                         return_selector_loss=return_selector_loss)
+        if not return_selector_loss:
+          return out, None
+        h, sel = out
+        return h, (sel if nsa else None)
+
+      if self.cfg.remat:
+        body = jax.checkpoint(body)
+      x, sels = jax.lax.scan(body, x, stacked,
+                             unroll=True if self.cfg.layer_loop == "unrolled" else 1)
+      if return_selector_loss and sels is not None:
+        sel_losses.extend(sels[k] for k in range(j - i))
+      i = j
+    return x, sel_losses
+
   @property
   def uses_aux_selector(self) -> bool:
     return self.cfg.uses_aux_selector
@@ -116,7 +149,11 @@ class TransformerLM(nnx.Module):
       x = constrain_rows(self.embed_tokens(tokens))
     auxes, sel_losses = [], []
     run = lambda blk, y: blk(y, segment_ids, positions, return_selector_loss=return_selector_loss)
-    for block in self.blocks:
+    # return_aux (visualisation) walks the layers one by one to collect each one's selection
+    scan = self.cfg.layer_loop != "python" and not (return_aux and not return_selector_loss)
+    if scan:
+      x, sel_losses = self._scan_blocks(x, segment_ids, positions, return_selector_loss)
+    for block in () if scan else self.blocks:
       if return_aux and not return_selector_loss:
         x, aux = block(x, segment_ids, positions, return_aux=True)
         auxes.append(aux)

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no public context manager
 
 from nsa_jax.config import ModelConfig, NSAConfig
 from nsa_jax.training import data as data_lib
@@ -37,7 +38,7 @@ log = logging.getLogger("nsa_jax.training")
 # Model fields that say how to compute, not what is learned: a run may resume with them changed
 # (e.g. turn on remat after an OOM, or switch the NSA implementation). Array shapes are still
 # checked by the restore itself.
-RESUMABLE_MODEL_FIELDS = ("remat", "dtype", "max_seq_len", "nsa.implementation", "nsa.query_chunk")
+RESUMABLE_MODEL_FIELDS = ("remat", "layer_loop", "dtype", "max_seq_len", "nsa.implementation", "nsa.query_chunk")
 # A warm start (config.checkpoint.init_from) may also change what NSA attends to with the same
 # parameters: n and w (e.g. a curriculum whose short first stage selects fewer blocks).
 WARM_START_FREE_FIELDS = RESUMABLE_MODEL_FIELDS + ("nsa.num_selected", "nsa.window")
@@ -146,8 +147,16 @@ def _is_var(x):
 
 
 def create_train_state(setup: Setup) -> dict:
-  """Initialises parameters and optimizer state directly in their shards."""
-  return jax.jit(setup.init_fn, out_shardings=setup.state_shardings)()
+  """Initialises parameters and optimizer state directly in their shards.
+
+  On a GPU the random initialisers' threefry hashes are lowered to JAX's threefry kernel
+  (jax_threefry_gpu_kernel_lowering: the same bits) instead of XLA's unrolled rounds, a large
+  fusion per parameter that XLA then compiles one by one; see docs/TRAINING.md, "Start-up"."""
+  init = jax.jit(setup.init_fn, out_shardings=setup.state_shardings)
+  if jax.default_backend() != "gpu" or os.environ.get("NSA_JAX_THREEFRY_KERNEL", "1") == "0":
+    return init()
+  with jax_config.threefry_gpu_kernel_lowering(True):
+    return init()
 
 
 # ----------------------------------------------------------------------------- steps -----------

@@ -1,0 +1,119 @@
+# Diagnostic (2026-12-01, thirteenth session): where NSA's training start-up goes on the GPU.
+# NSA's 8k run reached its 10th step 86 s after start against 14 s for the dense twin, and at
+# 16k / 32k it was still compiling at 125 s (benchmarks/results/train_startup_1gpu.json). This
+# builds the real training step (experiments.train's setup, the small GPU configs) in a fresh
+# process per variant and times tracing + lowering and XLA's compilation separately, over the
+# number of layers (does the cost grow per layer, i.e. would a scan over layers help?), against
+# the plain-JAX NSA path (no Pallas kernels) and the dense twin, and with JAX's persistent
+# compilation cache (the second process of a pair reads what the first wrote).
+#   python3 benchmarks/compile_time_trial.py OUT.json [variant ...]
+# variant = name:seq_len:n_layers:implementation[:flags], e.g. nsa:8192:12:pallas:scan,cache
+# (flags: cache = JAX's persistent compilation cache, scan = model.layer_loop "scan", unroll<N>
+# = "unrolled" (N is ignored: always the full unroll), neither = "python" (the Python loop, the
+# only way before 2026-12-01); notfk = the initialisers without JAX's threefry GPU kernel).
+# The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
+# environment variable for the unroll); these flags reproduce them. Each variant
+# also times 10 steps after the first (ms/step), so scan vs loop throughput is in the same rows.
+import json
+import os
+import subprocess
+import sys
+import time
+
+DEFAULT = ["dense:8192:12:-", "nsa:8192:1:pallas", "nsa:8192:4:pallas", "nsa:8192:12:pallas",
+           "nsa:8192:12:xla", "nsa:8192:12:pallas:cache", "nsa:8192:12:pallas:cache",
+           "nsa:16384:12:pallas"]
+
+
+def one(variant):
+  kind, seq, layers, impl, *rest = variant.split(":")
+  flags_ = set(rest[0].split(",")) if rest else set()
+  cache = "cache" in flags_
+  if "notfk" in flags_:
+    os.environ["NSA_JAX_THREEFRY_KERNEL"] = "0"
+  if cache:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", "/tmp/nsa_jax_cc_trial")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  import jax
+  from configs import small_gpu_nsa
+  from nsa_jax.training import sharding as shd
+  from nsa_jax.training import train
+  c = small_gpu_nsa.get_config()
+  seq, layers = int(seq), int(layers)
+  c.model.attention = kind
+  c.model.n_layers = layers
+  c.model.max_seq_len = c.data.seq_len = seq
+  c.data.global_batch_size = max(1, int(os.environ.get("TRIAL_TOKENS", 65536)) // seq)
+  if impl != "-":
+    c.model.nsa.implementation = impl
+  c.model.layer_loop = ("scan" if "scan" in flags_ else "unrolled"
+                        if any(f.startswith("unroll") for f in flags_) else "python")
+  mesh = shd.make_mesh(c.mesh)
+  t0 = time.perf_counter()
+  setup = train.build_setup(c, mesh)
+  build_s = time.perf_counter() - t0
+  state = train.create_train_state(setup)
+  jax.block_until_ready(state)
+  checksum = float(sum(jax.numpy.sum(x.astype("float64") if jax.config.jax_enable_x64 else x)
+                       for x in jax.tree.leaves(state["params"])))
+  step = train.make_train_step(setup, c.optim.grad_accum_steps)
+  batches, _ = train._iterators(c, setup.model_cfg)
+  batch = train.to_global(next(batches), setup)
+  setup_s = time.perf_counter() - t0
+  with jax.set_mesh(mesh):
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    lower_s = time.perf_counter() - t0
+    text = lowered.as_text()
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(10):
+      state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    step_ms = (time.perf_counter() - t0) / 10 * 1e3
+  return dict(variant=variant, attention=kind, seq_len=seq, n_layers=layers, implementation=impl,
+              cache=cache, layer_loop=c.model.layer_loop, build_setup_s=round(build_s, 2),
+              setup_s=round(setup_s, 2), param_checksum=checksum, lower_s=round(lower_s, 2),
+              compile_s=round(compile_s, 2), first_step_s=round(first_s, 2),
+              step_ms=round(step_ms, 2), tokens_per_s=round(seq * c.data.global_batch_size
+                                                            / step_ms * 1e3),
+              triton_calls=text.count("__gpu$xla.gpu.triton"),
+              mosaic_calls=text.count("mosaic_gpu"), loss=float(m["loss"]))
+
+
+def main():
+  if sys.argv[1] == "--one":
+    print("RESULT " + json.dumps(one(sys.argv[2])), flush=True)
+    return
+  out, variants = sys.argv[1], sys.argv[2:] or DEFAULT
+  import datetime
+  import platform
+  rows = []
+  for v in variants:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, __file__, "--one", v], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           x for x in (os.getcwd(), os.environ.get("PYTHONPATH")) if x)})
+    wall = time.perf_counter() - t0
+    got = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    row = json.loads(got[-1][7:]) if got else dict(variant=v, error=p.stderr[-2000:])
+    row["process_wall_s"] = round(wall, 1)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    doc = dict(command="python3 benchmarks/compile_time_trial.py " + " ".join(sys.argv[1:]),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               host=platform.node(), rows=rows)
+    with open(out, "w") as f:
+      json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
