@@ -41,7 +41,8 @@
 # context16_1gpu, context32_1gpu
 #          the same pairs one after another on ONE GPU, for sessions where only the one-GPU kind
 #          is lent (run this script there with `carry=[".whl"]` too): NSA (280 s limit) then
-#          dense (200 s), fresh work directories. NSA's start-up at 16k / 32k took more than 125 s
+#          dense (200 s), fresh work directories (CTX_NSA_LIMIT / CTX_DENSE_LIMIT change the
+#          limits). Before the layers were traced once (2026-12-01), NSA's start-up at 16k / 32k took more than 125 s
 #          on one H200 (2026-12-01: both NSA runs killed at that limit before step 10): one
 #          length a call.
 #
@@ -157,9 +158,9 @@ context32() { context_pair 32768 2; }
 
 context_1gpu() {  # context_1gpu <seq_len> <batch>: NSA, then dense, on GPU 0
   rm -rf "$T/context/nsa_$1" "$T/context/dense_$1"  # a rerun must not resume a saved run
-  ctx_run nsa "$1" "$2" 0 280 20
+  ctx_run nsa "$1" "$2" 0 "${CTX_NSA_LIMIT:-280}" 20
   keep "$T/context/nsa_$1" "context_nsa_$1"
-  ctx_run dense "$1" "$2" 0 200 20
+  ctx_run dense "$1" "$2" 0 "${CTX_DENSE_LIMIT:-200}" 20
   keep "$T/context/dense_$1" "context_dense_$1"
 }
 context16_1gpu() { context_1gpu 16384 4; }
