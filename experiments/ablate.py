@@ -39,6 +39,8 @@ from ml_collections import ConfigDict, config_flags
 
 MATCH_PARAMS = "MATCH_PARAMS"
 _UI_FIELDS = ("train.progress_bar", "train.tensorboard", "train.plot")  # do not change the run
+# How the same math is traced (added after runs were recorded; left out so their hashes hold).
+_COMPUTE_FIELDS = ("model.layer_loop",)
 _UNSET_FIELDS = ("checkpoint.init_from",)  # left out of the hash while empty (added later: keeps the
                                            # hashes of the runs recorded before them)
 
@@ -157,9 +159,9 @@ def resolve_runs(module, base: ConfigDict) -> dict[str, tuple[dict, ConfigDict]]
 def config_hash(config: ConfigDict) -> str:
   """Identity of a run: its resolved config, minus fields that only change the UI."""
   d = json.loads(config.to_json_best_effort(sort_keys=True))
-  for dotted in _UI_FIELDS + _UNSET_FIELDS:
+  for dotted in _UI_FIELDS + _COMPUTE_FIELDS + _UNSET_FIELDS:
     group, leaf = dotted.split(".")
-    if dotted in _UI_FIELDS or not d.get(group, {}).get(leaf):
+    if dotted not in _UNSET_FIELDS or not d.get(group, {}).get(leaf):
       d.get(group, {}).pop(leaf, None)
   return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

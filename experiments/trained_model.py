@@ -51,7 +51,7 @@ def load_model(workdir: str, max_seq_len: int | None = None):
   from nsa_jax.model import TransformerLM
   from nsa_jax.training import sharding as shd
   from nsa_jax.training.checkpointing import Checkpointer
-  from nsa_jax.training.train import build_setup
+  from nsa_jax.training.train import RESUMABLE_MODEL_FIELDS, build_setup
 
   config = load_config(workdir)
   mesh = shd.make_mesh(config.mesh)
@@ -62,8 +62,10 @@ def load_model(workdir: str, max_seq_len: int | None = None):
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train the run first")
     with jax.set_mesh(mesh):
+      # How-to-compute fields may differ (e.g. layer_loop, added after older runs were saved)
       state, _ = ckpt.restore(step, setup.abstract_state,
-                              {"model": dataclasses.asdict(setup.model_cfg)})
+                              {"model": dataclasses.asdict(setup.model_cfg)},
+                              ignore=RESUMABLE_MODEL_FIELDS)
   finally:
     ckpt.close()
   model_cfg = setup.model_cfg

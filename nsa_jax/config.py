@@ -195,12 +195,12 @@ class ModelConfig:
       same-kind layers is one jax.lax.scan over their stacked parameters, fully unrolled, so the
       layer (and every Pallas kernel in it) is traced and lowered once, and XLA still gets the
       straight-line program of a Python loop. "scan": the same scan left rolled (a while loop:
-      the smallest program, but measured 22% slower a step on the H200). "python": a Python
+      the smallest program, but its steps measured 20-28% longer on the H200). "python": a Python
       loop over the layers (traces every layer). All three are the same math with the same
       parameter layout (one entry per layer: checkpoints, decoding, sharding rules unchanged).
-      Measured on one H200 (benchmarks/results/compile_time_*.json, docs/TRAINING.md,
-      "Start-up"): NSA's 8k step traced + lowered in 4.8 s instead of 32 s and compiled in 30 s
-      instead of 60 s, at the same step time.
+      Measured on one H200 (benchmarks/results/compile_time_h200.md, docs/TRAINING.md,
+      "Start-up"): NSA's 8k step traced + lowered in 4.8 s instead of 28-32 s and compiled in
+      30 s instead of 49-60 s, at the same step time.
   """
 
   vocab_size: int = 256

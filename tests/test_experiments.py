@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import jax
+from flax import nnx
 import numpy as np
 import optax
 import pytest
@@ -108,6 +109,23 @@ def test_config_hash_ignores_ui_fields_only():
   assert ablate.config_hash(a) == ablate.config_hash(c)
   c.checkpoint.init_from = "/some/run"
   assert ablate.config_hash(a) != ablate.config_hash(c)
+  # model.layer_loop only says how the same math is traced (added after runs were recorded)
+  d = tiny_config(seed=1)
+  d.model.layer_loop = "python"
+  assert ablate.config_hash(a) == ablate.config_hash(d)
+
+
+def test_config_hash_of_recorded_runs_holds():
+  """The GPU sweep's recorded runs (docs/results/nsa_vs_dense_gpu.jsonl) are found again by
+  --reuse_from only while config_hash of their configs is unchanged: pin two of them."""
+  import importlib
+  module = importlib.import_module("configs.sweep_nsa_vs_dense")
+  runs = ablate.resolve_runs(module, module.get_config("gpu"))
+  recorded = {r["run"]: r["config_hash"] for r in map(json.loads, open(
+      os.path.join(os.path.dirname(__file__), "..", "docs", "results",
+                   "nsa_vs_dense_gpu.jsonl")))}
+  for name in ("nsa", "dense"):
+    assert ablate.config_hash(runs[name][1]) == recorded[name], name
 
 
 def test_command_keeps_overrides_and_names_the_run():
@@ -284,6 +302,34 @@ def test_scorer_and_grid_on_an_oracle_and_a_broken_model():
 
 
 # ----------------------------------------------------------------------------- trained model ----
+
+def test_load_model_reads_runs_saved_before_layer_loop(trained, tmp_path):
+  """A run saved before model.layer_loop existed (no such key in its checkpoint's metadata or its
+  config.json) still loads for evaluation, with the same weights."""
+  import shutil
+  workdir, _, _ = trained
+  old = str(tmp_path / "old_run")
+  shutil.copytree(workdir, old)
+  edited = 0
+  for root, _, files in os.walk(os.path.join(old, "checkpoints")):
+    if os.path.basename(root) == "meta" and "metadata" in files:
+      path = os.path.join(root, "metadata")
+      meta = json.load(open(path))
+      assert meta["model"].pop("layer_loop") == "unrolled"
+      json.dump(meta, open(path, "w"))
+      edited += 1
+  cfg_path = os.path.join(old, "config.json")
+  cfg = json.load(open(cfg_path))
+  del cfg["model"]["layer_loop"]
+  json.dump(cfg, open(cfg_path, "w"))
+  assert edited >= 1
+  model, _, model_cfg = trained_model.load_model(old)
+  new_model, _, _ = trained_model.load_model(workdir)
+  assert model_cfg.layer_loop == "unrolled"
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(new_model, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
+
 
 def test_load_model_forward_with_aux_and_longer_inputs(trained):
   workdir, config, _ = trained

@@ -53,6 +53,9 @@ def _rel(a, b):
     {"remat": True, "nsa": NSAConfig(num_heads=4, num_kv_heads=1, head_dim=32, cmp_block=16,
                                      cmp_stride=8, sel_block=32, num_selected=3, window=32,
                                      selector="aux")},     # per-layer selector losses
+    {"layer_attention": ("nsa", "dense", "nsa"),           # selector losses across stretches,
+     "nsa": NSAConfig(num_heads=4, num_kv_heads=1, head_dim=32, cmp_block=16, cmp_stride=8,
+                      sel_block=32, num_selected=3, window=32, selector="aux")},  # dense: none
 ])
 def test_scan_equals_the_layer_loop(kw, mode):
   loop, scan = _pair(mode, **kw)
@@ -72,11 +75,14 @@ def test_scan_equals_the_layer_loop(kw, mode):
   # document to be more than rounding (64-token documents hold one 32-token block before a query).
   seg = None if aux else jnp.asarray(np.repeat([[0, 1]], 64, axis=1).repeat(2, 0), jnp.int32)
 
+  # Positions other than 0..T-1 (RoPE reads them): a layer that dropped them would differ.
+  pos = jnp.broadcast_to(jnp.arange(128) * 3 + 5, (2, 128))
+
   def loss(model):
     if aux:
-      logits, sel = model(tok, segment_ids=seg, return_selector_loss=True)
+      logits, sel = model(tok, segment_ids=seg, positions=pos, return_selector_loss=True)
       return jnp.mean(logits ** 2) + jnp.mean(sel), (logits, sel)
-    logits = model(tok, segment_ids=seg)
+    logits = model(tok, segment_ids=seg, positions=pos)
     return jnp.mean(logits ** 2), (logits, None)
 
   (l1, (o1, sel1)), g1 = nnx.value_and_grad(loss, has_aux=True)(loop)
@@ -91,6 +97,30 @@ def test_scan_equals_the_layer_loop(kw, mode):
                                jax.tree_util.tree_leaves_with_path(g2)):
     assert float(jnp.max(jnp.abs(a))) > 0, f"zero gradient at {jax.tree_util.keystr(path)}"
     assert _rel(b, a) < 10 * tol, f"gradient differs at {jax.tree_util.keystr(path)}"
+
+
+def test_scans_rematerialise_when_asked():
+  """remat=True puts each scanned layer under jax.checkpoint (equal outputs cannot show it)."""
+  for remat in (False, True):
+    _, scan = _pair("unrolled", attention="dense", remat=remat)
+    graphdef, state = nnx.split(scan)
+    jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(_tokens(3)))(state))
+    assert ("checkpoint" in jaxpr or "remat" in jaxpr) == remat
+
+
+def test_scans_refuse_layers_they_would_change():
+  """Layers with state other than nnx.Param (which a forward could update and the scan would
+  drop), or same-kind layers built differently, are refused with the fix, not run wrong."""
+  _, scan = _pair()
+  for block in scan.blocks:
+    block.counter = nnx.Variable(jnp.zeros(()))
+  with pytest.raises(ValueError, match="only state is nnx.Param.*layer_loop='python'"):
+    scan(_tokens(4))
+  _, scan = _pair()
+  scan.blocks[2].extra = nnx.Param(jnp.zeros((3,)))
+  with pytest.raises(ValueError, match="layers 0 and 2 have different structures.*"
+                                       "layer_loop='python'"):
+    scan(_tokens(4))
 
 
 def test_scan_still_reports_each_layers_selection():
