@@ -29,6 +29,9 @@
 #          lower (docs/RESULTS.md §0b, older-code nsa reference, one seed; at CPU scale that pair's
 #          difference flips sign across init seeds, §4b): SG_SEED=1, 2 for more seeds (SG_STEPS=300
 #          without a seed would reuse the recorded older-code nsa run).
+# startup  benchmarks/compile_time_trial.py with the committed model.layer_loop: NSA's start-up split
+#          (setup / lower / compile) unrolled vs the Python loop at 8k, dense at 8k, and the 32k pair
+#          unrolled (step-only tokens/s); the 2026-12-01 rows used the change's first spelling.
 # prof8k   where the 8k training step's GPU time goes: experiments.profile_step on the NSA config
 #          and its dense twin (sequentially on GPU 0; kernels grouped per step, ms/step, tokens/s),
 #          the question behind issue 7's 8k throughput gap; 150-205 s measured (2026-11-30).
@@ -227,6 +230,12 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
 branches() { sweep_pair branches no_cmp,no_slc no_win; }
 design() { sweep_pair design shared_kv,gate_sum quest,mean_phi; }
 blocks() { sweep_pair blocks finer,coarser n_x2; }  # n_forced_only: ran alone (RESULTS §0b)
+startup() {  # start-up split (setup / lower / compile) and step-only tokens/s with the committed
+  # layer_loop spelling: unrolled vs the Python loop at 8k, and the 32k pair unrolled (~6 min)
+  timeout -k 20 560 python3 benchmarks/compile_time_trial.py "$R/compile_time_startup.json" \
+    nsa:8192:12:pallas:unroll nsa:8192:12:pallas dense:8192:12:-:unroll \
+    nsa:32768:12:pallas:unroll dense:32768:12:-:unroll > "$R/startup.log" 2>&1
+}
 prof8k() {
   CUDA_VISIBLE_DEVICES=0 timeout -k 30 420 python3 -m experiments.profile_step \
     --config=configs/small_gpu_nsa.py --compare=configs/small_gpu_dense.py --out="$R/prof8k" \
