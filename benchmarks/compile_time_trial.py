@@ -38,6 +38,7 @@ def one(variant):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   import jax
   from configs import small_gpu_nsa
+  from experiments.profile_step import lower_and_compile
   from nsa_jax.training import sharding as shd
   from nsa_jax.training import train
   c = small_gpu_nsa.get_config()
@@ -63,13 +64,8 @@ def one(variant):
   batch = train.to_global(next(batches), setup)
   setup_s = time.perf_counter() - t0
   with jax.set_mesh(mesh):
-    t0 = time.perf_counter()
-    lowered = step.lower(state, batch)
-    lower_s = time.perf_counter() - t0
+    lowered, compiled, lower_s, compile_s = lower_and_compile(step, state, batch)
     text = lowered.as_text()
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     state, m = compiled(state, batch)
     jax.block_until_ready(m)

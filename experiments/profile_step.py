@@ -156,6 +156,18 @@ def group_of(kernel: str) -> str:
   return "other"
 
 
+def lower_and_compile(step, *args):
+  """(lowered, compiled, lower_s, compile_s): a jitted step's start-up in its two halves, tracing
+  + lowering (Python; Pallas kernels to Triton / Mosaic IR) and XLA's compilation (kernels
+  included). Call under the step's mesh."""
+  t0 = time.perf_counter()
+  lowered = step.lower(*args)
+  lower_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  return lowered, compiled, lower_s, time.perf_counter() - t0
+
+
 def profile_config(config, tag, warmup, timed, steps):
   import jax
   from experiments import bench_common as bc
@@ -171,14 +183,8 @@ def profile_config(config, tag, warmup, timed, steps):
   batch = train.to_global(next(batches), setup)  # one batch, reused: the data is not measured
   with jax.set_mesh(mesh):
     # Compiled once up front so that its HLO can name the fusions' scopes (same executable).
-    # Start-up split into tracing + lowering (Python, Pallas kernels to Triton / Mosaic IR) and
-    # XLA's compilation (kernels included), the two halves of a training run's first step.
-    t0 = time.perf_counter()
-    lowered = step.lower(state, batch)
-    lower_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    step = lowered.compile()
-    compile_s = time.perf_counter() - t0
+    # Start-up split into its two halves (lower_and_compile), as a training run's first step.
+    _, step, lower_s, compile_s = lower_and_compile(step, state, batch)
     fused = fusion_scopes(step.as_text() or "")
     for _ in range(warmup):
       state, m = step(state, batch)

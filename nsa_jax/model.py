@@ -112,29 +112,28 @@ class TransformerLM(nnx.Module):
       j = i
       while j < len(blocks) and blocks[j].kind == blocks[i].kind:
         j += 1
-      graphdef, first, rest = nnx.split(blocks[i], nnx.Param, ...)
-      states = [first]
-      for b in blocks[i + 1:j]:
-        g, state, rest_b = nnx.split(b, nnx.Param, ...)
-        if g != graphdef:
-          raise ValueError(f"layer_loop={self.cfg.layer_loop!r}: layers {i} and {i + len(states)} "
+      graphdef, states = None, []
+      for k in range(i, j):
+        g, params, other = nnx.split(blocks[k], nnx.Param, ...)
+        if graphdef is not None and g != graphdef:
+          raise ValueError(f"layer_loop={self.cfg.layer_loop!r}: layers {i} and {k} "
                            "have different structures and cannot share one scanned layer. Fix: "
                            "build same-kind layers identically or set model.layer_loop='python'.")
-        states.append(state)
-        rest = rest or rest_b
-      if jax.tree.leaves(rest):
-        # The scan rebuilds each layer from its parameters; anything else a layer holds (and
-        # might update in its forward) would be dropped without a word.
-        raise ValueError(f"layer_loop={self.cfg.layer_loop!r} supports layers whose only state "
-                         "is nnx.Param; these layers also hold " + ", ".join(sorted(
-                             {type(v).__name__ for v in jax.tree.leaves(
-                                 rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})) +
-                         ". Fix: set model.layer_loop='python'.")
+        if jax.tree.leaves(other):
+          # The scan rebuilds each layer from its parameters; anything else a layer holds (and
+          # might update in its forward) would be dropped without a word.
+          raise ValueError(f"layer_loop={self.cfg.layer_loop!r} supports layers whose only state "
+                           "is nnx.Param; these layers also hold " + ", ".join(sorted(
+                               {type(v).__name__ for v in jax.tree.leaves(
+                                   other, is_leaf=lambda x: isinstance(x, nnx.Variable))})) +
+                           ". Fix: set model.layer_loop='python'.")
+        graphdef = g
+        states.append(params)
       stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
       nsa = blocks[i].kind == "nsa"
 
-      def body(h, state, graphdef=graphdef, rest=rest, nsa=nsa):
-        out = nnx.merge(graphdef, state, rest)(h, segment_ids, positions,
+      def body(h, state, graphdef=graphdef, nsa=nsa):
+        out = nnx.merge(graphdef, state)(h, segment_ids, positions,
                                          return_selector_loss=return_selector_loss)
         if not return_selector_loss:
           return out, None
@@ -146,7 +145,7 @@ class TransformerLM(nnx.Module):
       x, sels = jax.lax.scan(body, x, stacked,
                              unroll=True if self.cfg.layer_loop == "unrolled" else 1)
       if return_selector_loss and sels is not None:
-        sel_losses.extend(sels[k] for k in range(j - i))
+        sel_losses.extend(sels)  # one [B, T] per layer of the stretch
       i = j
     return x, sel_losses
 
