@@ -15,6 +15,7 @@ trace has no device plane: only the timings are filled in (that is what the test
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import logging
 import os
@@ -168,7 +169,7 @@ def lower_and_compile(step, *args):
   return lowered, compiled, lower_s, time.perf_counter() - t0
 
 
-def profile_config(config, tag, warmup, timed, steps):
+def profile_config(config, tag, warmup, timed, steps, hlo_path=None):
   import jax
   from experiments import bench_common as bc
   from nsa_jax.training import sharding as shd
@@ -185,7 +186,11 @@ def profile_config(config, tag, warmup, timed, steps):
     # Compiled once up front so that its HLO can name the fusions' scopes (same executable).
     # Start-up split into its two halves (lower_and_compile), as a training run's first step.
     _, step, lower_s, compile_s = lower_and_compile(step, state, batch)
-    fused = fusion_scopes(step.as_text() or "")
+    hlo = step.as_text() or ""
+    fused = fusion_scopes(hlo)
+    if hlo_path:  # the compiled module, to read what a fusion named in the tables computes
+      with gzip.open(hlo_path, "wt") as f:
+        f.write(hlo)
     for _ in range(warmup):
       state, m = step(state, batch)
     jax.block_until_ready(m)
@@ -233,8 +238,8 @@ def profile_config(config, tag, warmup, timed, steps):
               scopes_ms={g: round(v / 1e3, 3) for g, v in sorted(scopes.items(),
                                                                   key=lambda kv: -kv[1])},
               trace_stat_keys=sorted(stat_keys),
-              kernel_op_metadata={k: samples.get(k, {}) for k, _, _ in kernels[:60]},
-              top_kernels=[(k, n / steps, round(us / steps / 1e3, 3)) for k, n, us in kernels[:40]])
+              kernel_op_metadata={k: samples.get(k, {}) for k, _, _ in kernels[:100]},
+              top_kernels=[(k, n / steps, round(us / steps / 1e3, 3)) for k, n, us in kernels[:100]])
 
 
 def markdown(doc) -> str:
@@ -295,7 +300,8 @@ def main(argv):
   runs = []
   for tag, cfg in configs:
     name = f"{tag}:{cfg.model.attention}"
-    runs.append(profile_config(cfg, name, _WARMUP.value, _TIMED.value, _STEPS.value))
+    runs.append(profile_config(cfg, name, _WARMUP.value, _TIMED.value, _STEPS.value,
+                               hlo_path=os.path.join(out, f"{tag}_step.hlo.txt.gz")))
     print(f"{name}: {runs[-1]['ms_per_step']:.1f} ms/step, {runs[-1]['tokens_per_s']:,.0f} "
           f"tokens/s", flush=True)
   doc = dict(**bc.provenance(), jax=jax.__version__, command_buffers=_CMDBUF.value, runs=runs)

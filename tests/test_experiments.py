@@ -3,6 +3,7 @@ table, curves, the CLI), the passkey generator and scorer, the trained-model ada
 position-loss evaluation and the selection picture, on a two-layer model trained for 2 steps.
 """
 
+import gzip
 import json
 import math
 import os
@@ -695,6 +696,9 @@ def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
   assert "start-up: XLA compile, s" in open(tmp_path / "step_profile.md").read()
   assert doc["runs"][0]["implementation"] == "auto" and doc["runs"][1]["implementation"] is None
   assert "compare:dense" in open(tmp_path / "step_profile.md").read()
+  for tag in ("config", "compare"):  # the compiled step's HLO, to read a fusion named in a table
+    with gzip.open(tmp_path / f"{tag}_step.hlo.txt.gz", "rt") as f:
+      assert "ENTRY" in f.read()
   names = {"[Stream #14] nsa_select_topn": "NSA top-n (Pallas)",
            "[Stream #14] entry_mosaic_gpu_kernel": "NSA selection (Pallas Triton / Mosaic GPU)",
            "[Stream #14] nsa_select_dkv_reduce": "NSA selection (Pallas Triton / Mosaic GPU)",
