@@ -10,7 +10,11 @@
 # variant = name:seq_len:n_layers:implementation[:flags], e.g. nsa:8192:12:pallas:scan,cache
 # (flags: cache = JAX's persistent compilation cache, scan = model.layer_loop "scan", unroll<N>
 # = "unrolled" (N is ignored: always the full unroll), neither = "python" (the Python loop, the
-# only way before 2026-12-01); notfk = the initialisers without JAX's threefry GPU kernel).
+# only way before 2026-12-01); notfk = the initialisers without JAX's threefry GPU kernel;
+# scansearch = the selection index maps' jnp.searchsorted while loops (the code before 2026-12-01,
+# fourteenth session); union = the selection's lax.cond pinned to its union tile (a constant
+# predicate, which XLA folds away: no host round trip); cbcond = XLA_FLAGS putting conditionals and
+# while loops into the command buffers). TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
 # also times 10 steps after the first (ms/step), so scan vs loop throughput is in the same rows.
@@ -29,6 +33,9 @@ def one(variant):
   kind, seq, layers, impl, *rest = variant.split(":")
   flags_ = set(rest[0].split(",")) if rest else set()
   cache = "cache" in flags_
+  if "cbcond" in flags_:  # lax.cond / while inside XLA's command buffers (CUDA graph conditionals)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+                               "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE").strip()
   if "notfk" in flags_:
     os.environ["NSA_JAX_THREEFRY_KERNEL"] = "0"
   if cache:
@@ -41,6 +48,11 @@ def one(variant):
   from experiments.profile_step import lower_and_compile
   from nsa_jax.training import sharding as shd
   from nsa_jax.training import train
+  from pallas_kernels import _common as kc
+  if "scansearch" in flags_:  # the index maps' search as before 2026-12-01 (a while loop)
+    kc.search_sorted = lambda a, v, side="left": jax.numpy.searchsorted(a, v, side=side)
+  if "union" in flags_:  # the selection's lax.cond always takes its union tile (folded away)
+    kc.use_union = lambda *a, **k: jax.numpy.array(True)
   c = small_gpu_nsa.get_config()
   seq, layers = int(seq), int(layers)
   c.model.attention = kind
@@ -70,11 +82,13 @@ def one(variant):
     state, m = compiled(state, batch)
     jax.block_until_ready(m)
     first_s = time.perf_counter() - t0
+    n_steps = int(os.environ.get("TRIAL_STEPS", 10))
     t0 = time.perf_counter()
-    for _ in range(10):
+    for _ in range(n_steps):
       state, m = compiled(state, batch)
     jax.block_until_ready(m)
-    step_ms = (time.perf_counter() - t0) / 10 * 1e3
+    step_ms = (time.perf_counter() - t0) / n_steps * 1e3
+    hlo = compiled.as_text() or ""
   return dict(variant=variant, attention=kind, seq_len=seq, n_layers=layers, implementation=impl,
               cache=cache, layer_loop=c.model.layer_loop, build_setup_s=round(build_s, 2),
               setup_s=round(setup_s, 2), param_checksum=checksum, lower_s=round(lower_s, 2),
@@ -82,7 +96,9 @@ def one(variant):
               step_ms=round(step_ms, 2), tokens_per_s=round(seq * c.data.global_batch_size
                                                             / step_ms * 1e3),
               triton_calls=text.count("__gpu$xla.gpu.triton"),
-              mosaic_calls=text.count("mosaic_gpu"), loss=float(m["loss"]))
+              mosaic_calls=text.count("mosaic_gpu"), timed_steps=n_steps,
+              hlo_conditionals=hlo.count(" conditional("), hlo_while_loops=hlo.count(" while("),
+              loss=float(m["loss"]))
 
 
 def main():

@@ -179,6 +179,49 @@ def trace_kernel_events(trace_dir):
         yield f"[{line.name}] {ev.name}", ev.duration_ns / 1e3, dict(ev.stats)
 
 
+def trace_gaps(trace_dir, steps=1, top=20):
+  """Where the GPU sat idle in the newest jax.profiler trace under trace_dir: the union of every
+  device line's kernel and copy intervals from the first start to the last end; returns
+  {span_ms, busy_ms, idle_ms} per step (divided by `steps`) and the `top` longest idle gaps as
+  (gap us, what ended before it, what started after it; names with the scope of their op), or
+  None without a GPU device plane. Device kernel sums say what the GPU computed; these gaps say
+  what the step lost between kernels (launches, host round trips)."""
+  import glob
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    return None
+  iv = []
+  for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "module" in line.name.lower() or "step" in line.name.lower():
+        continue
+      for ev in line.events:
+        st = dict(ev.stats)
+        label = ev.name + (f" ({st['tf_op']})" if st.get("tf_op") else "")
+        iv.append((ev.start_ns, ev.start_ns + ev.duration_ns, label[:160]))
+  return idle_gaps(iv, steps, top) if iv else None
+
+
+def idle_gaps(iv, steps=1, top=20):
+  """trace_gaps' arithmetic on [(start ns, end ns, name)] intervals of any device lines."""
+  iv = sorted(iv)
+  busy, gaps, end, last = 0.0, [], iv[0][0], iv[0][2]
+  for s, e, name in iv:
+    if s > end:
+      gaps.append(((s - end) / 1e3, last, name))
+    if e > end:
+      busy += e - max(s, end)
+      end, last = e, name
+  span = end - iv[0][0]
+  gaps.sort(key=lambda g: -g[0])
+  return dict(span_ms=round(span / 1e6 / steps, 3), busy_ms=round(busy / 1e6 / steps, 3),
+              idle_ms=round((span - busy) / 1e6 / steps, 3), gaps=len(gaps) / steps,
+              largest=[(round(g, 1), a, b) for g, a, b in gaps[:top]])
+
+
 def kernel_totals(events, top=25):
   """[(kernel name, launches, total microseconds)] of trace_kernel_events' events, longest first
   (all of them with top=0)."""

@@ -208,6 +208,7 @@ def profile_config(config, tag, warmup, timed, steps, hlo_path=None):
     finally:
       jax.profiler.stop_trace()
   events = list(bc.trace_kernel_events(trace_dir))  # the trace is parsed once
+  gaps = bc.trace_gaps(trace_dir, steps)
   kernels = bc.kernel_totals(events, top=0)
   groups = {}
   for name, n, us in kernels:
@@ -232,7 +233,7 @@ def profile_config(config, tag, warmup, timed, steps, hlo_path=None):
               batch=config.data.global_batch_size, ms_per_step=round(ms, 3),
               lower_s=round(lower_s, 2), compile_s=round(compile_s, 2),
               tokens_per_s=round(tokens / ms * 1e3, 1),
-              kernel_ms_per_step=round(sum(groups.values()) / 1e3, 3),
+              kernel_ms_per_step=round(sum(groups.values()) / 1e3, 3), gpu_idle=gaps,
               groups_ms={g: round(v / 1e3, 3) for g, v in sorted(groups.items(),
                                                                   key=lambda kv: -kv[1])},
               scopes_ms={g: round(v / 1e3, 3) for g, v in sorted(scopes.items(),
@@ -240,6 +241,11 @@ def profile_config(config, tag, warmup, timed, steps, hlo_path=None):
               trace_stat_keys=sorted(stat_keys),
               kernel_op_metadata={k: samples.get(k, {}) for k, _, _ in kernels[:100]},
               top_kernels=[(k, n / steps, round(us / steps / 1e3, 3)) for k, n, us in kernels[:100]])
+
+
+def _idle(run, key):
+  gaps = run.get("gpu_idle")
+  return "-" if not gaps else f"{gaps[key]:.1f}"
 
 
 def markdown(doc) -> str:
@@ -260,7 +266,10 @@ def markdown(doc) -> str:
           ("start-up: trace + lower, s", lambda r: f"{r.get('lower_s', float('nan')):.1f}"),
           ("start-up: XLA compile, s", lambda r: f"{r.get('compile_s', float('nan')):.1f}"),
           ("tokens / s", lambda r: f"{r['tokens_per_s']:,.0f}"),
-          ("device kernels, ms / step", lambda r: f"{r['kernel_ms_per_step']:.1f}")]
+          ("device kernels, ms / step", lambda r: f"{r['kernel_ms_per_step']:.1f}"),
+          ("traced step span, ms (first kernel to last)", lambda r: _idle(r, "span_ms")),
+          ("GPU idle inside it, ms / step", lambda r: _idle(r, "idle_ms")),
+          ("idle gaps / step", lambda r: _idle(r, "gaps"))]
   groups = []
   for r in runs:
     groups += [g for g in r["groups_ms"] if g not in groups]
@@ -275,6 +284,11 @@ def markdown(doc) -> str:
               "|---|" + "---|" * len(runs)]
     lines += [f"| {g} | " + " | ".join(f"{r['scopes_ms'].get(g, 0.0):.2f}" for r in runs) + " |"
               for g in scopes]
+  for r in runs:
+    if (r.get("gpu_idle") or {}).get("largest"):
+      lines += ["", f"## {r['tag']}: longest GPU idle gaps (all traced steps)", "",
+                "| idle us | ended before | started after |", "|---|---|---|"]
+      lines += [f"| {g:.1f} | `{a[:90]}` | `{b[:90]}` |" for g, a, b in r["gpu_idle"]["largest"]]
   for r in runs:
     lines += ["", f"## {r['tag']}: longest kernels (ms per step, launches per step)", "",
               "| kernel | launches | ms |", "|---|---|---|"]

@@ -175,6 +175,16 @@ def rows_of(g, tq):
 
 # ----------------------------------------------------------------------------- XLA index maps
 
+def search_sorted(a, v, side="left"):
+  """jnp.searchsorted as an unrolled binary search (log2 len(a) gather steps, no loop).
+
+  jnp.searchsorted's default method is a lax while loop, and on the GPU every while loop is a
+  separate sequence of tiny kernel launches outside XLA's command buffers: 60 of them (7-18
+  iterations each) ran per 8k training step through these index maps (H200 profile, 2026-12-01,
+  benchmarks/results/step_profile_8k_hlo.md). Same results (tests/test_kernel_common.py)."""
+  return jnp.searchsorted(a, v, side=side, method="scan_unrolled")
+
+
 def tile_maps(block_idx, tiling):
   """The forward/dq index maps of `tiling.mode` (tuple of int32 arrays, see tile_union/tile_shared)."""
   if tiling.mode == "shared":
@@ -240,7 +250,7 @@ def tile_union(block_idx, tq):
   # blocks are distinct, so adding bits is or-ing them).
   u = tq * n
   tok_bit = jnp.where(flat < BIG, 1 << (jnp.arange(u, dtype=jnp.int32) // n), 0)
-  place = jax.vmap(lambda srt, q: jnp.searchsorted(srt, q))(s.reshape(-1, u), flat.reshape(-1, u))
+  place = jax.vmap(lambda srt, q: search_sorted(srt, q))(s.reshape(-1, u), flat.reshape(-1, u))
   bits = jax.vmap(lambda p, v: jnp.zeros((u + 1,), jnp.int32).at[p].add(v))(place, tok_bit.reshape(-1, u))
   bits = bits[:, :u].reshape(b, nt, kh, u)
   return jnp.where(s < BIG, s, 0), bits, cnt[..., None]
@@ -263,14 +273,14 @@ def inverse_lists(block_idx, num_blocks, chunk):
   key = jnp.sort(key.transpose(0, 2, 1, 3).reshape(b, kh, t * n), axis=-1)
   tokens = key % t
   bounds = jnp.arange(num_blocks + 1, dtype=jnp.int32) * t
-  starts = jax.vmap(jax.vmap(lambda k: jnp.searchsorted(k, bounds, side="left")))(key).astype(jnp.int32)
+  starts = jax.vmap(jax.vmap(lambda k: search_sorted(k, bounds, side="left")))(key).astype(jnp.int32)
   cnt = starts[..., 1:] - starts[..., :-1]  # [B, K, NB]
   blk_items = cdiv(cnt, chunk).astype(jnp.int32)
   item_end_cum = jnp.cumsum(blk_items, axis=-1)
   blk_first = (item_end_cum - blk_items).astype(jnp.int32)
   w_total = cdiv(t * n, chunk) + num_blocks
   w = jnp.arange(w_total, dtype=jnp.int32)
-  blk = jax.vmap(jax.vmap(lambda c: jnp.searchsorted(c, w, side="right")))(item_end_cum).astype(jnp.int32)
+  blk = jax.vmap(jax.vmap(lambda c: search_sorted(c, w, side="right")))(item_end_cum).astype(jnp.int32)
   live = blk < num_blocks
   blk_c = jnp.minimum(blk, num_blocks - 1)
   local = w - jnp.take_along_axis(blk_first, blk_c, axis=-1)

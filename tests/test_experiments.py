@@ -721,6 +721,18 @@ def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
                     "(no scope)"], labels
 
 
+def test_idle_gaps_count_time_no_device_line_covers():
+  """bench_common.idle_gaps: overlapping intervals on two lines count once as busy, the holes
+  between them are the idle gaps (longest first, named by what ended before and started after)."""
+  from experiments import bench_common as bc
+  ms = 1_000_000  # ns
+  iv = [(0, 10 * ms, "a"), (5 * ms, 12 * ms, "copy"), (20 * ms, 30 * ms, "b"),
+        (31 * ms, 40 * ms, "c"), (32 * ms, 33 * ms, "inside c")]
+  got = bc.idle_gaps(iv, steps=2, top=5)
+  assert (got["span_ms"], got["busy_ms"], got["idle_ms"]) == (20.0, 15.5, 4.5)
+  assert got["gaps"] == 1.0 and got["largest"] == [(8000.0, "copy", "b"), (1000.0, "b", "c")]
+
+
 def test_fusion_scopes_name_what_a_fusion_mixed():
   """profile_step.fusion_scopes labels each fusion of a compiled module by the scopes of the ops
   fused into it: one scope, or "mixed: A + B" when ops of two scopes were fused together."""
