@@ -14,8 +14,7 @@
 # scansearch = the selection index maps' jnp.searchsorted while loops (the code before 2026-12-01,
 # fourteenth session); union = the selection's lax.cond pinned to its union tile (a constant
 # predicate, which XLA folds away: no host round trip); cbcond = XLA_FLAGS putting conditionals and
-# while loops into the command buffers; nofuse = model.fused_projection False, the attention
-# layers' projections as separate Linears as before 2026-12-01). TRIAL_STEPS = timed steps (default 10).
+# while loops into the command buffers). TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
 # also times 10 steps after the first (ms/step), so scan vs loop throughput is in the same rows.
@@ -62,7 +61,6 @@ def one(variant):
   c.data.global_batch_size = max(1, int(os.environ.get("TRIAL_TOKENS", 65536)) // seq)
   if impl != "-":
     c.model.nsa.implementation = impl
-  c.model.fused_projection = "nofuse" not in flags_  # nofuse: one Linear per NSA projection
   c.model.layer_loop = ("scan" if "scan" in flags_ else "unrolled"
                         if any(f.startswith("unroll") for f in flags_) else "python")
   mesh = shd.make_mesh(c.mesh)

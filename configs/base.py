@@ -31,7 +31,6 @@ def get_base_config() -> ConfigDict:
   c.model.tie_embeddings = False   # share the input embedding with the output projection
   c.model.remat = False            # recompute each block in the backward pass (saves memory)
   c.model.layer_loop = "unrolled"  # trace one layer, unroll it (start-up); "scan" | "python"
-  c.model.fused_projection = True  # attention input projections as one matmul (same params)
 
   # --- model.nsa: fields of nsa_jax.NSAConfig (head counts come from model.*) ----------------
   c.model.nsa = ConfigDict()

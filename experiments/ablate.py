@@ -40,7 +40,7 @@ from ml_collections import ConfigDict, config_flags
 MATCH_PARAMS = "MATCH_PARAMS"
 _UI_FIELDS = ("train.progress_bar", "train.tensorboard", "train.plot")  # do not change the run
 # How the same math is traced (added after runs were recorded; left out so their hashes hold).
-_COMPUTE_FIELDS = ("model.layer_loop", "model.fused_projection")
+_COMPUTE_FIELDS = ("model.layer_loop",)
 _UNSET_FIELDS = ("checkpoint.init_from",)  # left out of the hash while empty (added later: keeps the
                                            # hashes of the runs recorded before them)
 

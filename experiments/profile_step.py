@@ -68,7 +68,7 @@ GROUPS = (
 # jax.named_scope names set in the model (nsa_jax/model.py, attention.py, ops.py, training/train.py)
 # and, under nsa_op, the op's branches. A kernel is labelled with the outermost top-level scope in
 # its op metadata, plus the branch under nsa_op, plus " (bwd)" for the backward pass.
-SCOPES = ("embed", "attn_norm", "nsa_proj", "nsa_q", "nsa_kv_cmp", "nsa_kv", "nsa_gates", "nsa_op", "nsa_out",
+SCOPES = ("embed", "attn_norm", "nsa_q", "nsa_kv_cmp", "nsa_kv", "nsa_gates", "nsa_op", "nsa_out",
           "dense_qkv", "dense_op", "dense_out", "mlp", "lm_head", "loss", "optimizer")
 OP_SCOPES = ("cmp", "topn", "slc", "win", "combine")
 

@@ -16,31 +16,8 @@ from flax import nnx
 
 from nsa_jax import aux_selector, ops, reference, xla
 from nsa_jax.config import NSAConfig
-from nsa_jax.layers import (HEAD_MESH_AXIS, annotated, apply_rope, auto_mesh, default_positions,
-                            dtype_of, linear, sharding_scope)
-
-
-def _concat_matmul(x, linears, dtype):
-  """[x @ kernel (+ bias) for each nnx.Linear] as ONE matmul over the concatenated kernels (the
-  parameters stay separate; each output column is the same dot product as its own Linear's, in
-  `dtype` as nnx.Linear computes it). Narrow projections otherwise cost a dx matmul each and a
-  sum of their [B*T, d_model] gradients in the backward, plus a dW matmul each."""
-  w = jnp.concatenate([m.kernel[...] for m in linears], axis=1).astype(dtype)
-  y = jax.lax.dot_general(x.astype(dtype), w, (((x.ndim - 1,), (0,)), ((), ())))
-  out, start = [], 0
-  for m in linears:
-    width = m.kernel.shape[1]
-    part = y[..., start:start + width]
-    out.append(part if m.bias is None else part + m.bias[...].astype(dtype))
-    start += width
-  return out
-
-
-def _fused_ok(enabled):
-  """Projections fused unless asked not to or a tensor-parallel mesh splits the heads (the
-  concatenated kernel would mix the q, kv and gate shardings)."""
-  mesh = auto_mesh()
-  return bool(enabled) and (mesh is None or mesh.shape.get(HEAD_MESH_AXIS, 1) == 1)
+from nsa_jax.layers import (annotated, apply_rope, default_positions, dtype_of, linear,
+                            sharding_scope)
 
 
 class CompressionMLP(nnx.Module):
@@ -74,11 +51,10 @@ class NSAAttention(nnx.Module):
   """
 
   def __init__(self, d_model: int, cfg: NSAConfig, *, rope_theta=10000.0, dtype="float32",
-               param_dtype="float32", fused_projection=True, rngs: nnx.Rngs):
+               param_dtype="float32", rngs: nnx.Rngs):
     if not isinstance(cfg, NSAConfig):
       raise TypeError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
     self.cfg, self.d_model, self.rope_theta = cfg, d_model, rope_theta
-    self.fused_projection = bool(fused_projection)
     self.dtype, pdt = dtype_of(dtype), dtype_of(param_dtype)
     h, kh, dk, dv = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
     kw = dict(dtype=self.dtype, param_dtype=pdt, rngs=rngs)
@@ -100,24 +76,6 @@ class NSAAttention(nnx.Module):
         self.aux_wq = nnx.Param(init(rngs.params(), (dk, cfg.aux_dim), pdt))
         self.aux_wk = nnx.Param(init(rngs.params(), (dk, cfg.aux_dim), pdt))
       self.o_proj = linear(h * dv, d_model, ("heads", "embed"), **kw)
-
-  def _projection_parts(self):
-    """[(name, Linear)] of every projection of x: q, k / v per branch, the gate."""
-    names = ("shared",) if self.cfg.shared_kv else ("cmp", "slc", "win")
-    parts = [("q", self.q_proj)] + [(f"k_{n}", self.k_proj[n]) for n in names] + [
-        (f"v_{n}", self.v_proj[n]) for n in names]
-    return parts + ([("gate", self.gate)] if self.cfg.gating == "sigmoid" else [])
-
-  def _fused_projections(self, x):
-    """{name: x @ kernel (+ bias)} of _projection_parts as ONE matmul over the concatenated
-    kernels (the parameters stay separate; each output column is the same dot product as its
-    own Linear's). The six narrow K/V projections and the gate otherwise cost six dx matmuls
-    and a sum of seven [B*T, d_model] gradients in the backward, plus a dW matmul each."""
-    names, linears = zip(*self._projection_parts())
-    return dict(zip(names, _concat_matmul(x, linears, self.dtype)))
-
-  def _use_fused(self):
-    return _fused_ok(self.fused_projection)
 
   def _kv(self, x, branch):
     name = "shared" if self.cfg.shared_kv else branch
@@ -142,13 +100,11 @@ class NSAAttention(nnx.Module):
     k_cmp = apply_rope(k_cmp, positions[:, ends], self.rope_theta)
     return k_cmp, v_cmp
 
-  def gates(self, x, logits=None):
-    """Branch gates [B, T, H, 3] in float32 (logits: the gate projection, if already made)."""
+  def gates(self, x):
     b, t, _ = x.shape
     if self.cfg.gating == "sum":
       return jnp.ones((b, t, self.cfg.num_heads, 3), jnp.float32)
-    logits = self.gate(x) if logits is None else logits
-    return jax.nn.sigmoid(logits.astype(jnp.float32)).reshape(b, t, self.cfg.num_heads, 3)
+    return jax.nn.sigmoid(self.gate(x).astype(jnp.float32)).reshape(b, t, self.cfg.num_heads, 3)
 
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None,
                return_aux=False, return_selector_loss=False):
@@ -162,25 +118,16 @@ class NSAAttention(nnx.Module):
     x = x.astype(self.dtype)
     if positions is None:
       positions = default_positions(b, t, segment_ids)
-    kh, dk, dv = cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
     # Named scopes label the kernels in profiles (experiments/profile_step.py groups by them).
-    proj = None
-    if self._use_fused():
-      with jax.named_scope("nsa_proj"):
-        proj = self._fused_projections(x)
-    kv_name = lambda branch: "shared" if cfg.shared_kv else branch
-    kv = lambda branch: ((proj[f"k_{kv_name(branch)}"].reshape(b, t, kh, dk),
-                          proj[f"v_{kv_name(branch)}"].reshape(b, t, kh, dv))
-                         if proj is not None else self._kv(x, branch))
     with jax.named_scope("nsa_q"):
-      q = apply_rope((self.q_proj(x) if proj is None else proj["q"]).reshape(
-          b, t, cfg.num_heads, dk), positions, self.rope_theta)
+      q = apply_rope(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), positions,
+                     self.rope_theta)
     with jax.named_scope("nsa_kv_cmp"):
-      k_c, v_c = kv("cmp")
+      k_c, v_c = self._kv(x, "cmp")
       k_cmp, v_cmp = self.compress(k_c, v_c, positions)
     with jax.named_scope("nsa_kv"):
-      k_s, v_s = kv("slc")
-      k_w, v_w = kv("win")
+      k_s, v_s = self._kv(x, "slc")
+      k_w, v_w = self._kv(x, "win")
       k_s = apply_rope(k_s, positions, self.rope_theta)
       k_w = k_s if cfg.shared_kv else apply_rope(k_w, positions, self.rope_theta)
     block_idx, sel_loss = None, jnp.zeros((b, t), jnp.float32)
@@ -188,7 +135,7 @@ class NSAAttention(nnx.Module):
       block_idx, sel_loss = aux_selector.select(q, k_s, self.aux_wq[...], self.aux_wk[...], cfg,
                                                 segment_ids)
     with jax.named_scope("nsa_gates"):
-      gates = self.gates(x, None if proj is None else proj.get("gate"))
+      gates = self.gates(x)
     with jax.named_scope("nsa_op"):
       out = ops.nsa_attention(q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates, cfg,
                               segment_ids=segment_ids, implementation=implementation,
@@ -210,15 +157,13 @@ class DenseAttention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
                head_dim_v: int | None = None, *, rope_theta=10000.0, dtype="float32",
-               param_dtype="float32", implementation="auto", fused_projection=True,
-               rngs: nnx.Rngs):
+               param_dtype="float32", implementation="auto", rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}. "
                        "Fix: choose num_heads as a multiple of num_kv_heads.")
     self.d_model, self.h, self.kh, self.dk = d_model, num_heads, num_kv_heads, head_dim
     self.dv = head_dim if head_dim_v is None else head_dim_v
     self.rope_theta, self.implementation = rope_theta, implementation
-    self.fused_projection = bool(fused_projection)
     self.dtype = dtype_of(dtype)
     kw = dict(dtype=self.dtype, param_dtype=dtype_of(param_dtype), rngs=rngs)
     with sharding_scope():
@@ -235,13 +180,9 @@ class DenseAttention(nnx.Module):
     if positions is None:
       positions = default_positions(b, t, segment_ids)
     with jax.named_scope("dense_qkv"):
-      if _fused_ok(self.fused_projection):  # one matmul, as NSAAttention (same parameters)
-        q, k, v = _concat_matmul(x, [self.q_proj, self.k_proj, self.v_proj], self.dtype)
-      else:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-      q = apply_rope(q.reshape(b, t, self.h, self.dk), positions, self.rope_theta)
-      k = apply_rope(k.reshape(b, t, self.kh, self.dk), positions, self.rope_theta)
-      v = v.reshape(b, t, self.kh, self.dv)
+      q = apply_rope(self.q_proj(x).reshape(b, t, self.h, self.dk), positions, self.rope_theta)
+      k = apply_rope(self.k_proj(x).reshape(b, t, self.kh, self.dk), positions, self.rope_theta)
+      v = self.v_proj(x).reshape(b, t, self.kh, self.dv)
     with jax.named_scope("dense_op"):
       o = ops.dense_attention(q, k, v, segment_ids, implementation=implementation or
                               self.implementation)

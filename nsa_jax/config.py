@@ -201,10 +201,6 @@ class ModelConfig:
       Measured on one H200 (benchmarks/results/compile_time_h200.md, docs/TRAINING.md,
       "Start-up"): NSA's 8k step traced + lowered in 4.8 s instead of 28-32 s and compiled in
       30 s instead of 49-60 s, at the same step time.
-    fused_projection: every attention layer projects x with one matmul over its projections'
-      concatenated kernels (NSA: q, the K/V pair of every branch and the gate logits; dense: q,
-      k, v; attention._concat_matmul). The parameters stay separate, so checkpoints are
-      unchanged. False: one Linear each. A tensor-parallel mesh always uses the separate ones.
   """
 
   vocab_size: int = 256
@@ -227,7 +223,6 @@ class ModelConfig:
   tie_embeddings: bool = False
   remat: bool = False
   layer_loop: Literal["unrolled", "scan", "python"] = "unrolled"
-  fused_projection: bool = True
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",

@@ -22,12 +22,11 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
     if kind == "nsa":
       self.attn = NSAAttention(cfg.d_model, cfg.nsa, rope_theta=cfg.rope_theta, dtype=dt,
-                               param_dtype=pdt, fused_projection=cfg.fused_projection, rngs=rngs)
+                               param_dtype=pdt, rngs=rngs)
     else:
       self.attn = DenseAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                  cfg.head_dim_v, rope_theta=cfg.rope_theta, dtype=dt,
-                                 param_dtype=pdt, fused_projection=cfg.fused_projection,
-                                 rngs=rngs)
+                                 param_dtype=pdt, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, dtype=dt, param_dtype=pdt, rngs=rngs)
 

@@ -41,8 +41,7 @@
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
 #          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
 #          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample.
-# fusetrial  8k step-only: NSA and dense with model.fused_projection on and off (~4 min).
-# context8_1gpu, context16_1gpu, context32_1gpu
+# context16_1gpu, context32_1gpu
 #          the same pairs one after another on ONE GPU, for sessions where only the one-GPU kind
 #          is lent (run this script there with `carry=[".whl"]` too): NSA (280 s limit) then
 #          dense (200 s), fresh work directories (CTX_NSA_LIMIT / CTX_DENSE_LIMIT change the
@@ -167,7 +166,6 @@ context_1gpu() {  # context_1gpu <seq_len> <batch>: NSA, then dense, on GPU 0
   ctx_run dense "$1" "$2" 0 "${CTX_DENSE_LIMIT:-200}" 20
   keep "$T/context/dense_$1" "context_dense_$1"
 }
-context8_1gpu() { context_1gpu 8192 8; }
 context16_1gpu() { context_1gpu 16384 4; }
 context32_1gpu() { context_1gpu 32768 2; }
 
@@ -237,12 +235,6 @@ startup() {  # start-up split (setup / lower / compile) and step-only tokens/s w
   timeout -k 20 560 python3 benchmarks/compile_time_trial.py "$R/compile_time_startup.json" \
     nsa:8192:12:pallas:unroll nsa:8192:12:pallas dense:8192:12:-:unroll \
     nsa:32768:12:pallas:unroll dense:32768:12:-:unroll > "$R/startup.log" 2>&1
-}
-fusetrial() {  # the attention layers' projections as one matmul (model.fused_projection, the
-  # default since 2026-12-01) vs separate Linears, NSA and dense: 8k step-only, 20 steps (~4 min)
-  TRIAL_STEPS=20 timeout -k 20 400 python3 benchmarks/compile_time_trial.py \
-    "$R/fuse_trial.json" nsa:8192:12:pallas:unroll nsa:8192:12:pallas:unroll,nofuse \
-    dense:8192:12:-:unroll dense:8192:12:-:unroll,nofuse > "$R/fusetrial.log" 2>&1
 }
 prof8k() {
   CUDA_VISIBLE_DEVICES=0 timeout -k 30 420 python3 -m experiments.profile_step \

@@ -72,62 +72,6 @@ def test_nsa_layer_impls_agree():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("opts", [{}, {"shared_kv": True}, {"gating": "sum"},
-                                  {"selector": "aux", "aux_dim": 8}])
-def test_fused_projection_matches_separate_linears(opts, monkeypatch):
-  """fused_projection (one matmul over the concatenated kernels, the default) computes what the
-  separate Linears compute: outputs and gradients for x and every parameter, float32, on random
-  parameters and inputs (biases included: the gate's is set non-zero). A tensor-parallel mesh
-  takes the separate Linears."""
-  import nsa_jax.attention as attn_mod
-  cfg = small_nsa(**opts)
-  layer = NSAAttention(32, cfg, rngs=nnx.Rngs(int(jax.random.randint(fresh_key(0), (), 0, 2**30))))
-  if cfg.gating == "sigmoid":
-    layer.gate.bias[...] = jax.random.normal(fresh_key(1), layer.gate.bias.shape)
-  x = jax.random.normal(fresh_key(2), (2, 40, 32))
-  graphdef, params = nnx.split(layer)
-
-  def run(fused, params, x):
-    m = nnx.merge(graphdef, params)
-    m.fused_projection = fused
-    y = m(x, implementation="xla")
-    return y, jnp.sum(jnp.sin(y))
-
-  y1, y0 = run(True, params, x)[0], run(False, params, x)[0]
-  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-5)
-  g1, g0 = (jax.grad(lambda p, x, f=f: run(f, p, x)[1], argnums=(0, 1))(params, x)
-            for f in (True, False))
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-  assert any(float(jnp.max(jnp.abs(a))) > 0 for a in jax.tree.leaves(g1))
-  # the fused path really is one matmul over x, the separate one several
-  def dots(fused):
-    return str(jax.make_jaxpr(lambda p, x: run(fused, p, x)[0])(params, x)).count("dot_general")
-  assert dots(True) < dots(False)
-  class _TP:  # a mesh in context whose tensor axis splits heads
-    shape = {"data": 1, "tensor": 2}
-  monkeypatch.setattr(attn_mod, "auto_mesh", lambda: _TP())
-  assert not layer._use_fused()
-
-
-def test_dense_fused_projection_matches_separate_linears():
-  """DenseAttention's fused q/k/v matmul (the default) against its separate Linears: outputs and
-  gradients, float32, random parameters and inputs."""
-  layer = DenseAttention(32, 4, 2, 8, 6, rngs=nnx.Rngs(int(jax.random.randint(fresh_key(3), (),
-                                                                              0, 2**30))))
-  x = jax.random.normal(fresh_key(4), (2, 24, 32))
-  graphdef, params = nnx.split(layer)
-
-  def loss(p, x, fused):
-    m = nnx.merge(graphdef, p)
-    m.fused_projection = fused
-    return jnp.sum(jnp.sin(m(x)))
-
-  for a, b in zip(jax.tree.leaves(jax.value_and_grad(loss, argnums=(0, 1))(params, x, True)),
-                  jax.tree.leaves(jax.value_and_grad(loss, argnums=(0, 1))(params, x, False))):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-
-
 def test_layer_aux_reports_blocks_and_gates():
   cfg = small_nsa()
   layer = NSAAttention(16, cfg, rngs=nnx.Rngs(2))
