@@ -14,7 +14,8 @@
 # scansearch = the selection index maps' jnp.searchsorted while loops (the code before 2026-12-01,
 # fourteenth session); union = the selection's lax.cond pinned to its union tile (a constant
 # predicate, which XLA folds away: no host round trip); cbcond = XLA_FLAGS putting conditionals and
-# while loops into the command buffers). TRIAL_STEPS = timed steps (default 10).
+# while loops into the command buffers; stablesort = the index maps' integer sorts stable, as
+# before 2026-12-01: XLA then sorts (key, index) pairs). TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
 # also times 10 steps after the first (ms/step), so scan vs loop throughput is in the same rows.
@@ -51,6 +52,11 @@ def one(variant):
   from pallas_kernels import _common as kc
   if "scansearch" in flags_:  # the index maps' search as before 2026-12-01 (a while loop)
     kc.search_sorted = lambda a, v, side="left": jax.numpy.searchsorted(a, v, side=side)
+  if "stablesort" in flags_:  # the index maps' integer sorts stable, as before 2026-12-01
+    import types
+    real = jax.numpy
+    kc.jnp = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if k[:2] != "__"})
+    kc.jnp.sort = lambda a, axis=-1, **kw: real.sort(a, axis=axis, stable=True)
   if "union" in flags_:  # the selection's lax.cond always takes its union tile (folded away)
     kc.use_union = lambda *a, **k: jax.numpy.array(True)
   c = small_gpu_nsa.get_config()

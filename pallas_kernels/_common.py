@@ -154,7 +154,7 @@ def mean_union(block_idx, tq, max_tiles=512):
   step = max(1, nt // max_tiles)
   x = block_idx[:, :nt * tq].reshape(b, nt, tq, kh, n)[:, ::step]
   x = x.transpose(0, 1, 3, 2, 4).reshape(b, -1, kh, tq * n)
-  s = jnp.sort(jnp.where(x < 0, BIG, x), axis=-1)
+  s = jnp.sort(jnp.where(x < 0, BIG, x), axis=-1, stable=False)
   new = jnp.concatenate([s[..., :1] < BIG, (s[..., 1:] != s[..., :-1]) & (s[..., 1:] < BIG)], -1)
   return jnp.mean(jnp.sum(new, axis=-1).astype(jnp.float32))
 
@@ -218,7 +218,7 @@ def tile_shared(block_idx, tq):
   in_all = jnp.all(jnp.any(hit, axis=-1), axis=-1) & valid  # [B, nT, K, tq, n]
 
   def compact(a):
-    a = jnp.sort(jnp.where(a < 0, BIG, a), axis=-1)
+    a = jnp.sort(jnp.where(a < 0, BIG, a), axis=-1, stable=False)
     return jnp.where(a < BIG, a, 0).astype(jnp.int32), jnp.sum(a < BIG, axis=-1).astype(jnp.int32)
 
   common, ccnt = compact(jnp.where(in_all[..., 0, :], x[..., 0, :], -1))
@@ -242,9 +242,9 @@ def tile_union(block_idx, tq):
   x = jnp.pad(block_idx, ((0, 0), (0, nt * tq - t), (0, 0), (0, 0)), constant_values=-1)
   x = x.reshape(b, nt, tq, kh, n).transpose(0, 1, 3, 2, 4)  # [B, nT, K, tq, n]
   flat = jnp.where(x < 0, BIG, x).reshape(b, nt, kh, tq * n)  # token-major: entry e is token e // n
-  s = jnp.sort(flat, axis=-1)
+  s = jnp.sort(flat, axis=-1, stable=False)
   dup = jnp.concatenate([jnp.zeros_like(s[..., :1], bool), s[..., 1:] == s[..., :-1]], axis=-1)
-  s = jnp.sort(jnp.where(dup, BIG, s), axis=-1)
+  s = jnp.sort(jnp.where(dup, BIG, s), axis=-1, stable=False)
   cnt = jnp.sum(s < BIG, axis=-1).astype(jnp.int32)
   # Each (token, slot) entry sets its token's bit at its block's place in the union (a token's valid
   # blocks are distinct, so adding bits is or-ing them).
@@ -270,7 +270,7 @@ def inverse_lists(block_idx, num_blocks, chunk):
     raise ValueError(f"T={t} too long for int32 (block, position) keys")
   pos = jnp.arange(t, dtype=jnp.int32)[None, :, None, None]
   key = jnp.where(block_idx >= 0, block_idx * t + pos, num_blocks * t)
-  key = jnp.sort(key.transpose(0, 2, 1, 3).reshape(b, kh, t * n), axis=-1)
+  key = jnp.sort(key.transpose(0, 2, 1, 3).reshape(b, kh, t * n), axis=-1, stable=False)
   tokens = key % t
   bounds = jnp.arange(num_blocks + 1, dtype=jnp.int32) * t
   starts = jax.vmap(jax.vmap(lambda k: search_sorted(k, bounds, side="left")))(key).astype(jnp.int32)
