@@ -344,6 +344,16 @@ def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
 # 8k both patterns (25.5 and 59.7 distinct blocks) were Mosaic wins, consistent with that switch.
 MOSAIC_AUTO_MAX_DIM = {16: 64, 4: 128}  # G -> largest head dim where the rule applies
 MOSAIC_G4_SWITCH = 5.0
+# Up to this sequence length, G = 16 with the Mosaic union tile runs that tile without the
+# lax.cond: at the 8k training layer (B = 8, 16 heads, d = 64, n = 16) the cond took the union
+# branch for clustered and for random lists alike (4-token mean unions 17.5 and 35.4, under the
+# 2.25 n = 36 switch; select_h200_registry8k.md), where the union tile was also the faster one
+# (select_h200_mosaic8k.md), and the cond itself cost a 12-layer training step 2.9 and 3.5 ms
+# (H200, 2026-12-01, benchmarks/compile_time_trial.py flag "union" against the default:
+# 214.9 -> 212.0 and 209.2 -> 205.7 ms; compile_time_union_h200.json). Lists whose 4-token
+# unions exceed the switch (not measured at this length) run the union tile too: exact, possibly
+# slower. Longer sequences keep the cond.
+STATIC_UNION_MAX_T = 8192
 
 
 def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpret):
@@ -437,6 +447,10 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   if tiling is None and (backend == "triton" or chosen == "mosaic"):
     union, union_backend, switch = auto_union(g, block_size, backend)
     backend = "triton"
+    if union_backend == "mosaic" and g == 16 and t <= STATIC_UNION_MAX_T:
+      C.log_once(("static union", q.shape), "select_attention: T=%d <= STATIC_UNION_MAX_T=%d, "
+                 "G=16: Mosaic GPU union tile without the lax.cond", t, STATIC_UNION_MAX_T)
+      backend, tiling, union = "mosaic", union, None
   if backend == "mosaic":
     ok, why = mgpu.supports(q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype)
     if not ok:
