@@ -13,12 +13,14 @@
 # only way before 2026-12-01); notfk = the initialisers without JAX's threefry GPU kernel;
 # scansearch = the selection index maps' jnp.searchsorted while loops (the code before 2026-12-01,
 # fourteenth session); union = the selection's lax.cond pinned to its union tile (a constant
-# predicate, which XLA folds away: no host round trip); cbcond = XLA_FLAGS putting conditionals and
+# predicate, which XLA folds away; since STATIC_UNION_MAX_T, G = 16 at T <= 8192 has no cond, so
+# this flag changes nothing there); cond = STATIC_UNION_MAX_T set to 0, i.e. the lax.cond as before
+# 2026-12-01 at every length; cbcond = XLA_FLAGS putting conditionals and
 # while loops into the command buffers; stablesort = the index maps' integer sorts stable, as
 # before 2026-12-01: XLA then sorts (key, index) pairs). TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
-# also times 10 steps after the first (ms/step), so scan vs loop throughput is in the same rows.
+# also times TRIAL_STEPS steps after the first (ms/step), so throughput is in the same rows.
 import json
 import os
 import subprocess
@@ -57,6 +59,9 @@ def one(variant):
     real = jax.numpy
     kc.jnp = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if k[:2] != "__"})
     kc.jnp.sort = lambda a, axis=-1, **kw: real.sort(a, axis=axis, stable=True)
+  if "cond" in flags_:  # the selection's lax.cond at every length (before STATIC_UNION_MAX_T)
+    from pallas_kernels import select_attention as sk
+    sk.STATIC_UNION_MAX_T = 0
   if "union" in flags_:  # the selection's lax.cond always takes its union tile (folded away)
     kc.use_union = lambda *a, **k: jax.numpy.array(True)
   c = small_gpu_nsa.get_config()

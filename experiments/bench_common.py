@@ -180,8 +180,9 @@ def trace_kernel_events(trace_dir):
 
 
 def trace_gaps(trace_dir, steps=1, top=20):
-  """Where the GPU sat idle in the newest jax.profiler trace under trace_dir: the union of every
-  device line's kernel and copy intervals from the first start to the last end; returns
+  """Where the GPU sat idle in the newest jax.profiler trace under trace_dir: per GPU, the union
+  of its lines' kernel and copy intervals from the first start to the last end; returns, for the
+  GPU with the most idle time (device: its plane, devices: how many were traced),
   {span_ms, busy_ms, idle_ms} per step (divided by `steps`) and the `top` longest idle gaps as
   (gap us, what ended before it, what started after it; names with the scope of their op), or
   None without a GPU device plane. Device kernel sums say what the GPU computed; these gaps say
@@ -191,10 +192,11 @@ def trace_gaps(trace_dir, steps=1, top=20):
                  key=os.path.getmtime)
   if not paths:
     return None
-  iv = []
+  worst, n = None, 0
   for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
     if not plane.name.startswith("/device:GPU"):
       continue
+    iv = []
     for line in plane.lines:
       if "module" in line.name.lower() or "step" in line.name.lower():
         continue
@@ -202,7 +204,12 @@ def trace_gaps(trace_dir, steps=1, top=20):
         st = dict(ev.stats)
         label = ev.name + (f" ({st['tf_op']})" if st.get("tf_op") else "")
         iv.append((ev.start_ns, ev.start_ns + ev.duration_ns, label[:160]))
-  return idle_gaps(iv, steps, top) if iv else None
+    if iv:
+      n += 1
+      got = dict(device=plane.name, **idle_gaps(iv, steps, top))
+      if worst is None or got["idle_ms"] > worst["idle_ms"]:
+        worst = got
+  return None if worst is None else dict(worst, devices=n)
 
 
 def idle_gaps(iv, steps=1, top=20):

@@ -207,7 +207,7 @@ def profile_config(config, tag, warmup, timed, steps, hlo_path=None):
       jax.block_until_ready(m)
     finally:
       jax.profiler.stop_trace()
-  events = list(bc.trace_kernel_events(trace_dir))  # the trace is parsed once
+  events = list(bc.trace_kernel_events(trace_dir))  # kernel events, parsed once for the tables
   gaps = bc.trace_gaps(trace_dir, steps)
   kernels = bc.kernel_totals(events, top=0)
   groups = {}

@@ -172,8 +172,10 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
   be, why = sk.auto_backend(q.shape, k_slc.shape, v_slc.shape, cfg.sel_block,
                             segment_ids is not None, q.dtype, interpret)
   g = cfg.num_heads // cfg.num_kv_heads
-  what = ("Mosaic GPU" + (" (4-token union tiles; the per-token Triton tile when a call's "
-                          "neighbouring tokens share few blocks)" if g >= 16 else "")
+  union_only = g == 16 and q.shape[1] <= sk.STATIC_UNION_MAX_T
+  what = ("Mosaic GPU" + ((" (4-token union tiles only: T <= STATIC_UNION_MAX_T)" if union_only
+                           else " (4-token union tiles; the per-token Triton tile when a call's "
+                           "neighbouring tokens share few blocks)") if g >= 16 else "")
           if be == "mosaic" else "Triton")
   log_once(logging.INFO, f"NSA select branch: {what} kernels for q{tuple(q.shape)}: {why}")
   return "auto"

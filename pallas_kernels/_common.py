@@ -181,7 +181,7 @@ def search_sorted(a, v, side="left"):
   jnp.searchsorted's default method is a lax while loop, and on the GPU every while loop is a
   separate sequence of tiny kernel launches outside XLA's command buffers: 60 of them (7-18
   iterations each) ran per 8k training step through these index maps (H200 profile, 2026-12-01,
-  benchmarks/results/step_profile_8k_hlo.md). Same results (tests/test_kernel_common.py)."""
+  benchmarks/results/step_profile_8k_hlo.md). Same results (tests/test_select_kernel.py)."""
   return jnp.searchsorted(a, v, side=side, method="scan_unrolled")
 
 

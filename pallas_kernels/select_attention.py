@@ -359,7 +359,8 @@ STATIC_UNION_MAX_T = 8192
 def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpret):
   """(backend, why) for backend="auto": "mosaic" where the Mosaic GPU kernels were measured faster
   on the H200 (compiled only; each keeps a lax.cond to a Triton tile for block lists that
-  neighbouring tokens share little, see _select_auto), else "triton"."""
+  neighbouring tokens share little, see _select_auto, except G = 16 up to STATIC_UNION_MAX_T
+  tokens: the union tile alone), else "triton"."""
   if interpret:
     return "triton", "interpreted (no GPU): the Triton kernels"
   ok, why = mgpu.supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
@@ -441,8 +442,8 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   # No tiling given: the call picks, from the block lists themselves, a union tile when
   # neighbouring tokens share most blocks and the other tile otherwise (lax.cond; both exact; the
   # switch says where they cross on the H200; see _select_auto and auto_union). A chosen Mosaic
-  # backend runs that union branch; the other branch is Triton. (An explicit backend="mosaic"
-  # runs Mosaic only.)
+  # backend runs that union branch; the other branch is Triton; G = 16 up to STATIC_UNION_MAX_T
+  # tokens runs the Mosaic union tile alone. (An explicit backend="mosaic" runs Mosaic only.)
   union = union_backend = switch = None
   if tiling is None and (backend == "triton" or chosen == "mosaic"):
     union, union_backend, switch = auto_union(g, block_size, backend)

@@ -733,6 +733,29 @@ def test_idle_gaps_count_time_no_device_line_covers():
   assert got["gaps"] == 1.0 and got["largest"] == [(8000.0, "copy", "b"), (1000.0, "b", "c")]
 
 
+def test_trace_gaps_reports_the_idlest_gpu(tmp_path, monkeypatch):
+  """bench_common.trace_gaps takes each GPU plane on its own (one GPU's kernels must not hide
+  another's idle time), skips non-GPU planes and module / step lines, and reports the GPU with
+  the most idle time."""
+  from types import SimpleNamespace as NS
+  from experiments import bench_common as bc
+  (tmp_path / "host.xplane.pb").write_bytes(b"")
+  ms = 1_000_000
+  ev = lambda name, s, e: NS(name=name, start_ns=s * ms, duration_ns=(e - s) * ms,
+                             stats=[("tf_op", "jit(step)/mlp")])
+  planes = [NS(name="/host:CPU", lines=[NS(name="host", events=[ev("x", 0, 100)])]),
+            NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=[ev("a", 0, 10),
+                                                                          ev("b", 11, 20)]),
+                                            NS(name="XLA Modules", events=[ev("m", 0, 20)])]),
+            NS(name="/device:GPU:1", lines=[NS(name="Stream #1", events=[ev("c", 0, 5),
+                                                                          ev("d", 15, 20)])])]
+  monkeypatch.setattr(jax.profiler.ProfileData, "from_file", lambda path: NS(planes=planes))
+  got = bc.trace_gaps(str(tmp_path), steps=1, top=3)
+  assert got["device"] == "/device:GPU:1" and got["devices"] == 2
+  assert (got["span_ms"], got["idle_ms"]) == (20.0, 10.0)
+  assert got["largest"] == [(10000.0, "c (jit(step)/mlp)", "d (jit(step)/mlp)")]
+
+
 def test_fusion_scopes_name_what_a_fusion_mixed():
   """profile_step.fusion_scopes labels each fusion of a compiled module by the scopes of the ops
   fused into it: one scope, or "mixed: A + B" when ops of two scopes were fused together."""

@@ -376,8 +376,8 @@ def test_auto_lowers_for_cuda(kh):
 
 def test_auto_short_sequences_run_the_union_tile_without_the_cond():
   """G = 16 up to STATIC_UNION_MAX_T: backend="auto" (where Mosaic GPU applies) is the Mosaic
-  union tile alone, no lax.cond and no Triton selection kernel (the cond measured 2.9-3.5 ms a
-  12-layer 8k step); G = 4 keeps its cond."""
+  union tile alone, no lax.cond and no Triton forward / dq kernel (the backward's dK/dV reduce
+  stays Triton; the cond measured 2.9-3.5 ms a 12-layer 8k step); G = 4 keeps its cond."""
   import re
   from pallas_kernels import select_attention as sk
   text = _select_lowered(16, 64, 64, kh=1, t=sk.STATIC_UNION_MAX_T, backend="auto")

@@ -178,7 +178,8 @@ def test_search_sorted_matches_numpy_and_the_index_maps_have_no_loops():
       np.testing.assert_array_equal(np.asarray(C.search_sorted(a, v, side)),
                                     np.searchsorted(a, v, side))
   idx = _block_idx(rng, 2, 50, 2, 4, 16, empty=True)
-  for fn in (lambda i: C.tile_union(i, 4), lambda i: C.inverse_lists(i, 4, 5)):
+  for fn in (lambda i: C.tile_union(i, 4), lambda i: C.inverse_lists(i, 4, 5),
+             lambda i: C.tile_shared(i, 4), lambda i: C.mean_union(i, 4)):
     text = jax.jit(fn).lower(idx).as_text()
     assert "stablehlo.while" not in text  # jnp.searchsorted's: 1-2
     # value-only integer sorts need no stability (XLA adds an index operand for a stable one)
