@@ -178,10 +178,11 @@ def rows_of(g, tq):
 def search_sorted(a, v, side="left"):
   """jnp.searchsorted as an unrolled binary search (log2 len(a) gather steps, no loop).
 
-  jnp.searchsorted's default method is a lax while loop, and on the GPU every while loop is a
-  separate sequence of tiny kernel launches outside XLA's command buffers: 60 of them (7-18
-  iterations each) ran per 8k training step through these index maps (H200 profile, 2026-12-01,
-  benchmarks/results/step_profile_8k_hlo.md). Same results (tests/test_select_kernel.py)."""
+  jnp.searchsorted's default method is a lax while loop: 60 of them (7-18 iterations, each a few
+  tiny kernel launches) ran per 8k training step through these index maps (H200 profile,
+  2026-12-01, benchmarks/results/step_profile_8k_hlo.md). Removing them did not change that step's
+  time measurably (214.1 -> 214.9 ms, compile_time_overhead_h200.json); kept for the smaller
+  program. Same results (tests/test_select_kernel.py)."""
   return jnp.searchsorted(a, v, side=side, method="scan_unrolled")
 
 

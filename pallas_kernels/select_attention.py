@@ -350,7 +350,8 @@ MOSAIC_G4_SWITCH = 5.0
 # 2.25 n = 36 switch; select_h200_registry8k.md), where the union tile was also the faster one
 # (select_h200_mosaic8k.md), and the cond itself cost a 12-layer training step 2.9 and 3.5 ms
 # (H200, 2026-12-01, benchmarks/compile_time_trial.py flag "union" against the default:
-# 214.9 -> 212.0 and 209.2 -> 205.7 ms; compile_time_union_h200.json). Lists whose 4-token
+# 214.9 -> 212.0 and 209.2 -> 205.7 ms; compile_time_overhead_h200.json and
+# compile_time_union_h200.json). Lists whose 4-token
 # unions exceed the switch (not measured at this length) run the union tile too: exact, possibly
 # slower. Longer sequences keep the cond.
 STATIC_UNION_MAX_T = 8192
