@@ -56,6 +56,9 @@ class CmpTiling:
     query) ran far longer than the rest: 256 programs at T=65536, the longest 64x the shortest.
   bwd_unmasked_tiles: the dK/dV kernel skips the visibility mask on query tiles that see the whole
     key tile (no segments, G a power of two, >= 16 rows without wrapped copies). Same values.
+  dq_block_k, dkv_rows, dkv_num_warps, dkv_num_stages: the dq kernel's keys per step and the dK/dV
+    kernel's own rows / warps / stages; 0 takes block_k and bwd_rows, and for warps / stages
+    dkv_launch()'s choice (bwd_num_warps / bwd_num_stages except for small heads).
   Defaults from a sweep on the H200 at T=65536, 64/4 heads, 192/128 (benchmarks/results/
   nsa_sweep.json): 128-row backward tiles with 8 warps took the fwd+bwd from 122 to 83 ms.
   """
@@ -69,6 +72,28 @@ class CmpTiling:
   bwd_num_stages: int = 2
   bwd_splits: int = 8
   bwd_unmasked_tiles: bool = True
+  dq_block_k: int = 0
+  dkv_rows: int = 0
+  dkv_num_warps: int = 0
+  dkv_num_stages: int = 0
+
+
+# The dK/dV kernel at small heads (d_k, d_v <= 64, <= 128 rows, <= 64 keys a program): 4 warps and
+# 3 pipeline stages. H200, benchmarks/cmp_tiling_trial.py at the training layers (16 query heads in
+# 1 KV group, 64/64; cmp_tiling_trial_h200_confirm.md): the compression backward 1.115 vs 1.323 ms
+# (8k, B = 8) and 1.624 vs 2.017 ms (16k, B = 4) with 8 warps and 2 stages. At 192/128 three stages
+# do not fit in shared memory (305 KB asked, 227 KB there), and 128/128 was not measured: larger
+# heads keep bwd_num_warps / bwd_num_stages.
+SMALL_HEAD_DKV_LAUNCH = (4, 3)
+
+
+def dkv_launch(tiling, dk, dv):
+  """(num_warps, num_stages) of the dK/dV kernel: the tiling's own when set, else
+  SMALL_HEAD_DKV_LAUNCH where it was measured to help and to fit, else the backward's."""
+  rows = tiling.dkv_rows or tiling.bwd_rows
+  small = max(dk, dv) <= 64 and rows <= 128 and tiling.bwd_block_k <= 64
+  warps, stages = SMALL_HEAD_DKV_LAUNCH if small else (tiling.bwd_num_warps, tiling.bwd_num_stages)
+  return tiling.dkv_num_warps or warps, tiling.dkv_num_stages or stages
 
 
 def tile_shape(g, rows):
@@ -315,7 +340,8 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
 
   tq, gp, m = tile_shape(g, tiling.bwd_rows)
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.block_k, **common),
+      functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
+                        **common),
       grid=(cdiv(t, tq), kh, b),
       in_specs=ins,
       out_specs=_whole(t * h, dk),
@@ -326,9 +352,10 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
       name="nsa_cmp_dq",
   )(*args)
 
-  tq, gp, m = tile_shape(g, tiling.bwd_rows)
+  tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
+  warps, stages = dkv_launch(tiling, dk, dv)
   dkc, dvc = pl.pallas_call(
       functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits,
                         unmasked_tiles=tiling.bwd_unmasked_tiles, **common),
@@ -337,8 +364,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
       out_specs=[_group(splits * ncp, dk), _group(splits * ncp, dv)],
       out_shape=[jax.ShapeDtypeStruct((b, kh, splits * ncp, dk), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, splits * ncp, dv), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
-                                           num_stages=tiling.bwd_num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=interpret,
       name="nsa_cmp_dkv",
   )(*args)
@@ -455,7 +481,7 @@ def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=N
   if nc != expect:
     raise ValueError(f"k_cmp has {nc} blocks, expected {expect} for T={t}, l={block}, d={stride}")
   scale = float(dk ** -0.5 if scale is None else scale)
-  step = math.lcm(tiling.block_k, tiling.bwd_block_k)
+  step = math.lcm(tiling.block_k, tiling.bwd_block_k, tiling.dq_block_k or tiling.block_k)
   ncp = max(step, cdiv(nc, step) * step)
   kc = jnp.pad(k_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
   vc = jnp.pad(v_cmp, ((0, 0), (0, ncp - nc), (0, 0), (0, 0))).transpose(0, 2, 1, 3)

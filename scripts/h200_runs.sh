@@ -41,7 +41,7 @@
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
 #          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
 #          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample.
-# context8_1gpu, context16_1gpu, context32_1gpu
+# context8_1gpu, context16_1gpu, context32_1gpu (context8_1gpu_rev: the 8k pair, dense first)
 #          the same pairs one after another on ONE GPU, for sessions where only the one-GPU kind
 #          is lent (run this script there with `carry=[".whl"]` too): NSA (280 s limit) then
 #          dense (200 s), fresh work directories (CTX_NSA_LIMIT / CTX_DENSE_LIMIT change the
@@ -167,6 +167,13 @@ context_1gpu() {  # context_1gpu <seq_len> <batch>: NSA, then dense, on GPU 0
   keep "$T/context/dense_$1" "context_dense_$1"
 }
 context8_1gpu() { context_1gpu 8192 8; }
+context8_1gpu_rev() {  # the 8k pair in the other order (dense first): does running second cost?
+  rm -rf "$T/context/nsa_8192" "$T/context/dense_8192"
+  ctx_run dense 8192 8 0 "${CTX_DENSE_LIMIT:-200}" 20
+  keep "$T/context/dense_8192" "context_dense_8192"
+  ctx_run nsa 8192 8 0 "${CTX_NSA_LIMIT:-280}" 20
+  keep "$T/context/nsa_8192" "context_nsa_8192"
+}
 context16_1gpu() { context_1gpu 16384 4; }
 context32_1gpu() { context_1gpu 32768 2; }
 

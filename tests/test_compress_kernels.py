@@ -61,6 +61,9 @@ SMALL = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=32, bwd_splits=3)
                                                             bwd_unmasked_tiles=False)),
     # 8 rows (G=1): the tile wraps copies of its rows up to 16, which only the mask drops.
     (1, 2, 160, False, CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=8, bwd_splits=2)),
+    # dq and dK/dV with their own tiles: dq walks 32 keys a step, dK/dV has 16-row tiles.
+    (4, 2, 230, True, CmpTiling(block_k=16, dq_block_k=32, bwd_block_k=16, bwd_rows=32,
+                                dkv_rows=16, bwd_splits=2)),
 ])
 def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
   seed = _seed()
@@ -89,6 +92,19 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
   _close(lse, rlse, 1e-5, "lse", seed)
   for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
     _close(a, r, 1e-4, name, seed)
+
+
+def test_dkv_launch_rule():
+  """4 warps / 3 stages only where measured and known to fit (heads <= 64, <= 128 rows, <= 64
+  keys); explicit dkv_* settings win; larger heads keep the backward's launch."""
+  from pallas_kernels import compress_attention as ca
+  assert ca.dkv_launch(CmpTiling(), 64, 64) == ca.SMALL_HEAD_DKV_LAUNCH == (4, 3)
+  assert ca.dkv_launch(CmpTiling(), 192, 128) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(), 128, 128) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(bwd_rows=256), 64, 64) == (8, 2)  # 3 stages: no shared memory
+  assert ca.dkv_launch(CmpTiling(bwd_block_k=128), 64, 64) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(dkv_num_warps=8, dkv_num_stages=2), 64, 64) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(dkv_num_stages=1), 192, 128) == (8, 1)
 
 
 # ----------------------------------------------------------------------------- top-n
