@@ -42,6 +42,7 @@
 #          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
 #          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample.
 # context8_1gpu, context16_1gpu, context32_1gpu (context8_1gpu_rev: the 8k pair, dense first)
+# determinism: is 8k training bitwise reproducible, with and without XLA's determinism flags (one GPU)
 #          the same pairs one after another on ONE GPU, for sessions where only the one-GPU kind
 #          is lent (run this script there with `carry=[".whl"]` too): NSA (280 s limit) then
 #          dense (200 s), fresh work directories (CTX_NSA_LIMIT / CTX_DENSE_LIMIT change the
@@ -73,6 +74,7 @@ wait_runs() {  # wait for this phase's runs, not for the packing watchdog (a bar
 }
 
 keep() {  # keep <workdir> <name>: copy a run's small files into the results
+  local f  # (without it the loop overwrote a caller's $f: bash's locals are dynamically scoped)
   mkdir -p "$R/$2"
   for f in metrics.jsonl config.json loss.png collectives.json; do
     [ -f "$1/$f" ] && cp "$1/$f" "$R/$2/"
@@ -167,6 +169,26 @@ context_1gpu() {  # context_1gpu <seq_len> <batch>: NSA, then dense, on GPU 0
   keep "$T/context/dense_$1" "context_dense_$1"
 }
 context8_1gpu() { context_1gpu 8192 8; }
+determinism() {  # is GPU training bitwise reproducible? The 8k LM (CTX_STEPS steps, one GPU, one
+  # after another): NSA (DET_NSA_LAYERS layers) twice and dense twice with XLA_FLAGS=$DET_FLAGS,
+  # dense twice without; benchmarks/determinism_report.py says which pairs are bitwise equal.
+  # 2026-12-01 (jax 0.11.2): "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0" made
+  # XLA's compile fail (IndexError raw_hash_map::at) for NSA and dense alike; which flag was not
+  # measured, so the default now tries the first alone.
+  local flags m run
+  flags="$(ctx_flags 8192 8) --config.train.eval_batches=1"
+  for run in nsa_det_1 nsa_det_2 dense_det_1 dense_nondet_1 dense_det_2 dense_nondet_2; do
+    m=${run#*_}; m=${m%_*}
+    XLA_FLAGS="$([ "$m" = det ] && echo "${DET_FLAGS:---xla_gpu_deterministic_ops=true}")" \
+    CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s TERM 150 python3 -m experiments.train --config=$SWEEP \
+      --workdir=$T/det/$run $flags $([ "${run%%_*}" = dense ] && echo --config.model.attention=dense \
+        || echo --config.model.n_layers=${DET_NSA_LAYERS:-4}) > "$R/det_$run.log" 2>&1
+    echo "det $run: exit $?"
+    keep "$T/det/$run" "det_$run"
+    rm -rf "$T/det/$run/checkpoints"
+  done
+  python3 benchmarks/determinism_report.py "$R"
+}
 context8_1gpu_rev() {  # the 8k pair in the other order (dense first): does running second cost?
   rm -rf "$T/context/nsa_8192" "$T/context/dense_8192"
   ctx_run dense 8192 8 0 "${CTX_DENSE_LIMIT:-200}" 20
