@@ -17,7 +17,9 @@
 # this flag changes nothing there); cond = STATIC_UNION_MAX_T set to 0, i.e. the lax.cond as before
 # 2026-12-01 at every length; cbcond = XLA_FLAGS putting conditionals and
 # while loops into the command buffers; stablesort = the index maps' integer sorts stable, as
-# before 2026-12-01: XLA then sorts (key, index) pairs). TRIAL_STEPS = timed steps (default 10).
+# before 2026-12-01: XLA then sorts (key, index) pairs); slots<N> / dkvslots<N> = the Mosaic
+# selection kernels' pipeline depth (select_attention_mgpu.FWD_SLOTS for the forward, dq and the
+# compression forward / DKV_SLOTS for dK/dV; 2 = the default). TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
 # also times TRIAL_STEPS steps after the first (ms/step), so throughput is in the same rows.
@@ -64,6 +66,12 @@ def one(variant):
     sk.STATIC_UNION_MAX_T = 0
   if "union" in flags_:  # the selection's lax.cond always takes its union tile (folded away)
     kc.use_union = lambda *a, **k: jax.numpy.array(True)
+  from pallas_kernels import select_attention_mgpu as mgpu
+  for f in flags_:  # the Mosaic kernels' pipeline depth (read when traced)
+    if f.startswith("dkvslots"):
+      mgpu.DKV_SLOTS = int(f[len("dkvslots"):])
+    elif f.startswith("slots"):
+      mgpu.FWD_SLOTS = int(f[len("slots"):])
   c = small_gpu_nsa.get_config()
   seq, layers = int(seq), int(layers)
   c.model.attention = kind

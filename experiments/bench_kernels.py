@@ -138,6 +138,13 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   g = h // kh
   backend, call_backend, pingpong = "triton", None, True  # call_backend: None = backend
   fast_mask, reg_p = True, True  # the Mosaic forward step's switches (SELECTION_SPEED_PLAN B1)
+  slots = (select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS)
+  if isinstance(tiling, str) and tiling.startswith("mosaic-s"):  # "mosaic-s<fwd>[-<dkv>]"
+    depth = tiling[len("mosaic-s"):].split("-")
+    slots = (int(depth[0]), int(depth[-1]))
+    impl_note += (f" (pipeline depth asked: fwd/dq {slots[0]}, dK/dV {slots[1]}; shared memory "
+                  "caps it)")
+    tiling = "mosaic"
   if tiling in MOSAIC_STEP_VARIANTS:  # the Mosaic forward with B1's changes switched off
     fast_mask, reg_p = MOSAIC_STEP_VARIANTS[tiling]
     impl_note += f" (fast mask {'on' if fast_mask else 'off'}, P from {'registers' if reg_p else 'SMEM'})"
@@ -171,11 +178,14 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
                                             backend=call_backend or backend)[0]
   select_attention_mgpu.WS_PINGPONG = pingpong  # read when traced
   select_attention_mgpu.FAST_MASK, select_attention_mgpu.REG_P = fast_mask, reg_p
+  saved_slots = (select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS)
+  select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS = slots
   try:
     fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   finally:
     select_attention_mgpu.WS_PINGPONG = True
     select_attention_mgpu.FAST_MASK = select_attention_mgpu.REG_P = True
+    select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS = saved_slots
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
@@ -257,6 +267,16 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
   finally:
     kc.UNION_SWITCH = default_switch
   return ok_all
+
+
+def check_mosaic_slots(slots=4):
+  """check_mosaic with FWD_SLOTS = DKV_SLOTS = slots (capped by shared memory), compiled."""
+  saved = (select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS)
+  select_attention_mgpu.FWD_SLOTS = select_attention_mgpu.DKV_SLOTS = slots
+  try:
+    return check_mosaic(backend="mosaic")
+  finally:
+    select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS = saved
 
 
 def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128, 16),
@@ -362,6 +382,10 @@ def plan_jobs(name, ts, groups, patterns, block):
     var = ("mosaic", "mosaic-b1off", "mosaic")
     return ([(t, g, p, tl, True) for t in ts for g in groups for p in patterns for tl in var]
             + [(t, 16, p, u4, True) for t in ts for p in patterns])
+  if name == "mosaicslots":  # the Mosaic kernels' pipeline depth (FWD_SLOTS / DKV_SLOTS), A/B
+    var = ("mosaic", "mosaic-s3", "mosaic-s4", "mosaic-s2-3", "mosaic-s2-4", "mosaic")
+    return [(t, g, p, tl, True) for t in ts for g in groups if g >= 8 for p in patterns
+            for tl in var]
   if name == "mosaicws":  # the two-warpgroup Mosaic forward against the 64-row one and Triton
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 8 for p in patterns
             for tl in ("mosaic-ws", "mosaic-ws-nopp", "mosaic", None)]
@@ -459,7 +483,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicb1 | mosaicws | registry "
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicb1 | mosaicslots | mosaicws | registry "
                  "(registry: backend='auto', what implementation='pallas' runs)")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
@@ -476,7 +500,7 @@ def main(argv=None):
   bc.require_gpu(p, [], cpu_ok=False)
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
-  checks = {"mosaic": check_mosaic, "mosaicb1": check_mosaic,
+  checks = {"mosaic": check_mosaic, "mosaicb1": check_mosaic, "mosaicslots": check_mosaic_slots,
             "mosaicws": functools.partial(check_mosaic, ws=True, cases=(
                 (1, 1001, 16, 1, 192, 128, 16), (1, 900, 16, 2, 64, 64, 16))),
             "registry": functools.partial(check_mosaic, backend="auto", cases=(

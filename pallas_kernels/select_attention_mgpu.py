@@ -19,7 +19,7 @@ visible to position p iff i*d + l - 1 <= p), up to the last block its tile's las
 
 Tile: 64 rows = tq tokens x the G query heads of one KV group (tq = 64 / G, G in 4..64), the
 wgmma minimum. The program walks the union of its tokens' selected blocks (l' = 64 keys each):
-  1. TMA the block's K [64, d_k] and V [64, d_v] into shared memory (two slots: block j+1 is in
+  1. TMA the block's K [64, d_k] and V [64, d_v] into shared memory (FWD_SLOTS slots, 2 by default: block j+1 is in
      flight while block j is computed);
   2. S = Q K^T on the matrix unit (wgmma, float32 accumulator);
   3. rows whose token did not pick the block, and keys after the row's token (inside its own
@@ -56,6 +56,14 @@ FAST_MASK = True   # the token's pick as a per-row bias, the causal mask on the 
 REG_P = True       # P (forward) and dS (dq) as the wgmma's A operand straight from registers, not
                    # staged through SMEM; dq issues S and dP back to back with one wait (dK/dV:
                    # P^T and dS^T from registers, dV and dP^T with one wait)
+# Pipeline depth (read when traced): K/V blocks in shared memory in the 64-row forward, the
+# compression forward and dq (FWD_SLOTS), query-row steps in dK/dV (DKV_SLOTS). Step j computes
+# slot j % S while blocks j+1 .. j+S-1 are in flight; it refills the slot that step j-1 used,
+# whose wgmmas have finished. 2 is what every H200 measurement so far ran; deeper pipelines are
+# tested (interpret mode, CUDA lowering) but not yet timed (`bench_kernels --plan mosaicslots`).
+# Each is capped by shared memory (fwd_slots, dkv_slots).
+FWD_SLOTS = 2
+DKV_SLOTS = 2
 
 
 def _check(h, kh, dk, dv, has_seg, dtype):
@@ -187,8 +195,9 @@ class _Walk(NamedTuple):
   pos: jax.Array          # [ROWS, BLOCK] the row's token position
 
 
-def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
-  """A query tile's walk over its key blocks (a _Walk), block 0 already in flight. `blocks`
+def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar, slots=2):
+  """A query tile's walk over its key blocks (a _Walk), blocks 0 .. slots-2 already in flight
+  (slot i holds block i). `blocks`
   returns (count, block_of, visible, picked(j, tok) or None) for the tile (_select_blocks /
   _cmp_blocks); the walk's row_picked(j) is picked on the [ROWS] token slots."""
   wg = plgpu.Layout.WGMMA
@@ -202,19 +211,34 @@ def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar):
     tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(1)) // g
     row_picked = functools.partial(picked, tok=tok_row)
 
-  def fetch(j, slot):
-    keys = pl.ds(block_of(j) * BLOCK, BLOCK)
+  last = k_ref.shape[2] // BLOCK - 1
+
+  def fetch(j, slot):  # only for j < cnt; the clamp keeps the prologue's constant j of a short
+    # compression walk (block_of(j) = j) inside the array when traced (no effect on real fetches)
+    keys = pl.ds(jnp.minimum(block_of(j), last) * BLOCK, BLOCK)
     plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
 
-  @pl.when(cnt > 0)
-  def _():
-    fetch(0, 0)
+  for i in range(slots - 1):
+    @pl.when(cnt > i)
+    def _(i=i):
+      fetch(i, i)
   return _Walk(cnt, block_of, visible, row_picked, fetch, c_id, pos)
 
 
+def _prefetch(fetch, j, cnt, slots):
+  """Step j's refill: block j + slots - 1 into the slot block j - 1 used (its wgmmas are done);
+  returns step j's own slot."""
+  ahead = j + slots - 1
+
+  @pl.when(ahead < cnt)
+  def _():
+    fetch(ahead, lax.rem(ahead, slots))
+  return lax.rem(j, slots)
+
+
 def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype,
-            interpret):
+            interpret, slots=2):
   """One 64-row tile against the key blocks that `blocks(b, tile, kk, tok, pos)` names: it returns
   (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool, row_picked or None) for the tile
   (see forward / cmp_forward). With row_picked (the selection) and FAST_MASK, the pick is a row
@@ -225,18 +249,13 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
   cnt, block_of, visible, row_picked, fetch, c_id, pos = _walk(
       blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
-      v_bar=v_bar)
+      v_bar=v_bar, slots=slots)
   plgpu.barrier_wait(q_bar.at[0])
   row_picked = row_picked if FAST_MASK else None
 
   def body(j, carry, causal=True):
     acc, m_i, l_i = carry
-    slot = lax.rem(j, 2)
-
-    @pl.when(j + 1 < cnt)
-    def _():
-      fetch(j + 1, 1 - slot)  # that slot's last readers (block j-1's wgmmas) have finished
-
+    slot = _prefetch(fetch, j, cnt, slots)
     blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
     s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK))
@@ -278,21 +297,22 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
   g, dv, dtype = h // kh, vg.shape[-1], q.dtype
   tp = nt * tq
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+  slots = fwd_slots(dk, dv)
 
   def entry(*refs):
     *map_refs, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     pl.run_scoped(
         lambda *s: _kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
                            lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype,
-                           interpret=interpret),
+                           interpret=interpret, slots=slots),
         (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
-         plgpu.SMEM((2, BLOCK, dk), dtype, transforms=tr),
-         plgpu.SMEM((2, BLOCK, dv), dtype, transforms=tr),
+         plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
+         plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr),
          plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr),
          plgpu.SMEM((ROWS, dv), dtype, transforms=tr),
          plgpu.SMEM((ROWS,), jnp.float32)),
-        (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2),
-         plgpu.Barrier(num_barriers=2)))
+        (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=slots),
+         plgpu.Barrier(num_barriers=slots)))
 
   o, lse = plgpu.kernel(
       entry,
@@ -544,7 +564,7 @@ def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):
 # ----------------------------------------------------------------------------- selection dq
 
 def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               scoped, *, g, tq, dk, dv, scale, dtype, interpret):
+               scoped, *, g, tq, dk, dv, scale, dtype, interpret, slots=2):
   """dq of one 64-row tile: for each union block, S = Q K^T, P = exp2(S - lse) on visible keys,
   dP = dO V^T, dS = P (dP - delta), dq += dS K (P and dS never leave the tile)."""
   (q_s, do_s, lse_s, delta_s, k_s, v_s, ds_s), (in_bar, k_bar, v_bar) = scoped
@@ -558,7 +578,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   blocks = functools.partial(_select_blocks, ub_ref, bits_ref, cnt_ref)
   cnt, block_of, visible, row_picked, fetch, c_id, pos = _walk(
       blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
-      v_bar=v_bar)
+      v_bar=v_bar, slots=slots)
   for i in range(4):
     plgpu.barrier_wait(in_bar.at[i])
   lse2 = plgpu.load(lse_s, layout=wg.reduce(1)) * LOG2E
@@ -568,12 +588,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   fast, regs = FAST_MASK, REG_P and not interpret
 
   def body(j, dq_acc, causal=True):
-    slot = lax.rem(j, 2)
-
-    @pl.when(j + 1 < cnt)
-    def _():
-      fetch(j + 1, 1 - slot)
-
+    slot = _prefetch(fetch, j, cnt, slots)
     blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
     if regs:  # S and dP issued back to back, one wait for both
@@ -633,20 +648,21 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
   tp = nt * tq
   rows_major = functools.partial(_rows_major, kh=kh, tp=tp)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+  slots = fwd_slots(dk, dv, dq=True)
 
   def entry(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
     pl.run_scoped(
         lambda *s: _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                               delta_ref, dq_ref, s, g=g, tq=tq, dk=dk, dv=dv, scale=scale,
-                              dtype=dtype, interpret=interpret),
+                              dtype=dtype, interpret=interpret, slots=slots),
         (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
          plgpu.SMEM((ROWS, dv), dtype, transforms=tr),
          plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
-         plgpu.SMEM((2, BLOCK, dk), dtype, transforms=tr),
-         plgpu.SMEM((2, BLOCK, dv), dtype, transforms=tr),
+         plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
+         plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr),
          plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr)),
-        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2),
-         plgpu.Barrier(num_barriers=2)))
+        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=slots),
+         plgpu.Barrier(num_barriers=slots)))
 
   out = plgpu.kernel(
       entry, out_type=jax.ShapeDtypeStruct((b, kh, tp * g, dk), dtype),
@@ -663,13 +679,41 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
 SMEM_BYTES = 232448  # an H100/H200 block's shared memory
 
 
+def _dkv_smem(dk, dv, slots):
+  """Shared memory of the dK/dV kernel: K, V, `slots` slots of q/do/lse/delta, P^T, float32
+  dK/dV staging (2 slots: 640 (d_k + d_v) + 9216 bytes)."""
+  return (384 + 128 * slots) * (dk + dv) + 512 * slots + 8192
+
+
+def _fwd_smem(dk, dv, slots, dq=False):
+  """Shared memory of the forward (q, K/V slots, P, o, lse) or dq (q, dO, lse, delta, K/V slots,
+  dS) kernel."""
+  rows = ROWS * (dk + dv) * 2 + 2 * ROWS * 4 if dq else ROWS * (dk + dv) * 2 + ROWS * 4
+  return rows + slots * BLOCK * (dk + dv) * 2 + ROWS * BLOCK * 2
+
+
+def fwd_slots(dk, dv, dq=False):
+  """FWD_SLOTS, capped where shared memory runs out (at least 2)."""
+  slots = max(2, FWD_SLOTS)
+  while slots > 2 and _fwd_smem(dk, dv, slots, dq) > SMEM_BYTES:
+    slots -= 1
+  return slots
+
+
+def dkv_slots(dk, dv):
+  """DKV_SLOTS, capped where shared memory runs out (at least 2)."""
+  slots = max(2, DKV_SLOTS)
+  while slots > 2 and _dkv_smem(dk, dv, slots) > SMEM_BYTES:
+    slots -= 1
+  return slots
+
+
 def dkv_supports(g, dk, dv):
-  """The dK/dV kernel gathers each token's G query rows with one copy into an 8-row-tiled buffer,
-  and its shared memory (K, V, two slots of q/do/lse/delta, P^T, float32 dK/dV staging) is
-  640 (d_k + d_v) + 9216 bytes."""
+  """The dK/dV kernel gathers each token's G query rows with one copy into an 8-row-tiled buffer;
+  its shared memory with two slots (_dkv_smem) must fit."""
   if g % 8 or ROWS % g:
     return False, f"G={g}: the Mosaic GPU dK/dV needs G in (8, 16, 32, 64)"
-  need = 640 * (dk + dv) + 9216
+  need = _dkv_smem(dk, dv, 2)
   if need > SMEM_BYTES:
     return False, f"d_k + d_v = {dk + dv}: {need} bytes of shared memory (at most {SMEM_BYTES})"
   return True, "ok"
@@ -677,10 +721,10 @@ def dkv_supports(g, dk, dv):
 
 def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, dk_ref, dv_ref, scoped, *, g, tq, n_entries, dk, dv, scale, dtype,
-                interpret):
+                interpret, slots=2):
   """One work item (a block and a run of the queries that picked it, see C.inverse_lists): K, V of
   the block stay in shared memory; each step gathers tq tokens x G heads = 64 query rows (one copy
-  per token and tensor, two slots deep) and accumulates dV += P^T dO and dK += dS^T Q."""
+  per token and tensor, DKV_SLOTS deep) and accumulates dV += P^T dO and dK += dS^T Q."""
   (k_s, v_s, q_s, do_s, lse_s, delta_s, pt_s, dkt_s, dvt_s), (kv_bar, row_bars) = scoped
   w, kk, b = lax.axis_index("item"), lax.axis_index("group"), lax.axis_index("batch")
   blk, e0, e1 = iblk_ref[b, kk, w], istart_ref[b, kk, w], iend_ref[b, kk, w]
@@ -707,9 +751,10 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
         plgpu.copy_gmem_to_smem(ref.at[b, kk, src], buf.at[slot, dst], bar,
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
-  @pl.when(steps > 0)
-  def _():
-    fetch(0, 0)
+  for j in range(slots - 1):  # steps 0 .. slots-2 in flight, step j in slot j
+    @pl.when(steps > j)
+    def _(j=j):
+      fetch(j, j)
 
   wg = plgpu.Layout.WGMMA
   kp = blk * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 0, layout=wg)  # key position
@@ -727,12 +772,7 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     asked; else [BLOCK, ROWS] masks. REG_P (on the GPU): P^T and dS^T straight from registers,
     dV and dP^T issued with one wait; else staged through SMEM."""
     dk_acc, dv_acc = carry
-    slot = lax.rem(i, 2)
-
-    @pl.when(i + 1 < steps)
-    def _():
-      fetch(i + 1, 1 - slot)
-
+    slot = _prefetch(fetch, i, steps, slots)
     plgpu.barrier_wait(row_bars.at[slot])
     ids = col_vec if fast else col  # the token slot of each column
     pos_c = jnp.zeros(ids.shape, jnp.int32)
@@ -814,6 +854,7 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
   nw = iblk.shape[-1]
   rows_major = functools.partial(_rows_major, kh=kh, tp=t)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+  slots = dkv_slots(dk, dv)
 
   def entry(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
             delta_ref, dk_ref, dv_ref):
@@ -821,15 +862,16 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
         lambda *s: _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
                                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, s, g=g, tq=tq,
                                n_entries=t * n, dk=dk, dv=dv, scale=scale, dtype=dtype,
-                               interpret=interpret),
+                               interpret=interpret, slots=slots),
         (plgpu.SMEM((BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((BLOCK, dv), dtype, transforms=tr),
-         plgpu.SMEM((2, ROWS, dk), dtype, transforms=tr),
-         plgpu.SMEM((2, ROWS, dv), dtype, transforms=tr),
-         plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
+         plgpu.SMEM((slots, ROWS, dk), dtype, transforms=tr),
+         plgpu.SMEM((slots, ROWS, dv), dtype, transforms=tr),
+         plgpu.SMEM((slots, ROWS), jnp.float32), plgpu.SMEM((slots, ROWS), jnp.float32),
          plgpu.SMEM((BLOCK, ROWS), dtype, transforms=tr),
          plgpu.SMEM((BLOCK, dk), jnp.float32), plgpu.SMEM((BLOCK, dv), jnp.float32)),
-        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=4 * tq, num_barriers=2)))
+        (plgpu.Barrier(num_barriers=2),
+         plgpu.Barrier(num_arrivals=4 * tq, num_barriers=slots)))
 
   dkx, dvx = plgpu.kernel(
       entry,

@@ -21,6 +21,8 @@
 #          Triton tiles (with mosaiccmp: 257 s measured, 2026-11-30).
 # mosaic8k  the same at the 8k training layer shape (16/1 heads, 64/64, batch 8); with mosaicnsa
 #          180 s measured.
+# mosaicslots  the Mosaic kernels' pipeline depth (2 = default, 3, 4 K/V blocks / query steps in
+#          flight) at the 8k training layer, A/B with the default repeated; compiled check first
 # mosaicb1  the Mosaic GPU selection forward with SELECTION_SPEED_PLAN's B1 step changes (the
 #          token's pick as a row bias, the causal mask on the last union entry only, P from
 #          registers) on, off, and on again (a repeat), at the 8k training layer shape, G = 16
@@ -118,6 +120,13 @@ mosaic8k() {
   timeout 240 python3 -m experiments.bench_kernels --plan mosaic --T 8192 --heads 16 --d 64 \
     --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaic8k" --tag h200_mosaic8k
 }
+mosaicslots() {  # the Mosaic kernels' pipeline depth (FWD_SLOTS / DKV_SLOTS 2, 3, 4) at the 8k
+  # training layer shape, compiled check at 4 slots first
+  timeout 400 python3 -m experiments.bench_kernels --check --plan mosaicslots --T 8192 --heads 16 \
+    --d 64 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaicslots" \
+    --tag h200_mosaicslots
+}
+
 mosaicb1() {  # the Mosaic forward step (FAST_MASK, REG_P) on / off at the 8k training layer shape
   timeout 330 python3 -m experiments.bench_kernels --check --plan mosaicb1 --T 8192 --heads 16 \
     --d 64 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaicb1" --tag h200_mosaicb1

@@ -177,6 +177,55 @@ def test_refusals_name_the_problem():
     select_attention(q, kv, kv, idx, 64, backend="mosaic", tiling=C.SelectTiling(tokens_per_tile=1))
 
 
+# Deeper pipelines (FWD_SLOTS / DKV_SLOTS > 2): block j + S - 1 refills the slot of block j - 1.
+# Enough union entries / dK/dV steps (n = 6, T = 330) that every slot is refilled several times,
+# and S = 4 with a tile whose walk is shorter than the pipeline (the first tiles: 1-2 blocks).
+@pytest.mark.parametrize("slots", [3, 4])
+def test_deeper_pipelines_match_reference(monkeypatch, slots):
+  monkeypatch.setattr(mgpu, "FWD_SLOTS", slots)
+  monkeypatch.setattr(mgpu, "DKV_SLOTS", slots)
+  b, t, h, kh, dk, dv, n = 1, 330, 16, 1, 64, 64, 6
+  assert mgpu.fwd_slots(dk, dv) == mgpu.fwd_slots(dk, dv, dq=True) == mgpu.dkv_slots(dk, dv) == slots
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  maps = C.tile_maps(idx, mgpu.tiling_for(h // kh, 64))
+  o, lse = mgpu.forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, interpret=INTERPRET)
+  _assert_select_matches(o, lse, q, k, v, idx)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", interpret=INTERPRET)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
+  qc, kc, vc, _ = _cmp_inputs(rng, 1, 1100, 16, 1, 64, 64)  # the compression forward's walk too
+  oc, _ = compress_attention(qc, kc, vc, 32, 16, backend="mosaic", interpret=INTERPRET)
+  np.testing.assert_allclose(f32(oc), ref.compressed_attention(f32(qc), f32(kc), f32(vc), 32, 16)[0],
+                             atol=TOL, rtol=TOL)
+
+
+def test_pipeline_depth_is_capped_by_shared_memory(monkeypatch):
+  """Deeper pipelines than fit fall back to what fits (never below 2); the default stays 2."""
+  assert mgpu.fwd_slots(256, 256) == mgpu.dkv_slots(64, 64) == 2
+  monkeypatch.setattr(mgpu, "FWD_SLOTS", 8)
+  monkeypatch.setattr(mgpu, "DKV_SLOTS", 8)
+  for dk, dv in ((64, 64), (192, 128), (256, 256)):
+    for dq in (False, True):
+      s = mgpu.fwd_slots(dk, dv, dq=dq)
+      assert s >= 2 and (s == 2 or mgpu._fwd_smem(dk, dv, s, dq) <= mgpu.SMEM_BYTES)
+      assert s == 8 or mgpu._fwd_smem(dk, dv, s + 1, dq) > mgpu.SMEM_BYTES
+    s = mgpu.dkv_slots(dk, dv)
+    assert s >= 2 and (s == 8 or mgpu._dkv_smem(dk, dv, s + 1) > mgpu.SMEM_BYTES)
+  assert mgpu._dkv_smem(64, 64, 2) == 640 * 128 + 9216  # the formula dkv_supports documented
+  assert mgpu.fwd_slots(256, 256) == 2 and mgpu.fwd_slots(64, 64) == 8
+
+
+@pytest.mark.parametrize("g,dk,dv", [(16, 64, 64), (8, 192, 128)], ids=["G16_64x64", "G8_192x128"])
+def test_deeper_pipelines_lower_for_cuda(monkeypatch, g, dk, dv):
+  """FWD_SLOTS = DKV_SLOTS = 4 (capped by shared memory) through the CUDA lowering's checks."""
+  monkeypatch.setattr(mgpu, "FWD_SLOTS", 4)
+  monkeypatch.setattr(mgpu, "DKV_SLOTS", 4)
+  text = _select_lowered(g, dk, dv, backend="mosaic")
+  assert "nsa_select_dkv_reduce" in text  # the Mosaic dK/dV ran (G >= 8)
+
+
 LOWER_CASES = [(g, dk, dv) for g in (4, 8, 16, 32)
                for dk, dv in ((64, 64), (128, 128), (192, 128), (192, 192), (256, 256))]
 LOWER_CASES += [(64, 64, 64), (64, 192, 128)]  # one token a tile (the every-step causal mask)
