@@ -18,7 +18,7 @@ def main(root):
     name = os.path.basename(os.path.dirname(path))[4:]  # <model>_<det|nondet>_<i>
     train = [r for r in recs if "train/loss" in r]
     val = [r["val/loss"] for r in recs if "val/loss" in r]
-    runs[name] = dict(losses=[r["train/loss"] for r in train],
+    runs[name] = dict(steps=[r["step"] for r in train], losses=[r["train/loss"] for r in train],
                       grad_norms=[r["train/grad_norm"] for r in train], val=val,
                       tokens_per_s=[round(r["train/tokens_per_s"]) for r in train
                                     if "train/tokens_per_s" in r])
@@ -35,8 +35,8 @@ def main(root):
                        note="a run logged no training step: see its log"))
       continue
     same = a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"] and a["val"] == b["val"]
-    diff = max((abs(x - y) for x, y in zip(a["losses"] + a["val"], b["losses"] + b["val"])),
-               default=None)
+    at_a, at_b = dict(zip(a["steps"], a["losses"])), dict(zip(b["steps"], b["losses"]))
+    diff = max((abs(at_a[k] - at_b[k]) for k in at_a.keys() & at_b.keys()), default=None)
     tps = [t for m in members for t in m["tokens_per_s"][1:]]  # the first window holds warm-up
     rows.append(dict(group=g, runs=len(members), bitwise_equal=same, max_loss_diff=diff,
                      losses=[m["losses"] for m in members], val=[m["val"] for m in members],
@@ -47,7 +47,7 @@ def main(root):
     json.dump({"provenance": prov, "groups": rows, "runs": runs}, f, indent=1)
   lines = ["# Run-to-run determinism of training (same config, same seed)\n",
            f"Command: `{prov['command']}`  ", f"Hardware: {prov['hardware']}. Date: {prov['date']}.\n",
-           "| runs | count | bitwise equal (losses, grad norms, val loss) | largest loss difference | "
+           "| runs | count | bitwise equal (losses, grad norms, val loss) | largest train-loss difference (same step) | "
            "mean tokens/s (windows after the first) |", "|---|---|---|---|---|"]
   for r in rows:
     eq = r["bitwise_equal"] if r["bitwise_equal"] is not None else r.get("note", "n/a")

@@ -49,7 +49,7 @@ class CmpTiling:
   rows: query rows (tokens x padded heads) per forward program; tokens per tile = rows // Gp.
   block_k: compressed keys per inner step of the forward and dq kernels.
   bwd_block_k: compressed keys owned by one dK/dV program.
-  bwd_rows: query rows per dq program and per inner step of the dK/dV kernel.
+  bwd_rows: query rows per dq program and per inner step of the dK/dV kernel (unless dkv_rows).
   bwd_splits: programs per tile of compressed keys in the dK/dV kernel; each walks an equal share
     of the query tiles that see the keys and writes float32 partial sums, added in XLA in a fixed
     order (deterministic). With one program per key tile the low key tiles (seen by every later
@@ -78,20 +78,22 @@ class CmpTiling:
   dkv_num_stages: int = 0
 
 
-# The dK/dV kernel at small heads (d_k, d_v <= 64, <= 128 rows, <= 64 keys a program): 4 warps and
-# 3 pipeline stages. H200, benchmarks/cmp_tiling_trial.py at the training layers (16 query heads in
-# 1 KV group, 64/64; cmp_tiling_trial_h200_confirm.md): the compression backward 1.115 vs 1.323 ms
-# (8k, B = 8) and 1.624 vs 2.017 ms (16k, B = 4) with 8 warps and 2 stages. At 192/128 three stages
-# do not fit in shared memory (305 KB asked, 227 KB there), and 128/128 was not measured: larger
-# heads keep bwd_num_warps / bwd_num_stages.
+# The dK/dV kernel at small heads (16-bit inputs, d_k, d_v <= 64, tiles of <= 128 rows, <= 64 keys
+# a program): 4 warps and 3 pipeline stages. H200, benchmarks/cmp_tiling_trial.py at the training
+# layers (16 query heads in 1 KV group, 64/64; cmp_tiling_trial_h200_confirm.md, _fwd.md): the
+# compression backward 1.115 vs 1.306 ms and 1.104 vs 1.289 ms (8k, B = 8), 1.624 vs 2.017 ms
+# (16k, B = 4) against 8 warps and 2 stages. Three stages did not fit in shared memory at 192/128
+# (305,152 bytes asked, 232,448 available) nor with 256-row tiles at 64/64 (249,856), and 128/128
+# and float32 were not measured: those keep bwd_num_warps / bwd_num_stages.
 SMALL_HEAD_DKV_LAUNCH = (4, 3)
 
 
-def dkv_launch(tiling, dk, dv):
-  """(num_warps, num_stages) of the dK/dV kernel: the tiling's own when set, else
-  SMALL_HEAD_DKV_LAUNCH where it was measured to help and to fit, else the backward's."""
-  rows = tiling.dkv_rows or tiling.bwd_rows
-  small = max(dk, dv) <= 64 and rows <= 128 and tiling.bwd_block_k <= 64
+def dkv_launch(tiling, g, dk, dv, itemsize):
+  """(num_warps, num_stages) of the dK/dV kernel for G heads a group and inputs of `itemsize`
+  bytes: the tiling's own when set, else SMALL_HEAD_DKV_LAUNCH where it was measured to help and
+  to fit, else the backward's."""
+  m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[2]  # the tile's real rows
+  small = max(dk, dv) <= 64 and m <= 128 and tiling.bwd_block_k <= 64 and itemsize <= 2
   warps, stages = SMALL_HEAD_DKV_LAUNCH if small else (tiling.bwd_num_warps, tiling.bwd_num_stages)
   return tiling.dkv_num_warps or warps, tiling.dkv_num_stages or stages
 
@@ -355,7 +357,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
-  warps, stages = dkv_launch(tiling, dk, dv)
+  warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize)
   dkc, dvc = pl.pallas_call(
       functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits,
                         unmasked_tiles=tiling.bwd_unmasked_tiles, **common),

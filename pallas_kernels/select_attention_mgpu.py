@@ -334,7 +334,11 @@ def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
 
   def visible(j, blk, c_id):
     return picked(j, tok) & (blk * BLOCK + c_id <= pos)
-  return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible, picked
+  last = ub_ref.shape[-1] - 1  # a deep pipeline's prologue names entries up to FWD_SLOTS - 2,
+  # which may pass the list's width (G = 64: n entries); pl.when never fetches those (cnt <= the
+  # width), and the clamp keeps even their index inside the list
+  return (cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, jnp.minimum(j, last)], visible,
+          picked)
 
 
 def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):

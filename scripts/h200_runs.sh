@@ -42,13 +42,14 @@
 #          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
 #          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample.
 # context8_1gpu, context16_1gpu, context32_1gpu (context8_1gpu_rev: the 8k pair, dense first)
-# determinism: is 8k training bitwise reproducible, with and without XLA's determinism flags (one GPU)
 #          the same pairs one after another on ONE GPU, for sessions where only the one-GPU kind
 #          is lent (run this script there with `carry=[".whl"]` too): NSA (280 s limit) then
 #          dense (200 s), fresh work directories (CTX_NSA_LIMIT / CTX_DENSE_LIMIT change the
 #          limits). Before the layers were traced once (2026-12-01), NSA's start-up at 16k / 32k took more than 125 s
 #          on one H200 (2026-12-01: both NSA runs killed at that limit before step 10): one
 #          length a call.
+# determinism  is 8k training bitwise reproducible, with and without XLA's determinism flags
+#          (one GPU, carry `.whl`; DET_FLAGS picks the flags)
 #
 # Work directories (1.2 GB checkpoints) stay under /tmp/h200; the small results (metrics.jsonl,
 # config.json, loss.png, collectives.json, logs, tables, pictures) are packed into $OUT/<phase>.tgz.
@@ -179,6 +180,7 @@ determinism() {  # is GPU training bitwise reproducible? The 8k LM (CTX_STEPS st
   flags="$(ctx_flags 8192 8) --config.train.eval_batches=1"
   for run in nsa_det_1 nsa_det_2 dense_det_1 dense_nondet_1 dense_det_2 dense_nondet_2; do
     m=${run#*_}; m=${m%_*}
+    rm -rf "$T/det/$run"  # metrics.jsonl appends: a rerun must start clean
     XLA_FLAGS="$([ "$m" = det ] && echo "${DET_FLAGS:---xla_gpu_deterministic_ops=true}")" \
     CUDA_VISIBLE_DEVICES=0 timeout -k 20 -s TERM 150 python3 -m experiments.train --config=$SWEEP \
       --workdir=$T/det/$run $flags $([ "${run%%_*}" = dense ] && echo --config.model.attention=dense \

@@ -62,7 +62,9 @@ SMALL = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=32, bwd_splits=3)
     # 8 rows (G=1): the tile wraps copies of its rows up to 16, which only the mask drops.
     (1, 2, 160, False, CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=8, bwd_splits=2)),
     # dq and dK/dV with their own tiles: dq walks 32 keys a step, dK/dV has 16-row tiles.
-    (4, 2, 230, True, CmpTiling(block_k=16, dq_block_k=32, bwd_block_k=16, bwd_rows=32,
+    # T = 328: 40 compressed blocks, padded to 64 only because dq's 32-key steps count in the
+    # padding (16-key tiles alone would pad to 48), and dq walks two 32-key steps.
+    (4, 2, 328, True, CmpTiling(block_k=16, dq_block_k=32, bwd_block_k=16, bwd_rows=32,
                                 dkv_rows=16, bwd_splits=2)),
 ])
 def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
@@ -94,17 +96,32 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
     _close(a, r, 1e-4, name, seed)
 
 
-def test_dkv_launch_rule():
-  """4 warps / 3 stages only where measured and known to fit (heads <= 64, <= 128 rows, <= 64
-  keys); explicit dkv_* settings win; larger heads keep the backward's launch."""
+def test_dkv_launch_rule(monkeypatch):
+  """4 warps / 3 stages only where measured and known to fit (16-bit inputs, heads <= 64, tiles of
+  <= 128 real rows, <= 64 keys); explicit dkv_* settings win; the rest keep the backward's launch;
+  and the dK/dV pallas_call gets what the rule says."""
   from pallas_kernels import compress_attention as ca
-  assert ca.dkv_launch(CmpTiling(), 64, 64) == ca.SMALL_HEAD_DKV_LAUNCH == (4, 3)
-  assert ca.dkv_launch(CmpTiling(), 192, 128) == (8, 2)
-  assert ca.dkv_launch(CmpTiling(), 128, 128) == (8, 2)
-  assert ca.dkv_launch(CmpTiling(bwd_rows=256), 64, 64) == (8, 2)  # 3 stages: no shared memory
-  assert ca.dkv_launch(CmpTiling(bwd_block_k=128), 64, 64) == (8, 2)
-  assert ca.dkv_launch(CmpTiling(dkv_num_warps=8, dkv_num_stages=2), 64, 64) == (8, 2)
-  assert ca.dkv_launch(CmpTiling(dkv_num_stages=1), 192, 128) == (8, 1)
+  assert ca.dkv_launch(CmpTiling(), 16, 64, 64, 2) == ca.SMALL_HEAD_DKV_LAUNCH == (4, 3)
+  assert ca.dkv_launch(CmpTiling(), 16, 192, 128, 2) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(), 16, 128, 128, 2) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(), 16, 64, 64, 4) == (8, 2)  # float32: twice the bytes a stage
+  assert ca.dkv_launch(CmpTiling(bwd_rows=256), 16, 64, 64, 2) == (8, 2)  # did not fit (H200)
+  assert ca.dkv_launch(CmpTiling(), 256, 64, 64, 2) == (8, 2)  # 256 padded heads: 256-row tiles
+  assert ca.dkv_launch(CmpTiling(bwd_block_k=128), 16, 64, 64, 2) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(dkv_num_warps=8, dkv_num_stages=2), 16, 64, 64, 2) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(dkv_num_stages=1), 16, 192, 128, 2) == (8, 1)
+  seen = {}
+  real = ca.plgpu.CompilerParams
+
+  def spy(**kw):
+    seen.setdefault("params", []).append(kw)
+    return real(**kw)
+  monkeypatch.setattr(ca.plgpu, "CompilerParams", spy)
+  q = jnp.zeros((1, 64, 16, 64), jnp.bfloat16)
+  kc = jnp.zeros((1, 7, 1, 64), jnp.bfloat16)  # T = 64, l = 16, d = 8: 7 compressed blocks
+  jax.jit(jax.grad(lambda q: jnp.sum(compress_attention(q, kc, kc, 16, 8, interpret=True)[0]
+                                     .astype(jnp.float32)))).trace(q)
+  assert {"num_warps": 4, "num_stages": 3} in seen["params"], seen  # the dK/dV call's launch
 
 
 # ----------------------------------------------------------------------------- top-n

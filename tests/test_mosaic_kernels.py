@@ -81,11 +81,11 @@ def _assert_select_matches(o, lse, q, k, v, idx):
   np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
 
 
-def _select_lowered(g, dk, dv, kh=2, t=300, **kw):
+def _select_lowered(g, dk, dv, kh=2, t=300, n=16, **kw):
   """CUDA text (abstract H100-class device) of value_and_grad of select_attention(**kw) at
-  b=1, T=t, n=16, G query heads a group: what the Mosaic GPU lowering checks (layout
+  b=1, T=t, n blocks, G query heads a group: what the Mosaic GPU lowering checks (layout
   inference, wgmma / TMA shapes, barrier counts, the shared-memory limit) run on."""
-  b, n = 1, 16
+  b = 1
   sd = jax.ShapeDtypeStruct
   args = (sd((b, t, g * kh, dk), jnp.bfloat16), sd((b, t, kh, dk), jnp.bfloat16),
           sd((b, t, kh, dv), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
@@ -178,13 +178,14 @@ def test_refusals_name_the_problem():
 
 
 # Deeper pipelines (FWD_SLOTS / DKV_SLOTS > 2): block j + S - 1 refills the slot of block j - 1.
-# Enough union entries / dK/dV steps (n = 6, T = 330) that every slot is refilled several times,
-# and S = 4 with a tile whose walk is shorter than the pipeline (the first tiles: 1-2 blocks).
+# Union walks of up to 11 blocks (n = 10, T = 650) refill slots several times at S = 3 and 4; the
+# first tiles walk fewer blocks than the pipeline holds; the compression walk (T = 4200: 261
+# compressed keys, 5 blocks of 64 for the last tiles) refills a slot at S = 4 too.
 @pytest.mark.parametrize("slots", [3, 4])
 def test_deeper_pipelines_match_reference(monkeypatch, slots):
   monkeypatch.setattr(mgpu, "FWD_SLOTS", slots)
   monkeypatch.setattr(mgpu, "DKV_SLOTS", slots)
-  b, t, h, kh, dk, dv, n = 1, 330, 16, 1, 64, 64, 6
+  b, t, h, kh, dk, dv, n = 1, 650, 16, 1, 64, 64, 10
   assert mgpu.fwd_slots(dk, dv) == mgpu.fwd_slots(dk, dv, dq=True) == mgpu.dkv_slots(dk, dv) == slots
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
@@ -195,7 +196,7 @@ def test_deeper_pipelines_match_reference(monkeypatch, slots):
   ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", interpret=INTERPRET)
   theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
   _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
-  qc, kc, vc, _ = _cmp_inputs(rng, 1, 1100, 16, 1, 64, 64)  # the compression forward's walk too
+  qc, kc, vc, _ = _cmp_inputs(rng, 1, 4200, 16, 1, 64, 64)  # the compression forward's walk too
   oc, _ = compress_attention(qc, kc, vc, 32, 16, backend="mosaic", interpret=INTERPRET)
   np.testing.assert_allclose(f32(oc), ref.compressed_attention(f32(qc), f32(kc), f32(vc), 32, 16)[0],
                              atol=TOL, rtol=TOL)
@@ -212,18 +213,35 @@ def test_pipeline_depth_is_capped_by_shared_memory(monkeypatch):
       assert s >= 2 and (s == 2 or mgpu._fwd_smem(dk, dv, s, dq) <= mgpu.SMEM_BYTES)
       assert s == 8 or mgpu._fwd_smem(dk, dv, s + 1, dq) > mgpu.SMEM_BYTES
     s = mgpu.dkv_slots(dk, dv)
-    assert s >= 2 and (s == 8 or mgpu._dkv_smem(dk, dv, s + 1) > mgpu.SMEM_BYTES)
+    assert s >= 2 and (s == 2 or mgpu._dkv_smem(dk, dv, s) <= mgpu.SMEM_BYTES)
+    assert s == 8 or mgpu._dkv_smem(dk, dv, s + 1) > mgpu.SMEM_BYTES
   assert mgpu._dkv_smem(64, 64, 2) == 640 * 128 + 9216  # the formula dkv_supports documented
   assert mgpu.fwd_slots(256, 256) == 2 and mgpu.fwd_slots(64, 64) == 8
 
 
 @pytest.mark.parametrize("g,dk,dv", [(16, 64, 64), (8, 192, 128)], ids=["G16_64x64", "G8_192x128"])
 def test_deeper_pipelines_lower_for_cuda(monkeypatch, g, dk, dv):
-  """FWD_SLOTS = DKV_SLOTS = 4 (capped by shared memory) through the CUDA lowering's checks."""
+  """FWD_SLOTS = DKV_SLOTS = 4 (capped by shared memory: at 192/128 dK/dV keeps 2) through the
+  CUDA lowering's checks; the lowered program differs from the 2-slot one (the setting took)."""
+  two = _select_lowered(g, dk, dv, backend="mosaic")
   monkeypatch.setattr(mgpu, "FWD_SLOTS", 4)
   monkeypatch.setattr(mgpu, "DKV_SLOTS", 4)
   text = _select_lowered(g, dk, dv, backend="mosaic")
   assert "nsa_select_dkv_reduce" in text  # the Mosaic dK/dV ran (G >= 8)
+  assert text != two
+
+
+def test_deep_prologue_within_short_lists(monkeypatch):
+  """G = 64 (one token a tile, every step causally masked, the list the token's own n entries)
+  with a prologue deeper than the list (FWD_SLOTS - 1 > n): exact, and lowers for CUDA."""
+  monkeypatch.setattr(mgpu, "FWD_SLOTS", 6)
+  b, t, h, kh, dk, dv, n = 1, 200, 64, 1, 64, 64, 3
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, _ = _inputs(rng, b, t, h, kh, dk, dv, n)
+  maps = C.tile_maps(idx, mgpu.tiling_for(h // kh, 64))
+  o, lse = mgpu.forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, interpret=INTERPRET)
+  _assert_select_matches(o, lse, q, k, v, idx)
+  _select_lowered(64, 64, 64, kh=1, t=200, n=3, backend="mosaic")  # and through the lowering
 
 
 LOWER_CASES = [(g, dk, dv) for g in (4, 8, 16, 32)
