@@ -213,17 +213,24 @@ def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar, s
 
   last = k_ref.shape[2] // BLOCK - 1
 
-  def fetch(j, slot):  # only for j < cnt; the clamp keeps the prologue's constant j of a short
-    # compression walk (block_of(j) = j) inside the array when traced (no effect on real fetches)
-    keys = pl.ds(jnp.minimum(block_of(j), last) * BLOCK, BLOCK)
+  def fetch(j, slot, clamp=False):
+    blk = block_of(j)
+    # clamp (the prologue's constant j only): a short compression walk (block_of(j) = j) would
+    # name a block past the array when traced; pl.when never runs those fetches
+    keys = pl.ds((jnp.minimum(blk, last) if clamp else blk) * BLOCK, BLOCK)
     plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
 
+  _prologue(functools.partial(fetch, clamp=True), cnt, slots)
+  return _Walk(cnt, block_of, visible, row_picked, fetch, c_id, pos)
+
+
+def _prologue(fetch, cnt, slots):
+  """Steps 0 .. slots-2 in flight before the loop, step i in slot i (those below cnt)."""
   for i in range(slots - 1):
     @pl.when(cnt > i)
     def _(i=i):
       fetch(i, i)
-  return _Walk(cnt, block_of, visible, row_picked, fetch, c_id, pos)
 
 
 def _prefetch(fetch, j, cnt, slots):
@@ -334,11 +341,7 @@ def _select_blocks(ub_ref, bits_ref, cnt_ref, b, tile, kk, tok, pos):
 
   def visible(j, blk, c_id):
     return picked(j, tok) & (blk * BLOCK + c_id <= pos)
-  last = ub_ref.shape[-1] - 1  # a deep pipeline's prologue names entries up to FWD_SLOTS - 2,
-  # which may pass the list's width (G = 64: n entries); pl.when never fetches those (cnt <= the
-  # width), and the clamp keeps even their index inside the list
-  return (cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, jnp.minimum(j, last)], visible,
-          picked)
+  return cnt_ref[b, tile, kk, 0], lambda j: ub_ref[b, tile, kk, j], visible, picked
 
 
 def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
@@ -696,20 +699,22 @@ def _fwd_smem(dk, dv, slots, dq=False):
   return rows + slots * BLOCK * (dk + dv) * 2 + ROWS * BLOCK * 2
 
 
-def fwd_slots(dk, dv, dq=False):
-  """FWD_SLOTS, capped where shared memory runs out (at least 2)."""
-  slots = max(2, FWD_SLOTS)
-  while slots > 2 and _fwd_smem(dk, dv, slots, dq) > SMEM_BYTES:
+def _cap_slots(want, smem):
+  """want slots (at least 2), fewer while smem(slots) bytes exceed shared memory."""
+  slots = max(2, want)
+  while slots > 2 and smem(slots) > SMEM_BYTES:
     slots -= 1
   return slots
+
+
+def fwd_slots(dk, dv, dq=False):
+  """FWD_SLOTS, capped where shared memory runs out (at least 2)."""
+  return _cap_slots(FWD_SLOTS, lambda s: _fwd_smem(dk, dv, s, dq))
 
 
 def dkv_slots(dk, dv):
   """DKV_SLOTS, capped where shared memory runs out (at least 2)."""
-  slots = max(2, DKV_SLOTS)
-  while slots > 2 and _dkv_smem(dk, dv, slots) > SMEM_BYTES:
-    slots -= 1
-  return slots
+  return _cap_slots(DKV_SLOTS, lambda s: _dkv_smem(dk, dv, s))
 
 
 def dkv_supports(g, dk, dv):
@@ -755,10 +760,7 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
         plgpu.copy_gmem_to_smem(ref.at[b, kk, src], buf.at[slot, dst], bar,
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
-  for j in range(slots - 1):  # steps 0 .. slots-2 in flight, step j in slot j
-    @pl.when(steps > j)
-    def _(j=j):
-      fetch(j, j)
+  _prologue(fetch, steps, slots)
 
   wg = plgpu.Layout.WGMMA
   kp = blk * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 0, layout=wg)  # key position
