@@ -19,7 +19,10 @@
 # while loops into the command buffers; stablesort = the index maps' integer sorts stable, as
 # before 2026-12-01: XLA then sorts (key, index) pairs); slots<N> / dkvslots<N> = the Mosaic
 # selection kernels' pipeline depth (select_attention_mgpu.FWD_SLOTS for the forward, dq and the
-# compression forward / DKV_SLOTS for dK/dV; 2 = the default). TRIAL_STEPS = timed steps (default 10).
+# compression forward / DKV_SLOTS for dK/dV; 2 = the default); projsplit = one matmul per input
+# projection (attention.FUSE_PROJ "none", as before 2026-12-02), kvonly = only the key / value
+# projections as one matmul (FUSE_PROJ "kv"; the default "all" adds the query and gate).
+# TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
 # also times TRIAL_STEPS steps after the first (ms/step), so throughput is in the same rows.
@@ -67,6 +70,9 @@ def one(variant):
   if "union" in flags_:  # the selection's lax.cond always takes its union tile (folded away)
     kc.use_union = lambda *a, **k: jax.numpy.array(True)
   from pallas_kernels import select_attention_mgpu as mgpu
+  if "projsplit" in flags_ or "kvonly" in flags_:  # the input projections' fusion (FUSE_PROJ)
+    from nsa_jax import attention
+    attention.FUSE_PROJ = "none" if "projsplit" in flags_ else "kv"
   for f in flags_:  # the Mosaic kernels' pipeline depth (read when traced)
     if f.startswith("dkvslots"):
       mgpu.DKV_SLOTS = int(f[len("dkvslots"):])

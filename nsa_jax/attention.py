@@ -12,12 +12,46 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nsa_jax import aux_selector, ops, reference, xla
 from nsa_jax.config import NSAConfig
-from nsa_jax.layers import (annotated, apply_rope, default_positions, dtype_of, linear,
-                            sharding_scope)
+from nsa_jax.layers import (HEAD_MESH_AXIS, annotated, apply_rope, auto_mesh, default_positions,
+                            dtype_of, linear, sharding_scope)
+
+# The input projections as one matmul (fused_projection; the parameters are the same Linear
+# layers in every mode, so checkpoints do not care). "kv": the key / value projections
+# (NSAAttention's six, DenseAttention's two); "all": the query projection and NSA's gate too,
+# except on a mesh whose tensor axis splits heads (there the query's and the KV heads' shardings
+# differ, so they stay separate); "none": one matmul per projection, as before 2026-12-02.
+# Read when traced. Measured on the H200 (8k training step): docs/RESULTS.md.
+FUSE_PROJ = "all"
+FUSE_MODES = ("all", "kv", "none")
+
+
+def fuse_mode():
+  """FUSE_PROJ as it applies here: "all" becomes "kv" on a tensor-parallel mesh."""
+  if FUSE_PROJ not in FUSE_MODES:
+    raise ValueError(f"attention.FUSE_PROJ={FUSE_PROJ!r}: not one of {FUSE_MODES}")
+  mesh = auto_mesh()
+  if FUSE_PROJ == "all" and mesh is not None and mesh.shape.get(HEAD_MESH_AXIS, 1) > 1:
+    return "kv"
+  return FUSE_PROJ
+
+
+def fused_projection(x, lins, kv_heads, dtype):
+  """[x @ W_i (+ b_i) as [B, T, kv_heads, w_i]] for Linear layers lins = [(lin, w_i)] whose
+  kv_heads * w_i outputs are laid out KV-head-major (query heads h = k * G + g, G * d_k columns per
+  KV head; NSA's gate: G * 3), as one matmul: the kernels are concatenated per KV head into
+  [d_model, kv_heads, sum w_i] (the KV-head axis keeps its sharding) and the result split."""
+  d_model = x.shape[-1]
+  w = jnp.concatenate([lin.kernel[...].astype(dtype).reshape(d_model, kv_heads, d)
+                       for lin, d in lins], axis=-1)
+  y = jnp.einsum("btm,mhe->bthe", x.astype(dtype), w)
+  parts = jnp.split(y, np.cumsum([d for _, d in lins])[:-1].tolist(), axis=-1)
+  return [p if lin.bias is None else p + lin.bias[...].astype(dtype).reshape(kv_heads, d)
+          for p, (lin, d) in zip(parts, lins)]
 
 
 class CompressionMLP(nnx.Module):
@@ -84,6 +118,40 @@ class NSAAttention(nnx.Module):
     v = self.v_proj[name](x).reshape(b, t, self.cfg.num_kv_heads, self.cfg.dim_v)
     return k, v
 
+  def _project(self, x):
+    """(q [B, T, H, D] before RoPE, gate logits [B, T, H, 3] or None, {branch: (k, v)} raw
+    keys and values [B, T, K, D]) of x, in as few matmuls as fuse_mode() allows: with "all" one
+    (kernels concatenated per KV head, fused_projection), so x is read once and the backward
+    pass makes dx with one matmul instead of summing eight."""
+    cfg = self.cfg
+    b, t, _ = x.shape
+    h, kh, dk, dv = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
+    g = h // kh
+    names = ("shared",) if cfg.shared_kv else ("cmp", "slc", "win")
+    mode = fuse_mode()
+    lins = [(lin, d) for n in names for lin, d in ((self.k_proj[n], dk), (self.v_proj[n], dv))]
+    q = gate = None
+    if mode == "none":
+      kv = {n: self._kv(x, n) for n in names}
+    else:
+      if mode == "all":
+        lins = [(self.q_proj, g * dk)] + lins
+        if cfg.gating == "sigmoid":
+          lins.append((self.gate, g * 3))
+      parts = fused_projection(x, lins, kh, self.dtype)
+      if mode == "all":
+        q = parts.pop(0).reshape(b, t, h, dk)
+        if cfg.gating == "sigmoid":
+          gate = parts.pop().reshape(b, t, h, 3)
+      kv = {n: (parts[2 * i], parts[2 * i + 1]) for i, n in enumerate(names)}
+    if q is None:
+      q = self.q_proj(x).reshape(b, t, h, dk)
+    if gate is None and cfg.gating == "sigmoid":
+      gate = self.gate(x).reshape(b, t, h, 3)
+    if cfg.shared_kv:
+      kv = {br: kv["shared"] for br in ("cmp", "slc", "win")}
+    return q, gate, kv
+
   def compress(self, k, v, positions):
     """Raw (un-rotated) k/v [B, T, K, D] -> compressed k (rotated at block ends), v [B, Nc, K, D].
 
@@ -100,11 +168,15 @@ class NSAAttention(nnx.Module):
     k_cmp = apply_rope(k_cmp, positions[:, ends], self.rope_theta)
     return k_cmp, v_cmp
 
-  def gates(self, x):
+  def gates(self, x, logits=None):
+    """[B, T, H, 3] branch gates of x (sigmoid of the gate Linear; logits: that Linear's output
+    [B, T, H, 3] when already made); ones with gating="sum"."""
     b, t, _ = x.shape
     if self.cfg.gating == "sum":
       return jnp.ones((b, t, self.cfg.num_heads, 3), jnp.float32)
-    return jax.nn.sigmoid(self.gate(x).astype(jnp.float32)).reshape(b, t, self.cfg.num_heads, 3)
+    if logits is None:
+      logits = self.gate(x).reshape(b, t, self.cfg.num_heads, 3)
+    return jax.nn.sigmoid(logits.astype(jnp.float32))
 
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None,
                return_aux=False, return_selector_loss=False):
@@ -119,15 +191,13 @@ class NSAAttention(nnx.Module):
     if positions is None:
       positions = default_positions(b, t, segment_ids)
     # Named scopes label the kernels in profiles (experiments/profile_step.py groups by them).
-    with jax.named_scope("nsa_q"):
-      q = apply_rope(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), positions,
-                     self.rope_theta)
+    with jax.named_scope("nsa_q"):  # with FUSE_PROJ the K/V (and gate) projections too
+      q, gate_logits, kv = self._project(x)
+      q = apply_rope(q, positions, self.rope_theta)
     with jax.named_scope("nsa_kv_cmp"):
-      k_c, v_c = self._kv(x, "cmp")
-      k_cmp, v_cmp = self.compress(k_c, v_c, positions)
+      k_cmp, v_cmp = self.compress(*kv["cmp"], positions)
     with jax.named_scope("nsa_kv"):
-      k_s, v_s = self._kv(x, "slc")
-      k_w, v_w = self._kv(x, "win")
+      (k_s, v_s), (k_w, v_w) = kv["slc"], kv["win"]
       k_s = apply_rope(k_s, positions, self.rope_theta)
       k_w = k_s if cfg.shared_kv else apply_rope(k_w, positions, self.rope_theta)
     block_idx, sel_loss = None, jnp.zeros((b, t), jnp.float32)
@@ -135,7 +205,7 @@ class NSAAttention(nnx.Module):
       block_idx, sel_loss = aux_selector.select(q, k_s, self.aux_wq[...], self.aux_wk[...], cfg,
                                                 segment_ids)
     with jax.named_scope("nsa_gates"):
-      gates = self.gates(x)
+      gates = self.gates(x, gate_logits)
     with jax.named_scope("nsa_op"):
       out = ops.nsa_attention(q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates, cfg,
                               segment_ids=segment_ids, implementation=implementation,
@@ -172,6 +242,23 @@ class DenseAttention(nnx.Module):
       self.v_proj = linear(d_model, self.kh * self.dv, ("embed", "kv_heads"), **kw)
       self.o_proj = linear(self.h * self.dv, d_model, ("heads", "embed"), **kw)
 
+  def _project(self, x):
+    """q [B, T, H, D], k, v [B, T, K, D] before RoPE, in as few matmuls as fuse_mode() allows
+    (the same modes as NSAAttention's)."""
+    b, t, _ = x.shape
+    mode = fuse_mode()
+    if mode == "none":
+      return (self.q_proj(x).reshape(b, t, self.h, self.dk),
+              self.k_proj(x).reshape(b, t, self.kh, self.dk),
+              self.v_proj(x).reshape(b, t, self.kh, self.dv))
+    lins = [(self.k_proj, self.dk), (self.v_proj, self.dv)]
+    if mode == "kv":
+      return (self.q_proj(x).reshape(b, t, self.h, self.dk),
+              *fused_projection(x, lins, self.kh, self.dtype))
+    q, k, v = fused_projection(x, [(self.q_proj, self.h // self.kh * self.dk)] + lins, self.kh,
+                               self.dtype)
+    return q.reshape(b, t, self.h, self.dk), k, v
+
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None):
     if x.ndim != 3 or x.shape[-1] != self.d_model:
       raise ValueError(f"DenseAttention expects x [batch, time, {self.d_model}], got {x.shape}")
@@ -180,9 +267,8 @@ class DenseAttention(nnx.Module):
     if positions is None:
       positions = default_positions(b, t, segment_ids)
     with jax.named_scope("dense_qkv"):
-      q = apply_rope(self.q_proj(x).reshape(b, t, self.h, self.dk), positions, self.rope_theta)
-      k = apply_rope(self.k_proj(x).reshape(b, t, self.kh, self.dk), positions, self.rope_theta)
-      v = self.v_proj(x).reshape(b, t, self.kh, self.dv)
+      q, k, v = self._project(x)
+      q, k = (apply_rope(a, positions, self.rope_theta) for a in (q, k))
     with jax.named_scope("dense_op"):
       o = ops.dense_attention(q, k, v, segment_ids, implementation=implementation or
                               self.implementation)

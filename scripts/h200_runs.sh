@@ -48,6 +48,11 @@
 #          limits). Before the layers were traced once (2026-12-01), NSA's start-up at 16k / 32k took more than 125 s
 #          on one H200 (2026-12-01: both NSA runs killed at that limit before step 10): one
 #          length a call.
+# projfuse the input projections as one matmul (nsa_jax.attention.FUSE_PROJ): "all" (the default:
+#          query, K/V and gate) vs "kv" (flag kvonly) vs "none" (flag projsplit, one matmul per
+#          projection as before 2026-12-02): step-only rates of the 8k NSA LM and its dense twin
+#          (benchmarks/compile_time_trial.py, KV_STEPS timed steps, default 30); PF_VARIANTS
+#          overrides the variant list (~85 s per NSA variant, ~35 s per dense one).
 # determinism  is 8k training bitwise reproducible, with and without XLA's determinism flags
 #          (one GPU, carry `.whl`; DET_FLAGS picks the flags)
 #
@@ -267,6 +272,11 @@ startup() {  # start-up split (setup / lower / compile) and step-only tokens/s w
   timeout -k 20 560 python3 benchmarks/compile_time_trial.py "$R/compile_time_startup.json" \
     nsa:8192:12:pallas:unroll nsa:8192:12:pallas dense:8192:12:-:unroll \
     nsa:32768:12:pallas:unroll dense:32768:12:-:unroll > "$R/startup.log" 2>&1
+}
+projfuse() {  # the fused input projections' modes at 8k, step-only (one GPU)
+  TRIAL_STEPS=${KV_STEPS:-30} timeout -k 20 560 python3 benchmarks/compile_time_trial.py \
+    "$R/projfuse_8k.json" ${PF_VARIANTS:-nsa:8192:12:pallas:unroll nsa:8192:12:pallas:unroll,kvonly \
+    dense:8192:12:-:unroll dense:8192:12:-:unroll,kvonly} > "$R/projfuse.log" 2>&1
 }
 prof8k() {
   CUDA_VISIBLE_DEVICES=0 timeout -k 30 420 python3 -m experiments.profile_step \

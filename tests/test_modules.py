@@ -183,6 +183,71 @@ def test_one_hot_embedding_matches_the_gather(dtype, monkeypatch):
                                 np.asarray(x1))
 
 
+@pytest.mark.parametrize("mode", ["all", "kv"])
+@pytest.mark.parametrize("layer_kind,opts", [("nsa", {}), ("nsa", {"shared_kv": True}),
+                                             ("nsa", {"num_kv_heads": 1}),
+                                             ("nsa", {"gating": "sum"}), ("dense", {})])
+def test_fused_projection_matches_separate_matmuls(mode, layer_kind, opts, monkeypatch):
+  """attention.FUSE_PROJ ("all": query, K/V and gate projections as one matmul, kernels
+  concatenated per KV head; "kv": the K/V ones) gives the separate Linear layers' ("none")
+  output and gradients (float32, d_k != d_v, G = 2 and 4), and the matmuls really merge (the
+  jaxpr's dot_general count drops by the number of projections folded in)."""
+  from nsa_jax import attention as attn_mod
+  cfg = small_nsa(**opts)
+  if layer_kind == "nsa":
+    layer = NSAAttention(16, cfg, rngs=nnx.Rngs(int(SEED % 1000)))
+    n_kv, n_gate = (2 if cfg.shared_kv else 6), int(cfg.gating == "sigmoid")
+    merged = n_kv + n_gate if mode == "all" else n_kv - 1
+  else:
+    layer = DenseAttention(16, 4, 2, 8, 6, implementation="xla", rngs=nnx.Rngs(int(SEED % 1000)))
+    merged = 2 if mode == "all" else 1
+  x = jax.random.normal(fresh_key(12), (2, 37, 16))
+  cot = jax.random.normal(fresh_key(13), (2, 37, 16))
+  impl = dict(implementation="xla")
+
+  def run(m):
+    monkeypatch.setattr(attn_mod, "FUSE_PROJ", m)
+    f = lambda mod, x: jnp.sum(mod(x, **impl) * cot)
+    y = layer(x, **impl)
+    gm, gx = nnx.grad(f, argnums=(0, 1))(layer, x)
+    dots = str(jax.make_jaxpr(lambda x: layer(x, **impl))(x)).count("dot_general")
+    return y, gm, gx, dots
+
+  y1, gm1, gx1, dots1 = run(mode)
+  y0, gm0, gx0, dots0 = run("none")
+  assert dots0 - dots1 == merged, (dots0, dots1)
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gx1), np.asarray(gx0), rtol=1e-4, atol=1e-5)
+  leaves1, leaves0 = jax.tree.leaves(nnx.state(gm1)), jax.tree.leaves(nnx.state(gm0))
+  assert len(leaves1) == len(leaves0)
+  for a, b in zip(leaves1, leaves0):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+  # every projection gets a gradient (none dropped by the split), the gate's bias included
+  names = ("shared",) if layer_kind == "nsa" and cfg.shared_kv else ("cmp", "slc", "win")
+  projs = ([gm1.k_proj[n].kernel for n in names] + [gm1.v_proj[n].kernel for n in names]
+           if layer_kind == "nsa" else [gm1.k_proj.kernel, gm1.v_proj.kernel])
+  projs.append(gm1.q_proj.kernel)
+  if layer_kind == "nsa" and cfg.gating == "sigmoid":
+    projs += [gm1.gate.kernel, gm1.gate.bias]
+  assert all(float(jnp.abs(p[...]).max()) > 0 for p in projs)
+
+
+def test_fused_projection_mode_on_a_tensor_parallel_mesh(monkeypatch):
+  """"all" keeps the query and gate projections separate where the mesh's tensor axis splits
+  heads (their sharding differs from the KV heads'); a bad mode is refused by name."""
+  from jax.sharding import AbstractMesh, AxisType
+  from nsa_jax import attention as attn_mod
+  auto = (AxisType.Auto, AxisType.Auto)
+  assert attn_mod.fuse_mode() == "all"
+  with jax.sharding.use_abstract_mesh(AbstractMesh((2, 2), ("data", "tensor"), axis_types=auto)):
+    assert attn_mod.fuse_mode() == "kv"
+  with jax.sharding.use_abstract_mesh(AbstractMesh((4, 1), ("data", "tensor"), axis_types=auto)):
+    assert attn_mod.fuse_mode() == "all"
+  monkeypatch.setattr(attn_mod, "FUSE_PROJ", "qkv")
+  with pytest.raises(ValueError, match="FUSE_PROJ='qkv': not one of"):
+    attn_mod.fuse_mode()
+
+
 def test_lm_rejects_too_long_input():
   model = TransformerLM(tiny_model_cfg("dense"), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="max_seq_len"):
