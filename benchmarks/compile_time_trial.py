@@ -37,9 +37,27 @@ DEFAULT = ["dense:8192:12:-", "nsa:8192:1:pallas", "nsa:8192:4:pallas", "nsa:819
            "nsa:16384:12:pallas"]
 
 
-def one(variant):
+FLAGS = ("cache", "cbcond", "notfk", "scansearch", "stablesort", "cond", "union", "scan",
+         "projsplit", "kvonly")
+NUMBERED_FLAGS = ("unroll", "dkvslots", "slots")  # followed by a number
+
+
+def parse(variant):
+  """(kind, seq, layers, impl, flags) of a variant; unknown flags are refused (a misspelt or
+  retired flag would otherwise time the default under its name)."""
   kind, seq, layers, impl, *rest = variant.split(":")
   flags_ = set(rest[0].split(",")) if rest else set()
+  bad = sorted(f for f in flags_ if f not in FLAGS and not (
+      f.startswith(NUMBERED_FLAGS) and f.lstrip("abcdefghijklmnopqrstuvwxyz").isdigit()
+      or f == "unroll"))
+  if bad:
+    raise SystemExit(f"variant {variant!r}: unknown flag(s) {bad}. Known: {', '.join(FLAGS)}, "
+                     f"and {', '.join(n + '<N>' for n in NUMBERED_FLAGS)} (see the header)")
+  return kind, seq, layers, impl, flags_
+
+
+def one(variant):
+  kind, seq, layers, impl, flags_ = parse(variant)
   cache = "cache" in flags_
   if "cbcond" in flags_:  # lax.cond / while inside XLA's command buffers (CUDA graph conditionals)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
@@ -131,6 +149,8 @@ def main():
     print("RESULT " + json.dumps(one(sys.argv[2])), flush=True)
     return
   out, variants = sys.argv[1], sys.argv[2:] or DEFAULT
+  for v in variants:  # every variant checked before the first process starts
+    parse(v)
   import datetime
   import platform
   rows = []

@@ -21,23 +21,23 @@ from nsa_jax.layers import (HEAD_MESH_AXIS, annotated, apply_rope, auto_mesh, de
                             dtype_of, linear, sharding_scope)
 
 # The input projections as one matmul (fused_projection; the parameters are the same Linear
-# layers in every mode, so checkpoints do not care). "kv": the key / value projections
-# (NSAAttention's six, DenseAttention's two); "all": the query projection and NSA's gate too,
-# except on a mesh whose tensor axis splits heads (there the query's and the KV heads' shardings
-# differ, so they stay separate); "none": one matmul per projection, as before 2026-12-02.
-# Read when traced. Measured on the H200 (8k training step): docs/RESULTS.md.
+# layers in every mode, so checkpoints do not care). "all" (the default): the query projection,
+# the key / value projections (NSAAttention's six, DenseAttention's two) and NSA's gate; "kv": the
+# key / value projections only; "none": one matmul per projection, as before 2026-12-02. On a mesh
+# whose tensor axis does not divide the KV heads the per-KV-head reshape cannot carry the
+# projections' sharding (XLA would reshard activations), so there every mode runs as "none".
+# Read when traced. Measured on the H200 (8k training step): docs/RESULTS.md §0.
 FUSE_PROJ = "all"
 FUSE_MODES = ("all", "kv", "none")
 
 
-def fuse_mode():
-  """FUSE_PROJ as it applies here: "all" becomes "kv" on a tensor-parallel mesh."""
+def fuse_mode(kv_heads):
+  """FUSE_PROJ as it applies to a layer with kv_heads KV heads under the mesh in context."""
   if FUSE_PROJ not in FUSE_MODES:
     raise ValueError(f"attention.FUSE_PROJ={FUSE_PROJ!r}: not one of {FUSE_MODES}")
   mesh = auto_mesh()
-  if FUSE_PROJ == "all" and mesh is not None and mesh.shape.get(HEAD_MESH_AXIS, 1) > 1:
-    return "kv"
-  return FUSE_PROJ
+  tensor = 1 if mesh is None else mesh.shape.get(HEAD_MESH_AXIS, 1)
+  return "none" if kv_heads % tensor else FUSE_PROJ
 
 
 def fused_projection(x, lins, kv_heads, dtype):
@@ -46,6 +46,9 @@ def fused_projection(x, lins, kv_heads, dtype):
   KV head; NSA's gate: G * 3), as one matmul: the kernels are concatenated per KV head into
   [d_model, kv_heads, sum w_i] (the KV-head axis keeps its sharding) and the result split."""
   d_model = x.shape[-1]
+  if dtype is None:  # as nnx.Linear's promote_dtype without a dtype
+    dtype = jnp.result_type(x, *(a[...] for lin, _ in lins
+                                 for a in (lin.kernel, lin.bias) if a is not None))
   w = jnp.concatenate([lin.kernel[...].astype(dtype).reshape(d_model, kv_heads, d)
                        for lin, d in lins], axis=-1)
   y = jnp.einsum("btm,mhe->bthe", x.astype(dtype), w)
@@ -128,7 +131,7 @@ class NSAAttention(nnx.Module):
     h, kh, dk, dv = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
     g = h // kh
     names = ("shared",) if cfg.shared_kv else ("cmp", "slc", "win")
-    mode = fuse_mode()
+    mode = fuse_mode(kh)
     lins = [(lin, d) for n in names for lin, d in ((self.k_proj[n], dk), (self.v_proj[n], dv))]
     q = gate = None
     if mode == "none":
@@ -246,7 +249,7 @@ class DenseAttention(nnx.Module):
     """q [B, T, H, D], k, v [B, T, K, D] before RoPE, in as few matmuls as fuse_mode() allows
     (the same modes as NSAAttention's)."""
     b, t, _ = x.shape
-    mode = fuse_mode()
+    mode = fuse_mode(self.kh)
     if mode == "none":
       return (self.q_proj(x).reshape(b, t, self.h, self.dk),
               self.k_proj(x).reshape(b, t, self.kh, self.dk),

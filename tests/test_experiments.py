@@ -447,6 +447,29 @@ def test_h200_runs_script_parses_and_defines_every_documented_phase():
     assert phase in defined, f"{phase} documented but not defined"
 
 
+def test_compile_time_trial_refuses_unknown_flags(monkeypatch):
+  """benchmarks/compile_time_trial.py: every variant written in scripts/h200_runs.sh (and its
+  default list) parses; a misspelt or retired flag stops the run before any process starts
+  (it would otherwise time the default under the flag's name)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(root, "benchmarks"))
+  try:
+    import compile_time_trial as ctt
+  finally:
+    sys.path.pop(0)
+  script = open(os.path.join(root, "scripts", "h200_runs.sh")).read()
+  written = re.findall(r"\b(?:nsa|dense):\d+:\d+:[a-z-]+(?::[a-z0-9,]+)?", script)
+  assert len(written) >= 9
+  for v in written + ctt.DEFAULT + ["nsa:8192:12:pallas:unroll12,slots3,dkvslots4"]:
+    ctt.parse(v)
+  for bad in ("nsa:8192:12:pallas:kvsplit", "nsa:8192:12:pallas:unroll,slotsx"):
+    with pytest.raises(SystemExit, match="unknown flag"):
+      ctt.parse(bad)
+  monkeypatch.setattr(sys, "argv", ["x", "/tmp/never_written.json", "nsa:8192:1:pallas:kvsplit"])
+  with pytest.raises(SystemExit, match="kvsplit"):
+    ctt.main()
+
+
 def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   """The GPU benchmark's code paths (whole op, branches, top-n sweep, profile) run interpreted on a
   tiny shape, so a typo cannot cost a GPU call; the numbers themselves mean nothing here."""

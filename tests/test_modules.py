@@ -183,10 +183,10 @@ def test_one_hot_embedding_matches_the_gather(dtype, monkeypatch):
                                 np.asarray(x1))
 
 
-@pytest.mark.parametrize("mode", ["all", "kv"])
-@pytest.mark.parametrize("layer_kind,opts", [("nsa", {}), ("nsa", {"shared_kv": True}),
-                                             ("nsa", {"num_kv_heads": 1}),
-                                             ("nsa", {"gating": "sum"}), ("dense", {})])
+@pytest.mark.parametrize("mode,layer_kind,opts", [
+    ("all", "nsa", {}), ("all", "nsa", {"shared_kv": True}), ("all", "nsa", {"num_kv_heads": 1}),
+    ("all", "nsa", {"gating": "sum"}), ("all", "dense", {}), ("kv", "nsa", {}),
+    ("kv", "dense", {})])
 def test_fused_projection_matches_separate_matmuls(mode, layer_kind, opts, monkeypatch):
   """attention.FUSE_PROJ ("all": query, K/V and gate projections as one matmul, kernels
   concatenated per KV head; "kv": the K/V ones) gives the separate Linear layers' ("none")
@@ -232,20 +232,49 @@ def test_fused_projection_matches_separate_matmuls(mode, layer_kind, opts, monke
   assert all(float(jnp.abs(p[...]).max()) > 0 for p in projs)
 
 
+@pytest.mark.parametrize("layer_kind", ["nsa", "dense"])
+def test_fused_projection_keeps_the_compute_dtype(layer_kind, monkeypatch):
+  """bfloat16 compute with float32 parameters (the training configs): the fused projections
+  come out in bfloat16 like the separate Linear layers' (a fused matmul that skipped the casts
+  would run in float32), with the same values up to bf16 rounding; gate bias nonzero."""
+  from nsa_jax import attention as attn_mod
+  if layer_kind == "nsa":
+    layer = NSAAttention(16, small_nsa(), dtype="bfloat16", rngs=nnx.Rngs(int(SEED % 1000)))
+    layer.gate.bias[...] = jax.random.normal(fresh_key(15), layer.gate.bias[...].shape)
+  else:
+    layer = DenseAttention(16, 4, 2, 8, 6, dtype="bfloat16", implementation="xla",
+                           rngs=nnx.Rngs(int(SEED % 1000)))
+  x = jax.random.normal(fresh_key(14), (2, 21, 16)).astype(jnp.bfloat16)
+  outs = {}
+  for m in ("all", "none"):
+    monkeypatch.setattr(attn_mod, "FUSE_PROJ", m)
+    outs[m] = jax.tree.leaves(layer._project(x))
+  assert len(outs["all"]) == len(outs["none"])
+  for a, b in zip(outs["all"], outs["none"]):
+    assert a.dtype == b.dtype == jnp.bfloat16 and a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
+                               atol=2e-2)
+
+
 def test_fused_projection_mode_on_a_tensor_parallel_mesh(monkeypatch):
-  """"all" keeps the query and gate projections separate where the mesh's tensor axis splits
-  heads (their sharding differs from the KV heads'); a bad mode is refused by name."""
+  """Where the mesh's tensor axis does not divide the KV heads, the per-KV-head reshape cannot
+  carry the projections' sharding, so every mode runs as "none" there; where it divides them,
+  and without a tensor axis, FUSE_PROJ applies. A bad mode is refused by name."""
   from jax.sharding import AbstractMesh, AxisType
   from nsa_jax import attention as attn_mod
   auto = (AxisType.Auto, AxisType.Auto)
-  assert attn_mod.fuse_mode() == "all"
+  assert attn_mod.fuse_mode(1) == "all"
   with jax.sharding.use_abstract_mesh(AbstractMesh((2, 2), ("data", "tensor"), axis_types=auto)):
-    assert attn_mod.fuse_mode() == "kv"
+    assert attn_mod.fuse_mode(1) == "none" and attn_mod.fuse_mode(3) == "none"
+    assert attn_mod.fuse_mode(2) == attn_mod.fuse_mode(4) == "all"
+    monkeypatch.setattr(attn_mod, "FUSE_PROJ", "kv")
+    assert attn_mod.fuse_mode(2) == "kv" and attn_mod.fuse_mode(1) == "none"
+  monkeypatch.setattr(attn_mod, "FUSE_PROJ", "all")
   with jax.sharding.use_abstract_mesh(AbstractMesh((4, 1), ("data", "tensor"), axis_types=auto)):
-    assert attn_mod.fuse_mode() == "all"
+    assert attn_mod.fuse_mode(1) == "all"
   monkeypatch.setattr(attn_mod, "FUSE_PROJ", "qkv")
   with pytest.raises(ValueError, match="FUSE_PROJ='qkv': not one of"):
-    attn_mod.fuse_mode()
+    attn_mod.fuse_mode(1)
 
 
 def test_lm_rejects_too_long_input():

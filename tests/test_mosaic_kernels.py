@@ -178,14 +178,16 @@ def test_refusals_name_the_problem():
 
 
 # Deeper pipelines (FWD_SLOTS / DKV_SLOTS > 2): block j + S - 1 refills the slot of block j - 1.
-# Union walks of up to 11 blocks (n = 10, T = 650) refill slots several times at S = 3 and 4; the
+# Union walks of up to 8 blocks (n = 6, T = 450) refill slots several times at S = 3 and 4; the
 # first tiles walk fewer blocks than the pipeline holds; the compression walk (T = 4200: 261
-# compressed keys, 5 blocks of 64 for the last tiles) refills a slot at S = 4 too.
+# compressed keys, 5 blocks of 64 for the last tiles) refills a slot at S = 4 (checked there only:
+# 45 s interpreted). Measured on the H200 (2026-12-01): 3 and 4 slots are slower than 2 at the 8k
+# layer, so the default stays 2 and these tests guard the option.
 @pytest.mark.parametrize("slots", [3, 4])
 def test_deeper_pipelines_match_reference(monkeypatch, slots):
   monkeypatch.setattr(mgpu, "FWD_SLOTS", slots)
   monkeypatch.setattr(mgpu, "DKV_SLOTS", slots)
-  b, t, h, kh, dk, dv, n = 1, 650, 16, 1, 64, 64, 10
+  b, t, h, kh, dk, dv, n = 1, 450, 16, 1, 64, 64, 6
   assert mgpu.fwd_slots(dk, dv) == mgpu.fwd_slots(dk, dv, dq=True) == mgpu.dkv_slots(dk, dv) == slots
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
@@ -196,6 +198,8 @@ def test_deeper_pipelines_match_reference(monkeypatch, slots):
   ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", interpret=INTERPRET)
   theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
   _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
+  if slots < 4:
+    return
   qc, kc, vc, _ = _cmp_inputs(rng, 1, 4200, 16, 1, 64, 64)  # the compression forward's walk too
   oc, _ = compress_attention(qc, kc, vc, 32, 16, backend="mosaic", interpret=INTERPRET)
   np.testing.assert_allclose(f32(oc), ref.compressed_attention(f32(qc), f32(kc), f32(vc), 32, 16)[0],
