@@ -260,14 +260,37 @@ def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, 
   kc = jax.random.normal(ks[1], (b, nc, kv, dk))
   seg = _segments(ks[2], b, t) if use_seg else None
   _, lse, p = reference.compressed_attention(q, kc, kc, l, d, seg)
-  want = reference.select_blocks(reference.selection_scores(p, kv, t, cfg), cfg, seg)
+  scores = reference.selection_scores(p, kv, t, cfg)
+  want = reference.select_blocks(scores, cfg, seg)
   got = jax.jit(lambda q, kc, lse, seg: select_topn(
       q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, num_local=n_local,
       alignment=align, segment_ids=seg, interpret=INTERPRET))(q, kc, lse, seg)
-  bad = np.argwhere(np.asarray(want != got))
   assert got.shape == want.shape and got.dtype == jnp.int32
-  assert bad.size == 0, (f"{len(bad)} slots differ, first at {bad[0]}: want "
-                         f"{want[tuple(bad[0][:3])]} got {got[tuple(bad[0][:3])]} (seed {seed})")
+  assert_same_selection(want, got, scores, seed)
+
+
+def assert_same_selection(want, got, scores, seed):
+  """Block lists [B, T, K, n] equal the reference's, except where two blocks' scores tie to
+  float32 rounding: the kernel sums Eq. 9's terms in another order than the reference, so scores
+  ~1 ulp apart may rank either way (seed 653196340: 0.2871552 vs 0.28715527). Exact ties break
+  the same way. A differing row must keep the same slots valid, the same order, no repeats, and
+  swap only blocks whose reference scores agree to 1e-5 relative; at most 0.2% of the rows (at
+  least 2) may differ at all."""
+  want, got, scores = np.asarray(want), np.asarray(got), np.asarray(scores)
+  rows = [tuple(r) for r in np.argwhere(np.any(want != got, axis=-1))]
+  where = lambda r: f"row {r}: want {want[r]} got {got[r]} (seed {seed})"
+  assert len(rows) <= max(2, want[..., 0].size // 500), f"{len(rows)} rows differ; first {where(rows[0])}"
+  for r in rows:
+    w, g = want[r], got[r]
+    assert np.array_equal(w >= 0, g >= 0), "valid slots differ, " + where(r)
+    wv, gv = w[w >= 0], g[g >= 0]
+    assert len(set(gv.tolist())) == len(gv), "a block repeats, " + where(r)
+    assert np.array_equal(np.argsort(wv, kind="stable"), np.argsort(gv, kind="stable")), \
+        "order differs, " + where(r)
+    lost, extra = sorted(set(wv.tolist()) - set(gv.tolist())), sorted(set(gv.tolist()) - set(wv.tolist()))
+    assert lost, "same blocks in another order, " + where(r)
+    np.testing.assert_allclose(np.sort(scores[r][extra]), np.sort(scores[r][lost]), rtol=1e-5,
+                               atol=1e-7, err_msg="not a near-tie, " + where(r))
 
 
 # ----------------------------------------------------------------------------- whole op
