@@ -28,6 +28,7 @@
 # also times TRIAL_STEPS steps after the first (ms/step), so throughput is in the same rows.
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,9 +48,8 @@ def parse(variant):
   retired flag would otherwise time the default under its name)."""
   kind, seq, layers, impl, *rest = variant.split(":")
   flags_ = set(rest[0].split(",")) if rest else set()
-  bad = sorted(f for f in flags_ if f not in FLAGS and not (
-      f.startswith(NUMBERED_FLAGS) and f.lstrip("abcdefghijklmnopqrstuvwxyz").isdigit()
-      or f == "unroll"))
+  bad = sorted(f for f in flags_  # unroll's number is optional, the slots' are not
+               if f not in FLAGS and not re.fullmatch(r"unroll\d*|(dkv)?slots\d+", f))
   if bad:
     raise SystemExit(f"variant {variant!r}: unknown flag(s) {bad}. Known: {', '.join(FLAGS)}, "
                      f"and {', '.join(n + '<N>' for n in NUMBERED_FLAGS)} (see the header)")

@@ -14,6 +14,7 @@ Each op is one bench_* function returning records; the timer and record writer a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -176,16 +177,9 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   f = lambda q, k, v, idx: select_attention(q, k, v, idx, bs, tiling=call_tiling,
                                             deterministic=deterministic,
                                             backend=call_backend or backend)[0]
-  select_attention_mgpu.WS_PINGPONG = pingpong  # read when traced
-  select_attention_mgpu.FAST_MASK, select_attention_mgpu.REG_P = fast_mask, reg_p
-  saved_slots = (select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS)
-  select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS = slots
-  try:
+  with mgpu_settings(WS_PINGPONG=pingpong, FAST_MASK=fast_mask, REG_P=reg_p,
+                     FWD_SLOTS=slots[0], DKV_SLOTS=slots[1]):
     fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
-  finally:
-    select_attention_mgpu.WS_PINGPONG = True
-    select_attention_mgpu.FAST_MASK = select_attention_mgpu.REG_P = True
-    select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS = saved_slots
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
           f"s{tiling.num_stages}; bwd tok{tiling.bwd_tokens} ch{tiling.chunk_entries} "
@@ -269,14 +263,23 @@ def check_compiled(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 1
   return ok_all
 
 
+@contextlib.contextmanager
+def mgpu_settings(**values):
+  """select_attention_mgpu's module switches (read when traced) set to `values`, then restored."""
+  saved = {name: getattr(select_attention_mgpu, name) for name in values}
+  for name, value in values.items():
+    setattr(select_attention_mgpu, name, value)
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      setattr(select_attention_mgpu, name, value)
+
+
 def check_mosaic_slots(slots=4):
   """check_mosaic with FWD_SLOTS = DKV_SLOTS = slots (capped by shared memory), compiled."""
-  saved = (select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS)
-  select_attention_mgpu.FWD_SLOTS = select_attention_mgpu.DKV_SLOTS = slots
-  try:
+  with mgpu_settings(FWD_SLOTS=slots, DKV_SLOTS=slots):
     return check_mosaic(backend="mosaic")
-  finally:
-    select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS = saved
 
 
 def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128, 16),

@@ -57,6 +57,20 @@ def fused_projection(x, lins, kv_heads, dtype):
           for p, (lin, d) in zip(parts, lins)]
 
 
+def project_inputs(x, q, kvs, extra, kv_heads, dtype):
+  """Outputs [B, T, kv_heads, w] of the (Linear, w) pairs q, *kvs, *extra, in that order, in as
+  few matmuls as fuse_mode(kv_heads) allows: "all" one (fused_projection), "kv" one for kvs and
+  the others alone, "none" each Linear called on its own."""
+  mode = fuse_mode(kv_heads)
+  b, t, _ = x.shape
+  alone = lambda lin, w: lin(x).reshape(b, t, kv_heads, w)
+  if mode == "all":
+    return fused_projection(x, [q, *kvs, *extra], kv_heads, dtype)
+  kv = (fused_projection(x, kvs, kv_heads, dtype) if mode == "kv"
+        else [alone(*p) for p in kvs])
+  return [alone(*q), *kv, *(alone(*p) for p in extra)]
+
+
 class CompressionMLP(nnx.Module):
   """phi (Eq. 7): MLP over a flattened block of l keys plus a learned intra-block position encoding.
 
@@ -114,46 +128,24 @@ class NSAAttention(nnx.Module):
         self.aux_wk = nnx.Param(init(rngs.params(), (dk, cfg.aux_dim), pdt))
       self.o_proj = linear(h * dv, d_model, ("heads", "embed"), **kw)
 
-  def _kv(self, x, branch):
-    name = "shared" if self.cfg.shared_kv else branch
-    b, t, _ = x.shape
-    k = self.k_proj[name](x).reshape(b, t, self.cfg.num_kv_heads, self.cfg.head_dim)
-    v = self.v_proj[name](x).reshape(b, t, self.cfg.num_kv_heads, self.cfg.dim_v)
-    return k, v
-
   def _project(self, x):
     """(q [B, T, H, D] before RoPE, gate logits [B, T, H, 3] or None, {branch: (k, v)} raw
-    keys and values [B, T, K, D]) of x, in as few matmuls as fuse_mode() allows: with "all" one
-    (kernels concatenated per KV head, fused_projection), so x is read once and the backward
-    pass makes dx with one matmul instead of summing eight."""
+    keys and values [B, T, K, D]) of x, in as few matmuls as fuse_mode() allows (project_inputs):
+    with "all" one, so x is read once and the backward pass makes dx with one matmul instead of
+    summing eight."""
     cfg = self.cfg
     b, t, _ = x.shape
     h, kh, dk, dv = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
     g = h // kh
     names = ("shared",) if cfg.shared_kv else ("cmp", "slc", "win")
-    mode = fuse_mode(kh)
-    lins = [(lin, d) for n in names for lin, d in ((self.k_proj[n], dk), (self.v_proj[n], dv))]
-    q = gate = None
-    if mode == "none":
-      kv = {n: self._kv(x, n) for n in names}
-    else:
-      if mode == "all":
-        lins = [(self.q_proj, g * dk)] + lins
-        if cfg.gating == "sigmoid":
-          lins.append((self.gate, g * 3))
-      parts = fused_projection(x, lins, kh, self.dtype)
-      if mode == "all":
-        q = parts.pop(0).reshape(b, t, h, dk)
-        if cfg.gating == "sigmoid":
-          gate = parts.pop().reshape(b, t, h, 3)
-      kv = {n: (parts[2 * i], parts[2 * i + 1]) for i, n in enumerate(names)}
-    if q is None:
-      q = self.q_proj(x).reshape(b, t, h, dk)
-    if gate is None and cfg.gating == "sigmoid":
-      gate = self.gate(x).reshape(b, t, h, 3)
+    kvs = [(lin, d) for n in names for lin, d in ((self.k_proj[n], dk), (self.v_proj[n], dv))]
+    extra = [(self.gate, g * 3)] if cfg.gating == "sigmoid" else []
+    q, *parts = project_inputs(x, (self.q_proj, g * dk), kvs, extra, kh, self.dtype)
+    gate = parts.pop().reshape(b, t, h, 3) if extra else None
+    kv = {n: (parts[2 * i], parts[2 * i + 1]) for i, n in enumerate(names)}
     if cfg.shared_kv:
       kv = {br: kv["shared"] for br in ("cmp", "slc", "win")}
-    return q, gate, kv
+    return q.reshape(b, t, h, dk), gate, kv
 
   def compress(self, k, v, positions):
     """Raw (un-rotated) k/v [B, T, K, D] -> compressed k (rotated at block ends), v [B, Nc, K, D].
@@ -247,19 +239,11 @@ class DenseAttention(nnx.Module):
 
   def _project(self, x):
     """q [B, T, H, D], k, v [B, T, K, D] before RoPE, in as few matmuls as fuse_mode() allows
-    (the same modes as NSAAttention's)."""
+    (project_inputs, as NSAAttention's)."""
     b, t, _ = x.shape
-    mode = fuse_mode(self.kh)
-    if mode == "none":
-      return (self.q_proj(x).reshape(b, t, self.h, self.dk),
-              self.k_proj(x).reshape(b, t, self.kh, self.dk),
-              self.v_proj(x).reshape(b, t, self.kh, self.dv))
-    lins = [(self.k_proj, self.dk), (self.v_proj, self.dv)]
-    if mode == "kv":
-      return (self.q_proj(x).reshape(b, t, self.h, self.dk),
-              *fused_projection(x, lins, self.kh, self.dtype))
-    q, k, v = fused_projection(x, [(self.q_proj, self.h // self.kh * self.dk)] + lins, self.kh,
-                               self.dtype)
+    q, k, v = project_inputs(x, (self.q_proj, self.h // self.kh * self.dk),
+                             [(self.k_proj, self.dk), (self.v_proj, self.dv)], [], self.kh,
+                             self.dtype)
     return q.reshape(b, t, self.h, self.dk), k, v
 
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None):

@@ -59,8 +59,8 @@ REG_P = True       # P (forward) and dS (dq) as the wgmma's A operand straight f
 # Pipeline depth (read when traced): K/V blocks in shared memory in the 64-row forward, the
 # compression forward and dq (FWD_SLOTS), query-row steps in dK/dV (DKV_SLOTS). Step j computes
 # slot j % S while blocks j+1 .. j+S-1 are in flight; it refills the slot that step j-1 used,
-# whose wgmmas have finished. 2 is what every H200 measurement so far ran; deeper pipelines are
-# tested (interpret mode, CUDA lowering) but not yet timed (`bench_kernels --plan mosaicslots`).
+# whose wgmmas have finished. 2 (the default) measured fastest on the H200 at the 8k training
+# layer: 3 and 4 were slower (`bench_kernels --plan mosaicslots`, select_h200_mosaicslots.md).
 # Each is capped by shared memory (fwd_slots, dkv_slots).
 FWD_SLOTS = 2
 DKV_SLOTS = 2
