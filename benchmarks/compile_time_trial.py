@@ -21,7 +21,8 @@
 # selection kernels' pipeline depth (select_attention_mgpu.FWD_SLOTS for the forward, dq and the
 # compression forward / DKV_SLOTS for dK/dV; 2 = the default); projsplit = one matmul per input
 # projection (attention.FUSE_PROJ "none", as before 2026-12-02), kvonly = only the key / value
-# projections as one matmul (FUSE_PROJ "kv"; the default "all" adds the query and gate).
+# projections as one matmul (FUSE_PROJ "kv"; the default "all" adds the query and gate); ovl =
+# the Mosaic selection forward with the intra-warpgroup overlap (select_attention_mgpu.OVERLAP).
 # TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
@@ -39,7 +40,7 @@ DEFAULT = ["dense:8192:12:-", "nsa:8192:1:pallas", "nsa:8192:4:pallas", "nsa:819
 
 
 FLAGS = ("cache", "cbcond", "notfk", "scansearch", "stablesort", "cond", "union", "scan",
-         "projsplit", "kvonly")
+         "projsplit", "kvonly", "ovl")
 NUMBERED_FLAGS = ("unroll", "dkvslots", "slots")  # followed by a number
 
 
@@ -91,6 +92,8 @@ def one(variant):
   if "projsplit" in flags_ or "kvonly" in flags_:  # the input projections' fusion (FUSE_PROJ)
     from nsa_jax import attention
     attention.FUSE_PROJ = "none" if "projsplit" in flags_ else "kv"
+  if "ovl" in flags_:  # the selection forward's intra-warpgroup overlap (read when traced)
+    mgpu.OVERLAP = True
   for f in flags_:  # the Mosaic kernels' pipeline depth (read when traced)
     if f.startswith("dkvslots"):
       mgpu.DKV_SLOTS = int(f[len("dkvslots"):])

@@ -64,6 +64,11 @@ REG_P = True       # P (forward) and dS (dq) as the wgmma's A operand straight f
 # Each is capped by shared memory (fwd_slots, dkv_slots).
 FWD_SLOTS = 2
 DKV_SLOTS = 2
+# Selection forward with FlashAttention-3's intra-warpgroup overlap (read when traced): step j
+# issues S_{j+1} = Q K_{j+1}^T and P_j V_j back to back and runs the softmax of S_{j+1} while
+# P_j V_j is on the matrix unit (wgmma_accumulator_load(wait_n=1)). Needs P from registers on the
+# GPU (REG_P) and three K/V slots (block j+2 loads while j+1 and j are in use; overlap_slots).
+OVERLAP = False
 
 
 def _check(h, kh, dk, dv, has_seg, dtype):
@@ -298,20 +303,119 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
   _store(acc, m_i, l_i, o_s, lse_s, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
 
 
-def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret):
-  """Launch the kernel over (tiles, groups, batch): o [B,T,H,Dv], lse [B,T,H] (q's T)."""
+def _kernel_overlap(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale,
+                    dtype, interpret, slots):
+  """_kernel's selection walk (FAST_MASK: the pick as a row bias, the causal mask at the last
+  union entry only) with S_{j+1} = Q K_{j+1}^T computed while P_j V_j runs (OVERLAP).
+
+  Step j (0 <= j < n - 1, n = max(cnt, 1)): refill the slot of block j - 1 with block j + slots
+  - 1; issue S_{j+1}, then P_j V_j into a fresh accumulator; wait for S_{j+1} only and run its
+  online-softmax step; wait for P_j V_j; acc = acc * alpha_j + P_j V_j. Block 0's scores come
+  before the loop and P_{n-1} V_{n-1} after it. A tile with an empty union (cnt = 0) walks block 0
+  with every row masked (its bits are 0): o = 0, lse = -inf, as _kernel."""
+  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar) = scoped
+  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
+  rows = pl.ds(tile * ROWS, ROWS)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
+  wg = plgpu.Layout.WGMMA
+  r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
+  c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
+  pos = tile * tq + r_id // g                 # the row's token position
+  cnt, block_of, _, picked = blocks(b, tile, kk, r_id // g, pos)
+  tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(1)) // g
+  n = jnp.maximum(cnt, 1)
+  last = k_ref.shape[2] // BLOCK - 1
+
+  def fetch(j, slot):
+    keys = pl.ds(jnp.clip(block_of(j), 0, last) * BLOCK, BLOCK)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
+
+  _prologue(fetch, n, slots)
+
+  def logits(j, s, causal):
+    """Masked base-2 logits of union entry j: the token's pick as a row bias; causal if asked
+    (only the last entry can hold keys after a row's token; on others the mask is a no-op)."""
+    bias = jnp.where(picked(j, tok_row), 0.0, -jnp.inf)
+    s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [0])
+    if causal:
+      s = jnp.where(block_of(j) * BLOCK + c_id <= pos, s, -jnp.inf)
+    return s
+
+  def pv_issue(pv_ref, p16, slot):
+    if interpret:  # the interpreter's wgmma takes its A operand from shared memory only
+      p_s[...] = p16
+      plgpu.commit_smem()
+      plgpu.wgmma(pv_ref, p_s, v_s.at[slot])
+    else:
+      plgpu.wgmma(pv_ref, p16, v_s.at[slot])
+
+  plgpu.barrier_wait(q_bar.at[0])
+  plgpu.barrier_wait(k_bar.at[0])
+  acc, m_i, l_i = _softmax_init(dv)
+  p, alpha, m_i, l_i = _softmax_step(logits(0, _mm(q_s, k_s.at[0].T, (ROWS, BLOCK)), True),
+                                     m_i, l_i)
+
+  def body(j, carry, causal):
+    acc, m_i, l_i, p16, alpha = carry
+    ahead = j + slots - 1
+
+    @pl.when(ahead < n)
+    def _():
+      fetch(ahead, lax.rem(ahead, slots))
+    cur, nxt = lax.rem(j, slots), lax.rem(j + 1, slots)
+    plgpu.barrier_wait(k_bar.at[nxt])
+    plgpu.barrier_wait(v_bar.at[cur])
+
+    def step(s_ref, pv_ref):
+      plgpu.wgmma(s_ref, q_s, k_s.at[nxt].T)
+      pv_issue(pv_ref, p16, cur)
+      s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_{j+1} done, P_j V_j in flight
+      p, alpha_n, m_n, l_n = _softmax_step(logits(j + 1, s, causal), m_i, l_i)
+      return plgpu.wgmma_accumulator_load(pv_ref, wait_n=0), p.astype(dtype), alpha_n, m_n, l_n
+    pv, p16, alpha_n, m_n, l_n = pl.run_scoped(step, plgpu.ACC((ROWS, BLOCK), jnp.float32),
+                                               plgpu.ACC((ROWS, dv), jnp.float32))
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_n, l_n, p16, alpha_n
+
+  # Entries 1 .. n-2 need no causal mask; entry n-1 (the tiles' own block) does.
+  carry = (acc, m_i, l_i, p.astype(dtype), alpha)
+  carry = lax.fori_loop(0, n - 2, functools.partial(body, causal=False), carry)
+  acc, m_i, l_i, p16, alpha = lax.fori_loop(jnp.maximum(n - 2, 0), n - 1,
+                                            functools.partial(body, causal=True), carry)
+  cur = lax.rem(n - 1, slots)
+  plgpu.barrier_wait(v_bar.at[cur])
+
+  def tail(pv_ref):
+    pv_issue(pv_ref, p16, cur)
+    return plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
+      tail, plgpu.ACC((ROWS, dv), jnp.float32))
+  _store(acc, m_i, l_i, o_s, lse_s, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
+
+
+def overlap_slots(dk, dv):
+  """K/V slots of the OVERLAP forward: max(3, FWD_SLOTS) capped by shared memory; 0 where three
+  do not fit (that call runs _kernel)."""
+  slots = _cap_slots(max(3, FWD_SLOTS), lambda s: _fwd_smem(dk, dv, s))
+  return slots if slots >= 3 and _fwd_smem(dk, dv, slots) <= SMEM_BYTES else 0
+
+
+def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False):
+  """Launch the kernel over (tiles, groups, batch): o [B,T,H,Dv], lse [B,T,H] (q's T).
+  overlap: the selection walk as _kernel_overlap (the caller checked it applies)."""
   b, t, h, dk = q.shape
   g, dv, dtype = h // kh, vg.shape[-1], q.dtype
   tp = nt * tq
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
-  slots = fwd_slots(dk, dv)
+  slots = overlap_slots(dk, dv) if overlap else fwd_slots(dk, dv)
+  kernel = _kernel_overlap if overlap else _kernel
 
   def entry(*refs):
     *map_refs, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     pl.run_scoped(
-        lambda *s: _kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
-                           lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype,
-                           interpret=interpret, slots=slots),
+        lambda *s: kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
+                          lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype,
+                          interpret=interpret, slots=slots),
         (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
          plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr),
@@ -364,11 +468,20 @@ def forward(q, k, v, maps, *, block_size, scale, interpret=False):
   ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
   if not ok:
     raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
-  b, t, h, _ = q.shape
+  b, t, h, dk = q.shape
   kh = k.shape[2]
   tq, nt = _tiles(t, h // kh)
   return _run(_select_blocks, maps, q, _blocks_major(k), _blocks_major(v), kh=kh, nt=nt, tq=tq,
-              scale=scale, interpret=interpret)
+              scale=scale, interpret=interpret,
+              overlap=overlap_applies(tq, dk, v.shape[3], interpret))
+
+
+def overlap_applies(tq, dk, dv, interpret=False):
+  """Whether forward() runs _kernel_overlap: OVERLAP on, FAST_MASK on, union tiles (tq > 1: an
+  ascending union, causal at its last entry only), P from registers on the GPU (REG_P; the
+  interpreter stages it in shared memory), and three K/V slots fit."""
+  return (OVERLAP and FAST_MASK and tq > 1 and (REG_P or interpret)
+          and overlap_slots(dk, dv) >= 3)
 
 
 # ----------------------------------------------------------------------------- selection forward,

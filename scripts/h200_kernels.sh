@@ -23,6 +23,10 @@
 #          180 s measured.
 # mosaicslots  the Mosaic kernels' pipeline depth (2 = default, 3, 4 K/V blocks / query steps in
 #          flight) at the 8k training layer, A/B with the default repeated; compiled check first
+# mosaicovl  the Mosaic selection forward with FA3's intra-warpgroup overlap (OVERLAP: S(j+1)
+#          issued with P(j)V(j), its softmax while P(j)V(j) runs) on / off twice at the 8k training
+#          layer, G = 16 and 4; compiled check (OVERLAP on) first, ptxas' register / spill report
+#          of every Mosaic kernel compiled in it (MOSAIC_GPU_DUMP_PTXAS) in mosaicovl_ptxas.log
 # mosaicb1  the Mosaic GPU selection forward with SELECTION_SPEED_PLAN's B1 step changes (the
 #          token's pick as a row bias, the causal mask on the last union entry only, P from
 #          registers) on, off, and on again (a repeat), at the 8k training layer shape, G = 16
@@ -127,6 +131,12 @@ mosaicslots() {  # the Mosaic kernels' pipeline depth (FWD_SLOTS / DKV_SLOTS 2, 
     --tag h200_mosaicslots
 }
 
+mosaicovl() {  # the forward's intra-warpgroup overlap on / off at the 8k training layer
+  mkdir -p "$OUT/mosaicovl"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 400 python3 -m experiments.bench_kernels --check --plan mosaicovl \
+    --T 8192 --groups 16,4 --heads 16 --d 64 --batch 8 --patterns clustered,random --iters 10 \
+    --out "$OUT/mosaicovl" --tag h200_mosaicovl 2> "$OUT/mosaicovl/mosaicovl_ptxas.log"
+}
 mosaicb1() {  # the Mosaic forward step (FAST_MASK, REG_P) on / off at the 8k training layer shape
   timeout 330 python3 -m experiments.bench_kernels --check --plan mosaicb1 --T 8192 --heads 16 \
     --d 64 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaicb1" --tag h200_mosaicb1

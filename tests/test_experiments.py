@@ -555,7 +555,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "mosaicnsa", "auto8k", "registry", "mosaicws", "cmpfold",
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
                                     "topnvar", "topnsweep",
-                                    "topnlayers", "topnptx", "mosaicslots"}
+                                    "topnlayers", "topnptx", "mosaicslots", "mosaicovl"}
 
 
 def test_needle_key_blocks_and_coverage():

@@ -106,6 +106,22 @@ def _cuda_text(f, args):
   return text
 
 
+def _select_jaxpr(g, dk, dv, kh=2, t=300, n=16, **kw):
+  """The traced program (kernel bodies included) of _select_lowered's function, as text: equal
+  settings give equal text, unlike the lowered module (whose Mosaic GPU bytecode carries a
+  per-process kernel counter), so it tells whether a switch changed the kernels."""
+  sd = jax.ShapeDtypeStruct
+  args = (sd((1, t, g * kh, dk), jnp.bfloat16), sd((1, t, kh, dk), jnp.bfloat16),
+          sd((1, t, kh, dv), jnp.bfloat16), sd((1, t, kh, n), jnp.int32))
+
+  def f(q, k, v, idx):
+    def loss(q, k, v):
+      o, lse = select_attention(q, k, v, idx, 64, **kw)
+      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+  return str(jax.make_jaxpr(f)(*args))
+
+
 # (b, t, h, kh, dk, dv, n): G = 16 (4 tokens a tile), 8, 4 (16 tokens a tile); d_k != d_v; T not
 # a multiple of 64 or of the tile
 CASES = [(1, 150, 16, 1, 192, 128, 5), (2, 130, 16, 2, 64, 64, 4), (1, 200, 8, 2, 128, 64, 3),
@@ -227,12 +243,53 @@ def test_pipeline_depth_is_capped_by_shared_memory(monkeypatch):
 def test_deeper_pipelines_lower_for_cuda(monkeypatch, g, dk, dv):
   """FWD_SLOTS = DKV_SLOTS = 4 (capped by shared memory: at 192/128 dK/dV keeps 2) through the
   CUDA lowering's checks; the lowered program differs from the 2-slot one (the setting took)."""
-  two = _select_lowered(g, dk, dv, backend="mosaic")
+  two = _select_jaxpr(g, dk, dv, backend="mosaic")
+  assert _select_jaxpr(g, dk, dv, backend="mosaic") == two  # the comparison can tell
   monkeypatch.setattr(mgpu, "FWD_SLOTS", 4)
   monkeypatch.setattr(mgpu, "DKV_SLOTS", 4)
   text = _select_lowered(g, dk, dv, backend="mosaic")
   assert "nsa_select_dkv_reduce" in text  # the Mosaic dK/dV ran (G >= 8)
-  assert text != two
+  assert _select_jaxpr(g, dk, dv, backend="mosaic") != two  # the setting took
+
+
+# OVERLAP: the forward issues S_{j+1} and P_j V_j together and runs the softmax of S_{j+1} while
+# P_j V_j is in flight (three K/V slots). Union walks of up to 8 blocks (T = 450), tiles with one
+# block, G = 16 / 8 / 4, d_k != d_v; gradients through select_attention use its lse.
+OVERLAP_CASES = [(1, 450, 16, 1, 64, 64, 6), (1, 150, 16, 1, 192, 128, 5),
+                 (2, 130, 8, 2, 128, 64, 3), (1, 90, 4, 1, 64, 128, 2)]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES,
+                         ids=[f"G{c[2] // c[3]}_{c[4]}x{c[5]}_T{c[1]}" for c in OVERLAP_CASES])
+def test_overlap_forward_matches_reference(monkeypatch, case):
+  monkeypatch.setattr(mgpu, "OVERLAP", True)
+  b, t, h, kh, dk, dv, n = case
+  assert mgpu.overlap_applies(64 // (h // kh), dk, dv, interpret=True)
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  maps = C.tile_maps(idx, mgpu.tiling_for(h // kh, 64))
+  o, lse = mgpu.forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, interpret=INTERPRET)
+  _assert_select_matches(o, lse, q, k, v, idx)
+  if case is OVERLAP_CASES[0]:
+    dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", interpret=INTERPRET)
+    _assert_grads_match(ours, lambda q, k, v: ref.select_attention(q, k, v, idx, 64), (q, k, v),
+                        do, dlse)
+
+
+def test_overlap_lowers_for_cuda_where_it_applies(monkeypatch):
+  """OVERLAP changes the lowered program where three K/V slots fit and tiles hold several tokens;
+  at 256/256 (two slots fit) and G = 64 (one token a tile) the call runs the plain forward."""
+  cases = ((16, 64, 64), (8, 192, 128), (16, 256, 256), (64, 64, 64))
+  plain = {c: _select_jaxpr(*c, backend="mosaic") for c in cases}
+  assert all("wait_n=1" not in text for text in plain.values())
+  monkeypatch.setattr(mgpu, "OVERLAP", True)
+  assert mgpu.overlap_slots(64, 64) == 3 and mgpu.overlap_slots(256, 256) == 0
+  for c in cases:
+    applies = c[0] < 64 and mgpu.overlap_slots(c[1], c[2]) >= 3
+    _select_lowered(*c, backend="mosaic")  # lowers for CUDA either way
+    text = _select_jaxpr(*c, backend="mosaic")
+    assert (text != plain[c]) == applies and ("wait_n=1" in text) == applies, c
 
 
 def test_deep_prologue_within_short_lists(monkeypatch):
