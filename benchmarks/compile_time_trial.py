@@ -22,7 +22,9 @@
 # compression forward / DKV_SLOTS for dK/dV; 2 = the default); projsplit = one matmul per input
 # projection (attention.FUSE_PROJ "none", as before 2026-12-02), kvonly = only the key / value
 # projections as one matmul (FUSE_PROJ "kv"; the default "all" adds the query and gate); ovl =
-# the Mosaic selection forward with the intra-warpgroup overlap (select_attention_mgpu.OVERLAP).
+# the Mosaic selection forward with the intra-warpgroup overlap (select_attention_mgpu.OVERLAP);
+# fatsmem = the Mosaic kernels' shared-memory buffers each on its own (LEAN_SMEM off, as before
+# 2026-12-02).
 # TRIAL_STEPS = timed steps (default 10).
 # The runs of 2026-12-01 used an earlier spelling of the same switch (model.scan_layers plus an
 # environment variable for the unroll); these flags reproduce them. Each variant
@@ -40,7 +42,7 @@ DEFAULT = ["dense:8192:12:-", "nsa:8192:1:pallas", "nsa:8192:4:pallas", "nsa:819
 
 
 FLAGS = ("cache", "cbcond", "notfk", "scansearch", "stablesort", "cond", "union", "scan",
-         "projsplit", "kvonly", "ovl")
+         "projsplit", "kvonly", "ovl", "fatsmem")
 NUMBERED_FLAGS = ("unroll", "dkvslots", "slots")  # followed by a number
 
 
@@ -92,6 +94,8 @@ def one(variant):
   if "projsplit" in flags_ or "kvonly" in flags_:  # the input projections' fusion (FUSE_PROJ)
     from nsa_jax import attention
     attention.FUSE_PROJ = "none" if "projsplit" in flags_ else "kv"
+  if "fatsmem" in flags_:  # the Mosaic kernels' buffers each in its own shared memory
+    mgpu.LEAN_SMEM = False
   if "ovl" in flags_:  # the selection forward's intra-warpgroup overlap (read when traced)
     mgpu.OVERLAP = True
   for f in flags_:  # the Mosaic kernels' pipeline depth (read when traced)

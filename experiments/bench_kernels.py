@@ -141,6 +141,10 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   fast_mask, reg_p = True, True  # the Mosaic forward step's switches (SELECTION_SPEED_PLAN B1)
   slots = (select_attention_mgpu.FWD_SLOTS, select_attention_mgpu.DKV_SLOTS)
   overlap = select_attention_mgpu.OVERLAP
+  lean = select_attention_mgpu.LEAN_SMEM
+  if tiling == "mosaic-fat":  # every buffer its own shared memory (LEAN_SMEM off)
+    lean, tiling = False, "mosaic"
+    impl_note += " (separate shared-memory buffers, as before 2026-12-02)"
   if tiling == "mosaic-ovl":  # the forward with FA3's intra-warpgroup overlap (OVERLAP)
     overlap, tiling = True, "mosaic"
     impl_note += " (forward: S(j+1) overlapped with P(j)V(j), 3 K/V slots)"
@@ -182,7 +186,8 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
                                             deterministic=deterministic,
                                             backend=call_backend or backend)[0]
   with mgpu_settings(WS_PINGPONG=pingpong, FAST_MASK=fast_mask, REG_P=reg_p,
-                     FWD_SLOTS=slots[0], DKV_SLOTS=slots[1], OVERLAP=overlap):
+                     FWD_SLOTS=slots[0], DKV_SLOTS=slots[1], OVERLAP=overlap,
+                     LEAN_SMEM=lean):
     fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
@@ -399,6 +404,9 @@ def plan_jobs(name, ts, groups, patterns, block):
     var = ("mosaic", "mosaic-s3", "mosaic-s4", "mosaic-s2-3", "mosaic-s2-4", "mosaic")
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 8 for p in patterns
             for tl in var]
+  if name == "mosaiclean":  # shared buffers (LEAN_SMEM, the default) vs separate ones, A/B twice
+    return [(t, g, p, tl, True) for t in ts for g in groups if g >= 4 for p in patterns
+            for tl in ("mosaic", "mosaic-fat", "mosaic", "mosaic-fat")]
   if name == "mosaicovl":  # the forward's intra-warpgroup overlap (OVERLAP) on / off, A/B twice
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 4 for p in patterns
             for tl in ("mosaic", "mosaic-ovl", "mosaic", "mosaic-ovl")]
@@ -499,7 +507,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicb1 | mosaicslots | mosaicovl | mosaicws | registry "
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicb1 | mosaicslots | mosaicovl | mosaiclean | mosaicws | registry "
                  "(registry: backend='auto', what implementation='pallas' runs)")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
@@ -517,7 +525,7 @@ def main(argv=None):
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
   checks = {"mosaic": check_mosaic, "mosaicb1": check_mosaic, "mosaicslots": check_mosaic_slots,
-            "mosaicovl": check_mosaic_overlap,
+            "mosaicovl": check_mosaic_overlap, "mosaiclean": check_mosaic,
             "mosaicws": functools.partial(check_mosaic, ws=True, cases=(
                 (1, 1001, 16, 1, 192, 128, 16), (1, 900, 16, 2, 64, 64, 16))),
             "registry": functools.partial(check_mosaic, backend="auto", cases=(

@@ -69,6 +69,34 @@ DKV_SLOTS = 2
 # P_j V_j is on the matrix unit (wgmma_accumulator_load(wait_n=1)). Needs P from registers on the
 # GPU (REG_P) and three K/V slots (block j+2 loads while j+1 and j are in use; overlap_slots).
 OVERLAP = False
+# Shared memory per CTA, hence CTAs per SM (read when traced): the buffers that the GPU path does
+# not use are not allocated (P / dS / P^T staging: REG_P keeps them in registers), and buffers with
+# disjoint lifetimes share memory (plgpu.RefUnion): the forward's output tile with its query tile,
+# dK/dV's float32 result staging with its query-row slots. At the 8k training layer (64/64) the
+# forward's 57.6 KB (3 CTAs an SM; its 116 registers allow 4) become 40.3 KB, dK/dV's 91.1 KB
+# (2 CTAs; 139 registers allow 3) 51.2 KB. False: the layouts as before 2026-12-02.
+LEAN_SMEM = True
+
+
+def _staging(interpret):
+  """Whether the P / dS / P^T staging buffers are allocated (used: interpreter or REG_P off)."""
+  return interpret or not REG_P or not LEAN_SMEM
+
+
+def _buffers(shared):
+  """The buffers of a _shared allocation in order (a RefUnion iterates by group)."""
+  out = []
+  for x in shared:
+    out += list(x) if isinstance(x, (tuple, list)) else [x]
+  return out
+
+
+def _shared(*groups):
+  """Buffer groups with disjoint lifetimes: one plgpu.RefUnion with LEAN_SMEM, else the groups'
+  buffers side by side. Either unpacks to the groups' buffers in order."""
+  if LEAN_SMEM:
+    return plgpu.RefUnion(*groups)
+  return tuple(r for grp in groups for r in (grp if isinstance(grp, tuple) else (grp,)))
 
 
 def _check(h, kh, dk, dv, has_seg, dtype):
@@ -255,7 +283,8 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
   (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool, row_picked or None) for the tile
   (see forward / cmp_forward). With row_picked (the selection) and FAST_MASK, the pick is a row
   bias and the causal mask applies at the last union entry only."""
-  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar) = scoped
+  (qo_s, k_s, v_s, p_s, lse_s), (q_bar, k_bar, v_bar) = scoped
+  q_s, o_s = _buffers(qo_s)  # the output tile reuses the query tile's memory (LEAN_SMEM)
   tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
   rows = pl.ds(tile * ROWS, ROWS)
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
@@ -313,7 +342,8 @@ def _kernel_overlap(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, t
   online-softmax step; wait for P_j V_j; acc = acc * alpha_j + P_j V_j. Block 0's scores come
   before the loop and P_{n-1} V_{n-1} after it. A tile with an empty union (cnt = 0) walks block 0
   with every row masked (its bits are 0): o = 0, lse = -inf, as _kernel."""
-  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar) = scoped
+  (qo_s, k_s, v_s, p_s, lse_s), (q_bar, k_bar, v_bar) = scoped
+  q_s, o_s = _buffers(qo_s)  # the output tile reuses the query tile's memory (LEAN_SMEM)
   tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
   rows = pl.ds(tile * ROWS, ROWS)
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
@@ -416,11 +446,11 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False
         lambda *s: kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
                           lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype,
                           interpret=interpret, slots=slots),
-        (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
+        (_shared(plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
+                 plgpu.SMEM((ROWS, dv), dtype, transforms=tr)),
          plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr),
-         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr),
-         plgpu.SMEM((ROWS, dv), dtype, transforms=tr),
+         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr) if _staging(interpret) else None,
          plgpu.SMEM((ROWS,), jnp.float32)),
         (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=slots),
          plgpu.Barrier(num_barriers=slots)))
@@ -780,7 +810,7 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
          plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
          plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr),
-         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr)),
+         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr) if _staging(interpret) else None),
         (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=slots),
          plgpu.Barrier(num_barriers=slots)))
 
@@ -847,7 +877,9 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
   """One work item (a block and a run of the queries that picked it, see C.inverse_lists): K, V of
   the block stay in shared memory; each step gathers tq tokens x G heads = 64 query rows (one copy
   per token and tensor, DKV_SLOTS deep) and accumulates dV += P^T dO and dK += dS^T Q."""
-  (k_s, v_s, q_s, do_s, lse_s, delta_s, pt_s, dkt_s, dvt_s), (kv_bar, row_bars) = scoped
+  (k_s, v_s, rows_s, pt_s), (kv_bar, row_bars) = scoped
+  # the float32 result staging reuses the query-row slots' memory (LEAN_SMEM)
+  q_s, do_s, lse_s, delta_s, dkt_s, dvt_s = _buffers(rows_s)
   w, kk, b = lax.axis_index("item"), lax.axis_index("group"), lax.axis_index("batch")
   blk, e0, e1 = iblk_ref[b, kk, w], istart_ref[b, kk, w], iend_ref[b, kk, w]
   keys = pl.ds(blk * BLOCK, BLOCK)
@@ -984,11 +1016,11 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
                                interpret=interpret, slots=slots),
         (plgpu.SMEM((BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((BLOCK, dv), dtype, transforms=tr),
-         plgpu.SMEM((slots, ROWS, dk), dtype, transforms=tr),
-         plgpu.SMEM((slots, ROWS, dv), dtype, transforms=tr),
-         plgpu.SMEM((slots, ROWS), jnp.float32), plgpu.SMEM((slots, ROWS), jnp.float32),
-         plgpu.SMEM((BLOCK, ROWS), dtype, transforms=tr),
-         plgpu.SMEM((BLOCK, dk), jnp.float32), plgpu.SMEM((BLOCK, dv), jnp.float32)),
+         _shared((plgpu.SMEM((slots, ROWS, dk), dtype, transforms=tr),
+                  plgpu.SMEM((slots, ROWS, dv), dtype, transforms=tr),
+                  plgpu.SMEM((slots, ROWS), jnp.float32), plgpu.SMEM((slots, ROWS), jnp.float32)),
+                 (plgpu.SMEM((BLOCK, dk), jnp.float32), plgpu.SMEM((BLOCK, dv), jnp.float32))),
+         plgpu.SMEM((BLOCK, ROWS), dtype, transforms=tr) if _staging(interpret) else None),
         (plgpu.Barrier(num_barriers=2),
          plgpu.Barrier(num_arrivals=4 * tq, num_barriers=slots)))
 

@@ -27,6 +27,10 @@
 #          issued with P(j)V(j), its softmax while P(j)V(j) runs) on / off twice at the 8k training
 #          layer, G = 16 and 4; compiled check (OVERLAP on) first, ptxas' register / spill report
 #          of every Mosaic kernel compiled in it (MOSAIC_GPU_DUMP_PTXAS) in mosaicovl_ptxas.log
+# mosaiclean  the Mosaic selection kernels' shared memory: buffers with disjoint lifetimes
+#          sharing memory and unused staging dropped (LEAN_SMEM, the default) vs separate buffers,
+#          twice each, at the 8k training layer (G = 16 and 4); compiled check first; ptxas'
+#          register report in mosaiclean_ptxas.log
 # mosaicb1  the Mosaic GPU selection forward with SELECTION_SPEED_PLAN's B1 step changes (the
 #          token's pick as a row bias, the causal mask on the last union entry only, P from
 #          registers) on, off, and on again (a repeat), at the 8k training layer shape, G = 16
@@ -135,7 +139,16 @@ mosaicovl() {  # the forward's intra-warpgroup overlap on / off at the 8k traini
   mkdir -p "$OUT/mosaicovl"
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 400 python3 -m experiments.bench_kernels --check --plan mosaicovl \
     --T 8192 --groups 16,4 --heads 16 --d 64 --batch 8 --patterns clustered,random --iters 10 \
-    --out "$OUT/mosaicovl" --tag h200_mosaicovl 2> "$OUT/mosaicovl/mosaicovl_ptxas.log"
+    --out "$OUT/mosaicovl" --tag h200_mosaicovl > "$OUT/mosaicovl/mosaicovl_ptxas.log" 2>&1
+  grep -vE "^ptxas" "$OUT/mosaicovl/mosaicovl_ptxas.log" | tail -40
+}
+mosaiclean() {  # shared vs separate shared-memory buffers at the 8k training layer
+  mkdir -p "$OUT/mosaiclean"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 400 python3 -m experiments.bench_kernels --check \
+    --plan mosaiclean --T 8192 --groups 16,4 --heads 16 --d 64 --batch 8 \
+    --patterns clustered,random --iters 10 --out "$OUT/mosaiclean" --tag h200_mosaiclean \
+    > "$OUT/mosaiclean/mosaiclean_ptxas.log" 2>&1
+  grep -vE "^ptxas" "$OUT/mosaiclean/mosaiclean_ptxas.log" | tail -40
 }
 mosaicb1() {  # the Mosaic forward step (FAST_MASK, REG_P) on / off at the 8k training layer shape
   timeout 330 python3 -m experiments.bench_kernels --check --plan mosaicb1 --T 8192 --heads 16 \

@@ -555,7 +555,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "mosaicnsa", "auto8k", "registry", "mosaicws", "cmpfold",
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
                                     "topnvar", "topnsweep",
-                                    "topnlayers", "topnptx", "mosaicslots", "mosaicovl"}
+                                    "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
+                                    "mosaiclean"}
 
 
 def test_needle_key_blocks_and_coverage():

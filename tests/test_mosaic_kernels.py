@@ -138,9 +138,13 @@ def test_forward_matches_reference(case):
   _assert_select_matches(o, lse, q, k, v, idx)
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean_smem", "separate_smem"])
 @pytest.mark.parametrize("shape", [(1, 140, 16, 1, 128, 64, 4), (1, 130, 8, 2, 64, 128, 3)],
                          ids=["G16_mosaic_dkv", "G4_triton_dkv"])
-def test_gradients_through_select_attention(shape):
+def test_gradients_through_select_attention(monkeypatch, shape, lean):
+  """Forward, dq and (G >= 8) dK/dV with the buffers that have disjoint lifetimes sharing shared
+  memory (LEAN_SMEM, the default) and with each in its own buffer (as before 2026-12-02)."""
+  monkeypatch.setattr(mgpu, "LEAN_SMEM", lean)
   b, t, h, kh, dk, dv, n = shape
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
