@@ -267,6 +267,39 @@ def topn_blocks(scores, cur_block, first_block, cfg: NSAConfig):
   return idx
 
 
+def topn_cut_margin(scores, cur_block, first_block, cfg: NSAConfig):
+  """How close Eq. 11's decision is: the smallest relative gap, over queries and KV heads, between
+  the lowest score top-n keeps and the highest it drops (forced and ineligible blocks excluded;
+  inf where no eligible block is dropped). Arguments as topn_blocks.
+
+  The selection is exact only up to float32 rounding of the scores: where this margin is ~1e-7,
+  another summation order of Eq. 9 (the kernels and the XLA path sum in other orders than this
+  reference) may keep the other block. Tests that demand identical indices redraw such inputs."""
+  ns = scores.shape[-1]
+  n_eff = min(cfg.num_selected, ns)
+  if n_eff >= ns:
+    return float("inf")
+  cur, first = cur_block[..., None], first_block[..., None]
+  j = jnp.arange(ns)[None, None, :]
+  eligible = (j <= cur) & (j >= first)
+  forced = ((j < first + cfg.num_init_blocks) | (j > cur - cfg.num_local_blocks)) & eligible
+  s = jnp.where(forced[:, :, None], jnp.inf, scores.astype(jnp.float32))
+  s = jnp.where(eligible[:, :, None], s, -jnp.inf)
+  vals = jax.lax.top_k(s, n_eff + 1)[0]
+  kept, dropped = vals[..., n_eff - 1], vals[..., n_eff]
+  contested = jnp.isfinite(kept) & jnp.isfinite(dropped)
+  gap = jnp.abs(kept - dropped) / jnp.maximum(jnp.maximum(jnp.abs(kept), jnp.abs(dropped)), 1e-30)
+  return float(jnp.min(jnp.where(contested, gap, jnp.inf)))
+
+
+def selection_cut_margin(scores, cfg: NSAConfig, segment_ids=None):
+  """topn_cut_margin for select_blocks(scores, cfg, segment_ids)'s queries."""
+  b, t, kh, ns = scores.shape
+  seg = _segments(segment_ids, b, t)
+  return topn_cut_margin(scores, (jnp.arange(t) // cfg.sel_block)[None, :],
+                         document_starts(seg) // cfg.sel_block, cfg)
+
+
 # ----------------------------------------------------------------------------- branches
 
 def selection_mask(block_idx, block_size, segment_ids):

@@ -310,11 +310,23 @@ def whole_op_case(ks):
 
 
 def test_whole_op_pallas_matches_reference():
-  seed = _seed()
-  ks = jax.random.split(jax.random.key(seed), 10)
-  cfg, args = whole_op_case(ks)
-  b, t, h, dv = 1, 100, cfg.num_heads, cfg.dim_v
-  seg = _segments(ks[8], b, t)
+  """The whole op through the Pallas kernels (interpreter) against the reference: identical block
+  indices, loss and gradients. Inputs whose top-n cut is a float32 near-tie (kept and dropped
+  blocks within 1e-5 relative: the kernels sum Eq. 9 in another order) are redrawn."""
+  first = _seed()
+  for i in range(20):
+    seed = (first + i) % 2 ** 32
+    ks = jax.random.split(jax.random.key(seed), 10)
+    cfg, args = whole_op_case(ks)
+    b, t, h, dv = 1, 100, cfg.num_heads, cfg.dim_v
+    seg = _segments(ks[8], b, t)
+    _, _, p = reference.compressed_attention(args[0], args[1], args[2], cfg.cmp_block, cfg.cmp_stride, seg)
+    margin = reference.selection_cut_margin(reference.selection_scores(p, cfg.num_kv_heads, t, cfg), cfg, seg)
+    if margin >= 1e-5:
+      break
+    print(f"seed {seed}: top-n cut margin {margin:.2e}, next seed")
+  else:
+    raise AssertionError(f"20 seeds from {first} all had near-ties at the top-n cut")
   w = jax.random.normal(ks[9], (b, t, h, dv))
 
   def run(impl):
