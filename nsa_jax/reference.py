@@ -251,12 +251,7 @@ def topn_blocks(scores, cur_block, first_block, cfg: NSAConfig):
   starts in first_block (both broadcastable to [B, Q]): select_blocks' rules, for any set of
   queries (the chunked path calls it per chunk)."""
   ns = scores.shape[-1]
-  cur, first = cur_block[..., None], first_block[..., None]  # [B|1, Q, 1]
-  j = jnp.arange(ns)[None, None, :]
-  eligible = (j <= cur) & (j >= first)
-  forced = ((j < first + cfg.num_init_blocks) | (j > cur - cfg.num_local_blocks)) & eligible
-  s = jnp.where(forced[:, :, None], jnp.inf, jax.lax.stop_gradient(scores))
-  s = jnp.where(eligible[:, :, None], s, -jnp.inf)
+  s = _eq11_keys(jax.lax.stop_gradient(scores), cur_block, first_block, cfg)
   n_eff = min(cfg.num_selected, ns)
   vals, idx = jax.lax.top_k(s, n_eff)  # stable: equal scores keep the lower index first
   idx = jnp.where(vals == -jnp.inf, ns, idx)
@@ -265,6 +260,19 @@ def topn_blocks(scores, cur_block, first_block, cfg: NSAConfig):
   if n_eff < cfg.num_selected:
     idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, cfg.num_selected - n_eff)), constant_values=-1)
   return idx
+
+
+def _eq11_keys(scores, cur_block, first_block, cfg: NSAConfig):
+  """The values Eq. 11's top-n ranks: scores, +inf for forced blocks (the first num_init_blocks of
+  the query's document and the num_local_blocks ending with its own), -inf for blocks that are
+  not eligible (after the query's block or before its document's first)."""
+  ns = scores.shape[-1]
+  cur, first = cur_block[..., None], first_block[..., None]  # [B|1, Q, 1]
+  j = jnp.arange(ns)[None, None, :]
+  eligible = (j <= cur) & (j >= first)
+  forced = ((j < first + cfg.num_init_blocks) | (j > cur - cfg.num_local_blocks)) & eligible
+  s = jnp.where(forced[:, :, None], jnp.inf, scores)
+  return jnp.where(eligible[:, :, None], s, -jnp.inf)
 
 
 def topn_cut_margin(scores, cur_block, first_block, cfg: NSAConfig):
@@ -279,12 +287,7 @@ def topn_cut_margin(scores, cur_block, first_block, cfg: NSAConfig):
   n_eff = min(cfg.num_selected, ns)
   if n_eff >= ns:
     return float("inf")
-  cur, first = cur_block[..., None], first_block[..., None]
-  j = jnp.arange(ns)[None, None, :]
-  eligible = (j <= cur) & (j >= first)
-  forced = ((j < first + cfg.num_init_blocks) | (j > cur - cfg.num_local_blocks)) & eligible
-  s = jnp.where(forced[:, :, None], jnp.inf, scores.astype(jnp.float32))
-  s = jnp.where(eligible[:, :, None], s, -jnp.inf)
+  s = _eq11_keys(scores.astype(jnp.float32), cur_block, first_block, cfg)
   vals = jax.lax.top_k(s, n_eff + 1)[0]
   kept, dropped = vals[..., n_eff - 1], vals[..., n_eff]
   contested = jnp.isfinite(kept) & jnp.isfinite(dropped)

@@ -831,7 +831,9 @@ SMEM_BYTES = 232448  # an H100/H200 block's shared memory
 
 def _dkv_smem(dk, dv, slots):
   """Shared memory of the dK/dV kernel: K, V, `slots` slots of q/do/lse/delta, P^T, float32
-  dK/dV staging (2 slots: 640 (d_k + d_v) + 9216 bytes)."""
+  dK/dV staging (2 slots: 640 (d_k + d_v) + 9216 bytes). This and _fwd_smem count the separate
+  buffers (LEAN_SMEM off): with LEAN_SMEM the kernels need less, so the slot caps and
+  dkv_supports built on them are conservative (shapes measured and compiled with them only)."""
   return (384 + 128 * slots) * (dk + dv) + 512 * slots + 8192
 
 

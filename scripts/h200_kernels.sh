@@ -140,7 +140,9 @@ mosaicovl() {  # the forward's intra-warpgroup overlap on / off at the 8k traini
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 400 python3 -m experiments.bench_kernels --check --plan mosaicovl \
     --T 8192 --groups 16,4 --heads 16 --d 64 --batch 8 --patterns clustered,random --iters 10 \
     --out "$OUT/mosaicovl" --tag h200_mosaicovl > "$OUT/mosaicovl/mosaicovl_ptxas.log" 2>&1
+  local rc=$?
   grep -vE "^ptxas" "$OUT/mosaicovl/mosaicovl_ptxas.log" | tail -40
+  return $rc
 }
 mosaiclean() {  # shared vs separate shared-memory buffers at the 8k training layer
   mkdir -p "$OUT/mosaiclean"
@@ -148,7 +150,9 @@ mosaiclean() {  # shared vs separate shared-memory buffers at the 8k training la
     --plan mosaiclean --T 8192 --groups 16,4 --heads 16 --d 64 --batch 8 \
     --patterns clustered,random --iters 10 --out "$OUT/mosaiclean" --tag h200_mosaiclean \
     > "$OUT/mosaiclean/mosaiclean_ptxas.log" 2>&1
+  local rc=$?
   grep -vE "^ptxas" "$OUT/mosaiclean/mosaiclean_ptxas.log" | tail -40
+  return $rc
 }
 mosaicb1() {  # the Mosaic forward step (FAST_MASK, REG_P) on / off at the 8k training layer shape
   timeout 330 python3 -m experiments.bench_kernels --check --plan mosaicb1 --T 8192 --heads 16 \

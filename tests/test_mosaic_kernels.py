@@ -296,6 +296,37 @@ def test_overlap_lowers_for_cuda_where_it_applies(monkeypatch):
     assert (text != plain[c]) == applies and ("wait_n=1" in text) == applies, c
 
 
+@pytest.mark.parametrize("kernel", ["forward", "overlap", "dq", "dkv"])
+@pytest.mark.parametrize("lean", [True, False], ids=["lean_smem", "separate_smem"])
+def test_kernels_are_race_free_in_the_interpreter(monkeypatch, kernel, lean):
+  """Mosaic GPU's interpreter with race detection (it also checks reads through another RefUnion
+  group than the last write, which the plain interpreter does not: there each union member has
+  its own buffer): the forward, the overlapped forward, dq and dK/dV at G = 8 (8 tokens a tile)
+  with short lists and tiles of one block, with and without LEAN_SMEM. A review found that
+  writing dK/dV's result staging before the last row copy was waited for, or skipping that wait,
+  fails this test. (The kernels run interpreted on a GPU machine too: interpret=True.)"""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  params = mgpu.plgpu.InterpretGPUParams
+  monkeypatch.setattr(mgpu.plgpu, "InterpretGPUParams", lambda: params(detect_races=True))
+  monkeypatch.setattr(mgpu, "LEAN_SMEM", lean)
+  monkeypatch.setattr(mgpu, "OVERLAP", kernel == "overlap")
+  b, t, h, kh, dk, dv, n = 1, 200, 8, 1, 64, 64, 3
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  maps = C.tile_maps(idx, mgpu.tiling_for(h // kh, 64))
+  lse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  delta = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  scale = dk ** -0.5
+  run = {"forward": lambda: mgpu.forward(q, k, v, maps, block_size=64, scale=scale, interpret=True),
+         "overlap": lambda: mgpu.forward(q, k, v, maps, block_size=64, scale=scale, interpret=True),
+         "dq": lambda: mgpu.dq(q, k, v, maps, do, lse, delta, block_size=64, scale=scale,
+                               interpret=True),
+         "dkv": lambda: mgpu.dkv_partials(q, k, v, idx, do, lse, delta, chunk_entries=24,
+                                          scale=scale, interpret=True)}[kernel]
+  jax.block_until_ready(run())
+  assert not gpu_callbacks.get_races().races_found, f"{kernel}: a race in the interpreter"
+
+
 def test_deep_prologue_within_short_lists(monkeypatch):
   """G = 64 (one token a tile, every step causally masked, the list the token's own n entries)
   with a prologue deeper than the list (FWD_SLOTS - 1 > n): exact, and lowers for CUDA."""

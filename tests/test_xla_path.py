@@ -53,18 +53,21 @@ def reference_scores(x, cfg, seg):
 def draw(cfg, batch, t, docs, dtype=jnp.float32, tries=20):
   """(seed, inputs, segment ids) from a fresh seed, moving on to the next seed while the top-n
   decision is a near-tie (reference.selection_cut_margin < TIE_MARGIN): there either block is a
-  right answer in float32, so exact index checks would be a coin flip."""
+  right answer in float32, so exact index checks would be a coin flip. Where T has more
+  selection blocks than n, also while no query has to choose (margin inf: the documents'
+  boundaries left every query n or fewer eligible blocks), so that top-n is really tested."""
   first = fresh_seed()
+  choice = cfg.num_sel_blocks(t) > cfg.num_selected
   for i in range(tries):
     seed = (first + i) % 2 ** 32
     x, seg = make_inputs(seed, cfg, batch, t, dtype), make_segments(seed, batch, t, docs)
     if "slc" not in cfg.branches or cfg.selector == "aux":
       return seed, x, seg
     margin = reference.selection_cut_margin(reference_scores(x, cfg, seg), cfg, seg)
-    if margin >= TIE_MARGIN:
+    if margin >= TIE_MARGIN and (margin < float("inf") or not choice):
       return seed, x, seg
-    print(f"seed {seed}: top-n cut margin {margin:.2e} < {TIE_MARGIN}, next seed")
-  raise AssertionError(f"{tries} seeds from {first} all had near-ties at the top-n cut")
+    print(f"seed {seed}: top-n cut margin {margin:.2e} (want {TIE_MARGIN} to inf), next seed")
+  raise AssertionError(f"{tries} seeds from {first}: none had a top-n choice that is not a near-tie")
 
 
 def make_segments(seed, batch, t, num_docs):
@@ -292,6 +295,22 @@ def test_draw_redraws_near_ties(monkeypatch):
   assert abs(reference.selection_cut_margin(s16, cfg) - 0.4) < 1e-6
   tie = s16.at[..., 0].set(0.3)  # blocks 0, 1, 2 all 0.3: a tie at the cut
   assert reference.selection_cut_margin(tie, cfg) == 0.0
+  # a document starting at position 8 (block 2): its queries see blocks 2-3 only, block 3 (own)
+  # forced, block 2 kept or not by n = 2: nothing dropped there; the first document's queries
+  # (blocks 0-1) have no choice either
+  docs = jnp.asarray([[0] * 8 + [1] * 8], jnp.int32)
+  assert reference.selection_cut_margin(tie, cfg, docs) == float("inf")
+  cfg1 = cfg_of(1, num_selected=1, num_init_blocks=0, num_local_blocks=1, sel_block=4,
+                cmp_stride=4, cmp_block=4)
+  s2 = jnp.tile(jnp.asarray([0.5, 0.3, 0.2, 0.9], jnp.float32), (1, 16, 1, 1))
+  two = jnp.asarray([[0] * 4 + [1] * 12], jnp.int32)  # second document from block 1
+  # n = 1: only the own block, which is forced: the rest is dropped, but nothing is contested
+  assert reference.selection_cut_margin(s2, cfg1, two) == float("inf")
+  cfg3 = cfg_of(1, num_selected=2, num_init_blocks=0, num_local_blocks=1, sel_block=4,
+                cmp_stride=4, cmp_block=4)
+  # n = 2 in the second document (blocks 1-3): block 3's queries keep 1 of blocks 1, 2
+  # (0.3 kept, 0.2 dropped: gap 1/3); block 0's score 0.5 is outside that document
+  assert abs(reference.selection_cut_margin(s2, cfg3, two) - 1 / 3) < 1e-6
   calls = []
   real = reference.selection_cut_margin
   monkeypatch.setattr(reference, "selection_cut_margin",
