@@ -84,7 +84,7 @@ def _staging(interpret):
 
 
 def _buffers(shared):
-  """The buffers of a _shared allocation in order (a RefUnion iterates by group)."""
+  """The buffers of a _shared allocation in order (both forms iterate by group)."""
   out = []
   for x in shared:
     out += list(x) if isinstance(x, (tuple, list)) else [x]
@@ -92,11 +92,9 @@ def _buffers(shared):
 
 
 def _shared(*groups):
-  """Buffer groups with disjoint lifetimes: one plgpu.RefUnion with LEAN_SMEM, else the groups'
-  buffers side by side. Either unpacks to the groups' buffers in order."""
-  if LEAN_SMEM:
-    return plgpu.RefUnion(*groups)
-  return tuple(r for grp in groups for r in (grp if isinstance(grp, tuple) else (grp,)))
+  """Buffer groups with disjoint lifetimes: one plgpu.RefUnion with LEAN_SMEM, else the groups
+  side by side (a tuple). _buffers unpacks either to the groups' buffers in order."""
+  return plgpu.RefUnion(*groups) if LEAN_SMEM else groups
 
 
 def _check(h, kh, dk, dv, has_seg, dtype):
@@ -228,9 +226,10 @@ class _Walk(NamedTuple):
   pos: jax.Array          # [ROWS, BLOCK] the row's token position
 
 
-def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar, slots=2):
+def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar, slots=2,
+          min_count=0):
   """A query tile's walk over its key blocks (a _Walk), blocks 0 .. slots-2 already in flight
-  (slot i holds block i). `blocks`
+  (slot i holds block i; at least min_count blocks, even past the tile's count). `blocks`
   returns (count, block_of, visible, picked(j, tok) or None) for the tile (_select_blocks /
   _cmp_blocks); the walk's row_picked(j) is picked on the [ROWS] token slots."""
   wg = plgpu.Layout.WGMMA
@@ -254,7 +253,7 @@ def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar, s
     plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
 
-  _prologue(functools.partial(fetch, clamp=True), cnt, slots)
+  _prologue(functools.partial(fetch, clamp=True), jnp.maximum(cnt, min_count), slots)
   return _Walk(cnt, block_of, visible, row_picked, fetch, c_id, pos)
 
 
@@ -347,26 +346,15 @@ def _kernel_overlap(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, t
   tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
   rows = pl.ds(tile * ROWS, ROWS)
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
-  wg = plgpu.Layout.WGMMA
-  r_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 0, layout=wg)
-  c_id = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=wg)
-  pos = tile * tq + r_id // g                 # the row's token position
-  cnt, block_of, _, picked = blocks(b, tile, kk, r_id // g, pos)
-  tok_row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wg.reduce(1)) // g
-  n = jnp.maximum(cnt, 1)
-  last = k_ref.shape[2] // BLOCK - 1
-
-  def fetch(j, slot):
-    keys = pl.ds(jnp.clip(block_of(j), 0, last) * BLOCK, BLOCK)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
-
-  _prologue(fetch, n, slots)
+  cnt, block_of, _, row_picked, fetch, c_id, pos = _walk(
+      blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
+      v_bar=v_bar, slots=slots, min_count=1)
+  n = jnp.maximum(cnt, 1)  # an empty union (ub = 0, bits = 0) walks block 0, every row masked
 
   def logits(j, s, causal):
     """Masked base-2 logits of union entry j: the token's pick as a row bias; causal if asked
     (only the last entry can hold keys after a row's token; on others the mask is a no-op)."""
-    bias = jnp.where(picked(j, tok_row), 0.0, -jnp.inf)
+    bias = jnp.where(row_picked(j), 0.0, -jnp.inf)
     s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [0])
     if causal:
       s = jnp.where(block_of(j) * BLOCK + c_id <= pos, s, -jnp.inf)
@@ -388,12 +376,7 @@ def _kernel_overlap(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, t
 
   def body(j, carry, causal):
     acc, m_i, l_i, p16, alpha = carry
-    ahead = j + slots - 1
-
-    @pl.when(ahead < n)
-    def _():
-      fetch(ahead, lax.rem(ahead, slots))
-    cur, nxt = lax.rem(j, slots), lax.rem(j + 1, slots)
+    cur, nxt = _prefetch(fetch, j, n, slots), lax.rem(j + 1, slots)
     plgpu.barrier_wait(k_bar.at[nxt])
     plgpu.barrier_wait(v_bar.at[cur])
 
@@ -427,7 +410,7 @@ def overlap_slots(dk, dv):
   """K/V slots of the OVERLAP forward: max(3, FWD_SLOTS) capped by shared memory; 0 where three
   do not fit (that call runs _kernel)."""
   slots = _cap_slots(max(3, FWD_SLOTS), lambda s: _fwd_smem(dk, dv, s))
-  return slots if slots >= 3 and _fwd_smem(dk, dv, slots) <= SMEM_BYTES else 0
+  return slots if slots >= 3 else 0  # _cap_slots keeps more than 2 only where they fit
 
 
 def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False):

@@ -81,21 +81,26 @@ def _assert_select_matches(o, lse, q, k, v, idx):
   np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3, rtol=1e-4)
 
 
-def _select_lowered(g, dk, dv, kh=2, t=300, n=16, **kw):
-  """CUDA text (abstract H100-class device) of value_and_grad of select_attention(**kw) at
-  b=1, T=t, n blocks, G query heads a group: what the Mosaic GPU lowering checks (layout
-  inference, wgmma / TMA shapes, barrier counts, the shared-memory limit) run on."""
-  b = 1
+def _select_grad_fn(g, dk, dv, kh=2, t=300, n=16, **kw):
+  """(f, abstract args): value_and_grad of select_attention(**kw) at b=1, T=t, n blocks, G query
+  heads a group, for _select_lowered and _select_jaxpr."""
   sd = jax.ShapeDtypeStruct
-  args = (sd((b, t, g * kh, dk), jnp.bfloat16), sd((b, t, kh, dk), jnp.bfloat16),
-          sd((b, t, kh, dv), jnp.bfloat16), sd((b, t, kh, n), jnp.int32))
+  args = (sd((1, t, g * kh, dk), jnp.bfloat16), sd((1, t, kh, dk), jnp.bfloat16),
+          sd((1, t, kh, dv), jnp.bfloat16), sd((1, t, kh, n), jnp.int32))
 
   def f(q, k, v, idx):
     def loss(q, k, v):
       o, lse = select_attention(q, k, v, idx, 64, **kw)
       return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
     return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
-  return _cuda_text(f, args)
+  return f, args
+
+
+def _select_lowered(g, dk, dv, kh=2, t=300, n=16, **kw):
+  """CUDA text (abstract H100-class device) of _select_grad_fn's function: what the Mosaic GPU
+  lowering checks (layout inference, wgmma / TMA shapes, barrier counts, the shared-memory limit)
+  run on."""
+  return _cuda_text(*_select_grad_fn(g, dk, dv, kh, t, n, **kw))
 
 
 def _cuda_text(f, args):
@@ -107,18 +112,10 @@ def _cuda_text(f, args):
 
 
 def _select_jaxpr(g, dk, dv, kh=2, t=300, n=16, **kw):
-  """The traced program (kernel bodies included) of _select_lowered's function, as text: equal
+  """The traced program (kernel bodies included) of _select_grad_fn's function, as text: equal
   settings give equal text, unlike the lowered module (whose Mosaic GPU bytecode carries a
   per-process kernel counter), so it tells whether a switch changed the kernels."""
-  sd = jax.ShapeDtypeStruct
-  args = (sd((1, t, g * kh, dk), jnp.bfloat16), sd((1, t, kh, dk), jnp.bfloat16),
-          sd((1, t, kh, dv), jnp.bfloat16), sd((1, t, kh, n), jnp.int32))
-
-  def f(q, k, v, idx):
-    def loss(q, k, v):
-      o, lse = select_attention(q, k, v, idx, 64, **kw)
-      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+  f, args = _select_grad_fn(g, dk, dv, kh, t, n, **kw)
   return str(jax.make_jaxpr(f)(*args))
 
 
