@@ -276,20 +276,29 @@ def _prefetch(fetch, j, cnt, slots):
   return lax.rem(j, slots)
 
 
+def _tile_start(blocks, q_ref, k_ref, v_ref, scoped, *, g, tq, slots, min_count=0):
+  """The forwards' tile set-up: the query tile's TMA issued and the walk's first blocks in flight.
+  Returns the buffers (q_s, k_s, v_s, p_s, o_s, lse_s; the output tile shares the query tile's
+  memory with LEAN_SMEM), the barriers, (batch, group, the tile's rows) and the _Walk."""
+  (qo_s, k_s, v_s, p_s, lse_s), bars = scoped
+  q_s, o_s = _buffers(qo_s)
+  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
+  rows = pl.ds(tile * ROWS, ROWS)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, bars[0].at[0])
+  walk = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s,
+               k_bar=bars[1], v_bar=bars[2], slots=slots, min_count=min_count)
+  return (q_s, k_s, v_s, p_s, o_s, lse_s), bars, (b, kk, rows), walk
+
+
 def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype,
             interpret, slots=2):
   """One 64-row tile against the key blocks that `blocks(b, tile, kk, tok, pos)` names: it returns
   (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool, row_picked or None) for the tile
   (see forward / cmp_forward). With row_picked (the selection) and FAST_MASK, the pick is a row
   bias and the causal mask applies at the last union entry only."""
-  (qo_s, k_s, v_s, p_s, lse_s), (q_bar, k_bar, v_bar) = scoped
-  q_s, o_s = _buffers(qo_s)  # the output tile reuses the query tile's memory (LEAN_SMEM)
-  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
-  rows = pl.ds(tile * ROWS, ROWS)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
-  cnt, block_of, visible, row_picked, fetch, c_id, pos = _walk(
-      blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
-      v_bar=v_bar, slots=slots)
+  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk = _tile_start(
+      blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq, slots=slots)
+  cnt, block_of, visible, row_picked, fetch, c_id, pos = walk
   plgpu.barrier_wait(q_bar.at[0])
   row_picked = row_picked if FAST_MASK else None
 
@@ -341,14 +350,9 @@ def _kernel_overlap(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, t
   online-softmax step; wait for P_j V_j; acc = acc * alpha_j + P_j V_j. Block 0's scores come
   before the loop and P_{n-1} V_{n-1} after it. A tile with an empty union (cnt = 0) walks block 0
   with every row masked (its bits are 0): o = 0, lse = -inf, as _kernel."""
-  (qo_s, k_s, v_s, p_s, lse_s), (q_bar, k_bar, v_bar) = scoped
-  q_s, o_s = _buffers(qo_s)  # the output tile reuses the query tile's memory (LEAN_SMEM)
-  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
-  rows = pl.ds(tile * ROWS, ROWS)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
-  cnt, block_of, _, row_picked, fetch, c_id, pos = _walk(
-      blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
-      v_bar=v_bar, slots=slots, min_count=1)
+  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk = _tile_start(
+      blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq, slots=slots, min_count=1)
+  cnt, block_of, _, row_picked, fetch, c_id, pos = walk
   n = jnp.maximum(cnt, 1)  # an empty union (ub = 0, bits = 0) walks block 0, every row masked
 
   def logits(j, s, causal):
