@@ -19,7 +19,8 @@
 #          its block scores to rank the key's block first (2026-11-30: NSA then failed every middle
 #          depth at 4k). PK_N1=8 makes the 1024 stage choose (5 of 13 free blocks); PK_LEN1=2048
 #          did not get past the plateau in 1500 steps (PK_STEPS1 raises them; the stage's timeout
-#          grows with it).
+#          grows with it). PK_STEPS2: steps of the 4k stage (default 400); PK_RUNS: which models
+#          (default "nsa dense"); on a one-GPU machine they run one after another.
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
 #          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
@@ -235,32 +236,46 @@ passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA
 passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per step stay 32k.
   # PK_N1: NSA's n in the first stage only (the 4k stage keeps the paper's 16): with 8 at 1024
   # tokens the selection must choose 5 of 13 free blocks instead of taking them all.
-  local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500}
+  # PK_STEPS2 (default 400): steps of the 4k stage. PK_RUNS (default "nsa dense"): which models
+  # to train. With one GPU (the one-GPU kind) the runs go one after another on it; with two, NSA
+  # on GPU 0 and dense on GPU 1 at once.
+  local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400}
+  local runs=${PK_RUNS:-nsa dense} ngpu r gpu
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
   local t="timeout -k 60 -s TERM $((240 * steps1 / 1500)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  local t2="timeout -k 60 -s TERM 240 python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  local tag=pk2_$len1${PK_N1:+_n$PK_N1}${PK_STEPS1:+_s$PK_STEPS1}
+  local t2="timeout -k 60 -s TERM $((120 + steps2 * 3 / 10)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  local tag=pk2_$len1${PK_N1:+_n$PK_N1}${PK_STEPS1:+_s$PK_STEPS1}${PK_STEPS2:+_t$PK_STEPS2}
   local d=$T/$tag
-  local n1=${PK_N1:+--config.model.nsa.num_selected=$PK_N1}
   # the same answer : context loss ratio as at 4k (25 : 0.01 x ~4000 = 0.04 x ~1000 = 0.02 x ~2000)
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
     --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=$steps1
     --config.train.eval_every=500 --config.checkpoint.every_steps=500"
-  CUDA_VISIBLE_DEVICES=0 $t $s1 $n1 --workdir=$d/nsa_s1 > "$R/${tag}_nsa_s1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 $t $s1 --workdir=$d/dense_s1 --config.model.attention=dense \
-    > "$R/${tag}_dense_s1.log" 2>&1 &
+  local s2="--config.train.num_steps=$steps2 --config.train.eval_every=200"
+  _pk_run() {  # _pk_run <model> <gpu>: both stages of one model
+    local extra1="" extra=""
+    if [ "$1" = nsa ]; then extra1=${PK_N1:+--config.model.nsa.num_selected=$PK_N1}
+    else extra="--config.model.attention=dense"; fi
+    CUDA_VISIBLE_DEVICES=$2 $t $s1 $extra1 $extra --workdir=$d/${1}_s1 > "$R/${tag}_${1}_s1.log" 2>&1
+    grep -h "^done:\|stopped" "$R/${tag}_${1}_s1.log"  # a stage cut by its timeout says so here
+    CUDA_VISIBLE_DEVICES=$2 $t2 $s2 $extra --workdir=$d/$1 --config.checkpoint.init_from=$d/${1}_s1 \
+      > "$R/${tag}_${1}.log" 2>&1
+    grep -h "^done:\|stopped" "$R/${tag}_${1}.log"
+  }
+  gpu=0
+  for r in $runs; do
+    if (( ngpu > 1 )); then _pk_run "$r" $gpu & gpu=$((gpu + 1)); else _pk_run "$r" 0; fi
+  done
   wait_runs
-  grep -h "^done:\|stopped" "$R"/${tag}_*_s1.log  # a stage cut by its timeout says so here
-  local s2="--config.train.num_steps=400 --config.train.eval_every=200"
-  CUDA_VISIBLE_DEVICES=0 $t2 $s2 --workdir=$d/nsa --config.checkpoint.init_from=$d/nsa_s1 \
-    > "$R/${tag}_nsa.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 $t2 $s2 --workdir=$d/dense --config.model.attention=dense \
-    --config.checkpoint.init_from=$d/dense_s1 > "$R/${tag}_dense.log" 2>&1 &
-  wait_runs
-  for r in nsa_s1 dense_s1 nsa dense; do keep "$d/$r" "${tag}_$r"; done
+  local wds="" labels=""
+  for r in $runs; do
+    keep "$d/${r}_s1" "${tag}_${r}_s1"; keep "$d/$r" "${tag}_$r"
+    wds+="${wds:+,}$d/$r"; labels+="${labels:+,}$r"
+  done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
-    --workdirs=$d/nsa,$d/dense --labels=nsa,dense --lengths=2048,4096,8192 \
+    --workdirs=$wds --labels=$labels --lengths=2048,4096,8192 \
     --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu_$tag.png > "$R/needle_gpu_$tag.log" 2>&1
+  tail -n 30 "$R/needle_gpu_$tag.log"
 }
 
 # Paper ablations at GPU scale (each ~8 min on 2 GPUs; nsa itself is reused from pair's record).
