@@ -395,6 +395,10 @@ def plan_jobs(name, ts, groups, patterns, block):
     u4 = kc.clustered_tiling(16, block)
     return ([(t, 16, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", u4, None)]
             + [(t, 4, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", None)])
+  if name == "mosaicab16":  # G = 16: the Mosaic union tile vs Triton's, twice (which the
+    # registry's union branch should be)
+    u4 = kc.clustered_tiling(16, block)
+    return [(t, 16, p, tl, True) for t in ts for p in patterns for tl in ("mosaic", u4) * 2]
   if name == "mosaicb1":  # the Mosaic forward step with B1's changes on / off (A/B, repeated)
     u4 = kc.clustered_tiling(16, block)
     var = ("mosaic", "mosaic-b1off", "mosaic")
@@ -507,7 +511,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicb1 | mosaicslots | mosaicovl | mosaiclean | mosaicws | registry "
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicab16 | mosaicb1 | mosaicslots | mosaicovl | mosaiclean | mosaicws | registry "
                  "(registry: backend='auto', what implementation='pallas' runs)")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
@@ -528,8 +532,10 @@ def main(argv=None):
             "mosaicovl": check_mosaic_overlap, "mosaiclean": check_mosaic,
             "mosaicws": functools.partial(check_mosaic, ws=True, cases=(
                 (1, 1001, 16, 1, 192, 128, 16), (1, 900, 16, 2, 64, 64, 16))),
+            "mosaicab16": check_mosaic,
             "registry": functools.partial(check_mosaic, backend="auto", cases=(
-                (1, 1001, 16, 1, 64, 64, 16), (2, 777, 16, 4, 128, 128, 16)))}
+                (1, 1001, 16, 1, 64, 64, 16), (2, 777, 16, 4, 128, 128, 16),
+                (1, 1001, 16, 1, 128, 128, 16)))}
   if a.check and not checks.get(a.plan, check_compiled)():
     print("CHECK FAILED", flush=True)
   if a.no_bench:

@@ -12,7 +12,9 @@
       (NSA models: per cell, the blocks the key spans and how often each layer selects them all
       at the answer queries; JSON and a printed table, no picture)
 
-A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl).
+A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl), either with an
+optional @STEP for that saved checkpoint instead of the newest (e.g. runs/pk/nsa@800; the label
+then ends in @800), so one run's checkpoints can be compared.
 Passkey examples are a pure function of (seed, length, depth index, sample): the same text every
 run, no download. Their format is the training "passkey" source's (nsa_jax/training/data.py).
 Scoring: the 5 answer digits are correct under teacher forcing; that is exactly greedy decoding,
@@ -48,7 +50,7 @@ def define_flags():
   _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position", "blocks"],
                             "what to evaluate (blocks: per needle cell, how often each NSA layer's "
                             "selection holds every block the key spans at the answer queries)")
-  _WORKDIRS = flags.DEFINE_list("workdirs", None, "workdirs or SWEEP_OUT_DIR:RUN, comma-separated")
+  _WORKDIRS = flags.DEFINE_list("workdirs", None, "workdirs or SWEEP_OUT_DIR:RUN, each with an optional @STEP (that checkpoint, not the newest), comma-separated")
   _LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
   _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512"], "needle: context lengths")
   _DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "needle: depth fractions")
@@ -253,20 +255,20 @@ def main(argv):
   quiet_libraries()
   from experiments.trained_model import jit_logits, load_model, resolve_workdir, val_batches
   specs = [resolve_workdir(w) for w in _WORKDIRS.value]
-  labels = _LABELS.value or [label for _, label in specs]
+  labels = _LABELS.value or [label for _, label, _ in specs]
   results = {}
   if _MODE.value == "needle":
     lengths = [int(x) for x in _LENGTHS.value]
     depths = [float(x) for x in _DEPTHS.value]
     grids, trained = [], []
-    for (workdir, _), label in zip(specs, labels):
-      model, config, _ = load_model(workdir, max_seq_len=max(lengths))
+    for (workdir, _, step), label in zip(specs, labels):
+      model, config, _ = load_model(workdir, max_seq_len=max(lengths), step=step)
       longer = [n for n in lengths if n > config.data.seq_len]
       if longer:
         print(f"note: {label} was trained on {config.data.seq_len}-token sequences; lengths "
               f"{longer} test extrapolation beyond it")
       grid = needle_grid(jit_logits(model), lengths, depths, _SAMPLES.value, _SEED.value)
-      grid.update(workdir=workdir, trained_seq_len=config.data.seq_len)
+      grid.update(workdir=workdir, step=step, trained_seq_len=config.data.seq_len)
       grids.append(grid)
       trained.append(f"{config.data.source}, {config.data.seq_len} tokens")
       results[label] = grid
@@ -277,8 +279,8 @@ def main(argv):
   elif _MODE.value == "blocks":
     lengths = [int(x) for x in _LENGTHS.value]
     depths = [float(x) for x in _DEPTHS.value]
-    for (workdir, _), label in zip(specs, labels):
-      model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths))
+    for (workdir, _, step), label in zip(specs, labels):
+      model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths), step=step)
       if "nsa" not in model_cfg.attention_kinds:
         raise ValueError(f"{workdir}: --mode=blocks needs a model with NSA layers (this one: "
                          f"{model_cfg.attention_kinds}). Fix: pass an NSA run's workdir")
@@ -293,8 +295,8 @@ def main(argv):
               + " ".join(f"{v:.2f}" for v in c["coverage_by_layer"]))
   else:
     curves = []
-    for (workdir, _), label in zip(specs, labels):
-      model, config, _ = load_model(workdir)
+    for (workdir, _, step), label in zip(specs, labels):
+      model, config, _ = load_model(workdir, step=step)
       if _VAL_SEED.value >= 0:
         config.data.seed = _VAL_SEED.value
       batches = val_batches(config, _BATCHES.value)

@@ -10,14 +10,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import jax
 from flax import nnx
 from ml_collections import ConfigDict
 
 
-def resolve_workdir(spec: str) -> tuple[str, str]:
-  """A workdir path, or 'SWEEP_OUT_DIR:RUN' looked up in that sweep's results.jsonl -> (dir, label)."""
+def resolve_workdir(spec: str) -> tuple[str, str, int | None]:
+  """A workdir path, or 'SWEEP_OUT_DIR:RUN' looked up in that sweep's results.jsonl, either with an
+  optional '@STEP' (that checkpoint instead of the newest) -> (dir, label, step or None). The
+  label carries the '@STEP'."""
+  m = re.fullmatch(r"(.+)@(\d+)", spec)
+  if m and not os.path.isdir(spec):
+    workdir, label, _ = resolve_workdir(m.group(1))
+    return workdir, f"{label}@{m.group(2)}", int(m.group(2))
   if ":" in spec and not os.path.isdir(spec):
     out_dir, run = spec.rsplit(":", 1)
     path = os.path.join(out_dir, "results.jsonl")
@@ -29,8 +36,8 @@ def resolve_workdir(spec: str) -> tuple[str, str]:
           found = rec["workdir"]
     if found is None:
       raise ValueError(f"run {run!r} not in {path}. Fix: train it with experiments/ablate.py first")
-    return found, run
-  return spec, os.path.basename(os.path.normpath(spec))
+    return found, run, None
+  return spec, os.path.basename(os.path.normpath(spec)), None
 
 
 def load_config(workdir: str) -> ConfigDict:
@@ -41,8 +48,8 @@ def load_config(workdir: str) -> ConfigDict:
     return ConfigDict(json.load(f))
 
 
-def load_model(workdir: str, max_seq_len: int | None = None):
-  """(TransformerLM with the newest checkpoint's weights, run config, ModelConfig).
+def load_model(workdir: str, max_seq_len: int | None = None, step: int | None = None):
+  """(TransformerLM with the newest checkpoint's weights, or step's, run config, ModelConfig).
 
   max_seq_len: build the model for longer inputs than it was trained on. RoPE is computed on the
   fly, so no parameter depends on it; the weights are restored with the trained config (the
@@ -58,9 +65,12 @@ def load_model(workdir: str, max_seq_len: int | None = None):
   setup = build_setup(config, mesh)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
   try:
-    step = ckpt.latest_step()
     if step is None:
-      raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train the run first")
+      step = ckpt.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train the run first")
+    else:
+      ckpt.require_step(step)  # names the saved steps when this one is not among them
     with jax.set_mesh(mesh):
       # How-to-compute fields may differ (e.g. layer_loop, added after older runs were saved)
       state, _ = ckpt.restore(step, setup.abstract_state,

@@ -28,7 +28,7 @@ def define_flags():
   """Command-line flags; defined only when run as a script, so that importing this module
   (tests, other scripts) never defines absl flags twice."""
   global _WORKDIR, _ROW, _OUT, _QUERIES, _STAT_ROWS
-  _WORKDIR = flags.DEFINE_string("workdir", None, "NSA run: workdir or SWEEP_OUT_DIR:RUN")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "NSA run: workdir or SWEEP_OUT_DIR:RUN, optional @STEP for that checkpoint")
   _ROW = flags.DEFINE_integer("row", 0, "which validation sequence (row of batch 0, 1, ...)")
   _OUT = flags.DEFINE_string("out", "docs/figures/selection.png", "PNG path (.txt written beside)")
   _QUERIES = flags.DEFINE_integer("queries", 6, "queries listed in the .txt")
@@ -173,8 +173,8 @@ def main(argv):
   from experiments.cli import quiet_libraries
   quiet_libraries()
   from experiments.trained_model import forward_with_aux, load_model, resolve_workdir, val_batches
-  workdir, label = resolve_workdir(_WORKDIR.value)
-  model, config, model_cfg = load_model(workdir)
+  workdir, label, step = resolve_workdir(_WORKDIR.value)
+  model, config, model_cfg = load_model(workdir, step=step)
   per_batch = config.data.global_batch_size
   batch = val_batches(config, _ROW.value // per_batch + 1)[-1]
   tokens = batch["inputs"][_ROW.value % per_batch][None]

@@ -172,8 +172,9 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
   be, why = sk.auto_backend(q.shape, k_slc.shape, v_slc.shape, cfg.sel_block,
                             segment_ids is not None, q.dtype, interpret)
   g = cfg.num_heads // cfg.num_kv_heads
-  union_only = g == 16 and q.shape[1] <= sk.STATIC_UNION_MAX_T
-  what = ("Mosaic GPU" + ((" (4-token union tiles only: T <= STATIC_UNION_MAX_T)" if union_only
+  union_only = sk.static_union(g, q.shape[1], q.shape[3], v_slc.shape[3])
+  what = ("Mosaic GPU" + ((" (4-token union tiles only: T <= STATIC_UNION_MAX_T, head dims <= "
+                            "STATIC_UNION_MAX_DIM)" if union_only
                            else " (4-token union tiles; the per-token Triton tile when a call's "
                            "neighbouring tokens share few blocks)") if g >= 16 else "")
           if be == "mosaic" else "Triton")

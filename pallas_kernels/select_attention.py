@@ -333,16 +333,20 @@ def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
 # (benchmarks/results/select_h200_mosaic8k.md, select_h200_mosaic.md, 2026-11-30). Head dims 64
 # (the 8k training layer, 16 query heads): G = 16 fwd 1.42 vs 1.63 ms (clustered), 2.48 vs 2.59
 # (random), bwd 4.01 vs 4.15 / 4.89 vs 5.33; G = 4 fwd 2.75 vs 3.70 / 4.96 vs 6.43, bwd 5.20 vs
-# 6.13 / 7.38 vs 9.01. Head dims 128 (T=64k, 64 query heads): G = 16 Triton is faster (fwd 8.68 vs
-# 9.18 ms clustered, bwd 21.7 vs 27.4), so Triton stays there; G = 4 depends on the pattern
-# (below). G = 8 / 32 / 64 and d = 192 or 256 are not measured with Mosaic: Triton.
+# 6.13 / 7.38 vs 9.01. Head dims 128 (T=64k, 64 query heads), G = 16: Triton was faster on
+# 2026-11-30 (fwd 8.68 vs 9.18 ms clustered, bwd 21.7 vs 27.4); after the Mosaic step changes
+# (B1) and LEAN_SMEM, Mosaic's union tile is the faster union branch (2026-12-02,
+# select_h200_mosaic64.md: clustered fwd 8.37 vs 8.54 ms, bwd 20.01 vs 21.42; random, where the
+# lax.cond takes the per-token Triton tile anyway, 20.24 vs 20.12 / 33.08 vs 33.97), so the
+# union branch there is Mosaic; G = 4 depends on the pattern (below). G = 8 / 32 / 64 and
+# d = 192 or 256 are not measured with Mosaic: Triton.
 #
 # G = 4 (d <= 128) is decided per call from the block lists: Mosaic's 16-token tile walks the
 # union of 16 tokens' lists. H200, 64k: "clustered" (16-token tiles average 30.0 distinct blocks)
 # Mosaic 15.86 ms vs Triton 21.49, "random" (157.5) 74.09 vs 52.65; linear in between they cross
 # near 79.5 = ~5 n (n = 16): Mosaic when 16-token tiles average <= MOSAIC_G4_SWITCH * n. At d = 64,
 # 8k both patterns (25.5 and 59.7 distinct blocks) were Mosaic wins, consistent with that switch.
-MOSAIC_AUTO_MAX_DIM = {16: 64, 4: 128}  # G -> largest head dim where the rule applies
+MOSAIC_AUTO_MAX_DIM = {16: 128, 4: 128}  # G -> largest head dim where the rule applies
 MOSAIC_G4_SWITCH = 5.0
 # Up to this sequence length, G = 16 with the Mosaic union tile runs that tile without the
 # lax.cond: at the 8k training layer (B = 8, 16 heads, d = 64, n = 16) the cond took the union
@@ -353,8 +357,16 @@ MOSAIC_G4_SWITCH = 5.0
 # 214.9 -> 212.0 and 209.2 -> 205.7 ms; compile_time_overhead_h200.json and
 # compile_time_union_h200.json). Lists whose 4-token
 # unions exceed the switch (not measured at this length) run the union tile too: exact, possibly
-# slower. Longer sequences keep the cond.
+# slower. Longer sequences keep the cond, and so do head dims above STATIC_UNION_MAX_DIM (the
+# union tile alone was measured at d = 64 only).
 STATIC_UNION_MAX_T = 8192
+STATIC_UNION_MAX_DIM = 64
+
+
+def static_union(g, t, dk, dv):
+  """Whether a G = 16 call whose union branch is Mosaic GPU runs that tile alone, without the
+  lax.cond (STATIC_UNION_MAX_T, STATIC_UNION_MAX_DIM)."""
+  return g == 16 and t <= STATIC_UNION_MAX_T and max(dk, dv) <= STATIC_UNION_MAX_DIM
 
 
 def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpret):
@@ -449,7 +461,7 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   if tiling is None and (backend == "triton" or chosen == "mosaic"):
     union, union_backend, switch = auto_union(g, block_size, backend)
     backend = "triton"
-    if union_backend == "mosaic" and g == 16 and t <= STATIC_UNION_MAX_T:
+    if union_backend == "mosaic" and static_union(g, t, q.shape[3], v.shape[3]):
       C.log_once(("static union", q.shape), "select_attention: T=%d <= STATIC_UNION_MAX_T=%d, "
                  "G=16: Mosaic GPU union tile without the lax.cond", t, STATIC_UNION_MAX_T)
       backend, tiling, union = "mosaic", union, None

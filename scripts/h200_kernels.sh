@@ -46,6 +46,9 @@
 # registry  the selection kernel through backend="auto" (what implementation="pallas" runs: Mosaic
 #          GPU or Triton per shape, G=4's lax.cond on 16-token unions), compiled check, 64k, G=16
 #          and 4, both patterns, then the 8k layer shape (295 s measured, 2026-11-30).
+# mosaicab16  G = 16 at 64k, 128/128 (issue 4's target shape): the registry (backend="auto", now
+#          with Mosaic's union tile as the lax.cond's union branch; compiled check first), then
+#          Mosaic's union tile vs Triton's, twice, clustered
 # mosaicws  the two-warpgroup Mosaic GPU selection forward (128-row tiles: a TMA producer warpgroup,
 #          two consumers with a ping-pong barrier; select_attention_mgpu.ws_forward) against the
 #          64-row Mosaic one and Triton: compiled check, 64k G=16 both patterns, then the 8k
@@ -180,6 +183,13 @@ mosaicws() {
   timeout 150 python3 -m experiments.bench_kernels --plan mosaicws --T 8192 --heads 16 --d 64 \
     --groups 16 --batch 8 --patterns clustered,random --iters 10 --out "$OUT/mosaicws8k" \
     --tag h200_mosaicws8k
+}
+mosaicab16() {  # G = 16, 64k, 128/128: the registry with Mosaic's union tile as the union branch
+  # (compiled check of backend="auto" first), then that tile vs Triton's, twice, clustered
+  timeout 200 python3 -m experiments.bench_kernels --check --plan registry --T 65536 --groups 16 \
+    --patterns clustered,random --iters 5 --out "$OUT/registry16" --tag h200_registry16
+  timeout 200 python3 -m experiments.bench_kernels --plan mosaicab16 --T 65536 --groups 16 \
+    --patterns clustered --iters 5 --out "$OUT/mosaicab16" --tag h200_mosaicab16
 }
 registry() {
   timeout 300 python3 -m experiments.bench_kernels --check --plan registry --T 65536 \

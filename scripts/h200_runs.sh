@@ -20,7 +20,9 @@
 #          depth at 4k). PK_N1=8 makes the 1024 stage choose (5 of 13 free blocks); PK_LEN1=2048
 #          did not get past the plateau in 1500 steps (PK_STEPS1 raises them; the stage's timeout
 #          grows with it). PK_STEPS2: steps of the 4k stage (default 400); PK_RUNS: which models
-#          (default "nsa dense"); on a one-GPU machine they run one after another.
+#          (default "nsa dense"); on a one-GPU machine they run one after another. PK_EVAL_STEPS:
+#          4k-stage checkpoints scored beside the last (e.g. 600,800); PK_ARGS2: more overrides for
+#          the 4k stage (e.g. --config.optim.learning_rate=5e-4).
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
 #          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
@@ -240,7 +242,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   # to train. With one GPU (the one-GPU kind) the runs go one after another on it; with two, NSA
   # on GPU 0 and dense on GPU 1 at once.
   local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400}
-  local runs=${PK_RUNS:-nsa dense} ngpu r gpu
+  local runs=${PK_RUNS:-nsa dense} ngpu r gpu st
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
   local t="timeout -k 60 -s TERM $((240 * steps1 / 1500)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
@@ -251,7 +253,10 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
     --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=$steps1
     --config.train.eval_every=500 --config.checkpoint.every_steps=500"
-  local s2="--config.train.num_steps=$steps2 --config.train.eval_every=200"
+  # every 200-step checkpoint of the 4k stage is kept, so PK_EVAL_STEPS (e.g. 600,800) can score
+  # earlier ones beside the last (needle_eval's workdir@STEP)
+  local s2="--config.train.num_steps=$steps2 --config.train.eval_every=200
+    --config.checkpoint.max_to_keep=$((steps2 / 200 + 1)) ${PK_ARGS2:-}"
   _pk_run() {  # _pk_run <model> <gpu>: both stages of one model
     local extra1="" extra=""
     if [ "$1" = nsa ]; then extra1=${PK_N1:+--config.model.nsa.num_selected=$PK_N1}
@@ -271,6 +276,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   for r in $runs; do
     keep "$d/${r}_s1" "${tag}_${r}_s1"; keep "$d/$r" "${tag}_$r"
     wds+="${wds:+,}$d/$r"; labels+="${labels:+,}$r"
+    for st in ${PK_EVAL_STEPS//,/ }; do wds+=",$d/$r@$st"; labels+=",$r@$st"; done
   done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
     --workdirs=$wds --labels=$labels --lengths=2048,4096,8192 \

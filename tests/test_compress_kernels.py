@@ -21,8 +21,10 @@ from pallas_kernels import select_topn as topn_module
 from pallas_kernels.select_topn import select_topn
 try:
   from tests.gpu_mode import INTERPRET, ON_GPU
+  from tests.near_ties import redraw
 except ImportError:  # pytest's rootdir-less import puts tests/ itself on sys.path
   from gpu_mode import INTERPRET, ON_GPU
+  from near_ties import redraw
 
 jax.config.update("jax_default_matmul_precision", "highest")  # f32 reference on CPU, no bf16 passes
 
@@ -314,19 +316,23 @@ def test_whole_op_pallas_matches_reference():
   indices, loss and gradients. Inputs whose top-n cut is a float32 near-tie (kept and dropped
   blocks within 1e-5 relative: the kernels sum Eq. 9 in another order) are redrawn."""
   first = _seed()
-  for i in range(20):
+  b, t = 1, 100
+
+  def make(i):
     seed = (first + i) % 2 ** 32
     ks = jax.random.split(jax.random.key(seed), 10)
     cfg, args = whole_op_case(ks)
-    b, t, h, dv = 1, 100, cfg.num_heads, cfg.dim_v
-    seg = _segments(ks[8], b, t)
-    _, _, p = reference.compressed_attention(args[0], args[1], args[2], cfg.cmp_block, cfg.cmp_stride, seg)
-    margin = reference.selection_cut_margin(reference.selection_scores(p, cfg.num_kv_heads, t, cfg), cfg, seg)
-    if margin >= 1e-5:
-      break
-    print(f"seed {seed}: top-n cut margin {margin:.2e}, next seed")
-  else:
-    raise AssertionError(f"20 seeds from {first} all had near-ties at the top-n cut")
+    return seed, ks, cfg, args, _segments(ks[8], b, t)
+
+  def margin(case):
+    _, _, cfg, args, seg = case
+    _, _, p = reference.compressed_attention(args[0], args[1], args[2], cfg.cmp_block,
+                                             cfg.cmp_stride, seg)
+    return reference.selection_cut_margin(
+        reference.selection_scores(p, cfg.num_kv_heads, t, cfg), cfg, seg)
+
+  seed, ks, cfg, args, seg = redraw(make, margin, what=f"seeds from {first}")
+  h, dv = cfg.num_heads, cfg.dim_v
   w = jax.random.normal(ks[9], (b, t, h, dv))
 
   def run(impl):

@@ -18,8 +18,10 @@ from nsa_jax import ModelConfig, NSAConfig, decode, decode_math, reference, samp
 from nsa_jax.model import TransformerLM
 try:
   from tests.gpu_mode import INTERPRET, ON_GPU
+  from tests.near_ties import redraw
 except ImportError:  # pytest's rootdir-less import puts tests/ itself on sys.path
   from gpu_mode import INTERPRET, ON_GPU
+  from near_ties import redraw
 
 SEED = int.from_bytes(os.urandom(4), "little")
 VOCAB = 64
@@ -262,17 +264,16 @@ def well_posed(make, positions, ns, cfg, tries=20):
   reference.topn_cut_margin). The kernels sum Eq. 9 in another order than plain JAX, so such a
   cut has two right answers and an exact index check would be a coin flip."""
   plain = jax.jit(lambda q, kc, vc, t: decode_math.compressed_decode(q, kc, vc, t, cfg))
-  for i in range(tries):
-    qkv = make(i)
-    margin = float("inf")
+
+  def margin(qkv):
+    out = float("inf")
     for t in positions:
       scores = decode_math.nsa_block_scores(plain(*qkv, jnp.int32(t))[2], ns, cfg)  # [B, K, Ns]
-      margin = min(margin, reference.topn_cut_margin(
+      out = min(out, reference.topn_cut_margin(
           scores[:, None], jnp.full((1, 1), t // cfg.sel_block), jnp.zeros((1, 1), jnp.int32), cfg))
-    if margin >= 1e-5:
-      return qkv
-    print(f"draw {i}: top-n cut margin {margin:.2e}, next draw")
-  raise AssertionError(f"{tries} draws all had near-ties at the top-n cut (seed={SEED})")
+    return out
+
+  return redraw(make, margin, tries, what=f"draws (seed={SEED})")
 
 
 def assert_cmp_select_matches_plain(fused, qkv, positions, ns, cfg):

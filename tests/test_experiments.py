@@ -332,6 +332,27 @@ def test_load_model_reads_runs_saved_before_layer_loop(trained, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_load_model_at_a_step_and_workdir_specs(trained, tmp_path):
+  """'@STEP' picks a saved checkpoint (evaluation of one run's checkpoints side by side); a step
+  that is not saved is named as missing, with the steps that are."""
+  from nsa_jax.training.checkpointing import CheckpointError
+  workdir, _, _ = trained
+  assert trained_model.resolve_workdir(workdir) == (workdir, os.path.basename(workdir), None)
+  assert trained_model.resolve_workdir(workdir + "@2") == (
+      workdir, os.path.basename(workdir) + "@2", 2)
+  out = tmp_path / "sweep"
+  out.mkdir()
+  (out / "results.jsonl").write_text(json.dumps({"run": "nsa", "workdir": workdir}) + "\n")
+  assert trained_model.resolve_workdir(f"{out}:nsa@2") == (workdir, "nsa@2", 2)
+  at2, _, _ = trained_model.load_model(workdir, step=2)
+  newest, _, _ = trained_model.load_model(workdir)
+  for a, b in zip(jax.tree.leaves(nnx.state(at2, nnx.Param)),
+                  jax.tree.leaves(nnx.state(newest, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(CheckpointError, match=r"no checkpoint step 1 .*holds steps \[2\]"):
+    trained_model.load_model(workdir, step=1)
+
+
 def test_load_model_forward_with_aux_and_longer_inputs(trained):
   workdir, config, _ = trained
   model, cfg, model_cfg = trained_model.load_model(workdir, max_seq_len=256)
@@ -556,7 +577,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
                                     "topnvar", "topnsweep",
                                     "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
-                                    "mosaiclean"}
+                                    "mosaiclean", "mosaicab16"}
 
 
 def test_needle_key_blocks_and_coverage():
@@ -586,6 +607,8 @@ def test_bench_kernels_registry_labels(monkeypatch):
   recs = bk.bench_select(512, 16, 4, 128, 128, 8, 64, "random", tiling="registry")
   assert "registry: mosaic branch" in recs[0]["impl"], recs[0]["impl"]  # 8 blocks: small unions
   recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="registry")
+  assert "registry: mosaic branch" in recs[0]["impl"], recs[0]["impl"]  # G = 16 up to d = 128
+  recs = bk.bench_select(512, 16, 1, 192, 128, 8, 64, "clustered", tiling="registry")
   assert "pallas-triton" in recs[0]["impl"] and "registry" not in recs[0]["impl"]
   recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ws")
   assert "pallas-mosaic-gpu union tq8" in recs[0]["impl"] and "2 consumer warpgroups" in recs[0]["impl"]

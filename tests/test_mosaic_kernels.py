@@ -474,15 +474,17 @@ def test_whole_op_pallas_mosaic_matches_reference(caplog):
 
 def test_auto_backend_rule():
   """select_attention(backend="auto") picks Mosaic GPU exactly where it was measured faster on the
-  H200 (compiled; G = 16 with head dims <= 64, G = 4 with head dims <= 128) and says why otherwise."""
+  H200 (compiled; G = 16 and G = 4 with head dims <= 128) and says why otherwise."""
   from pallas_kernels.select_attention import auto_backend
   bf = jnp.bfloat16
   shapes = lambda h, kh, dk, dv: ((1, 512, h, dk), (1, 512, kh, dk), (1, 512, kh, dv))
   assert auto_backend(*shapes(16, 1, 64, 64), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 4, 64, 64), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 4, 128, 128), 64, False, bf, False)[0] == "mosaic"
+  assert auto_backend(*shapes(16, 1, 128, 128), 64, False, bf, False)[0] == "mosaic"
   for args, why in [((shapes(16, 1, 64, 64), 64, False, bf, True), "interpreted"),
-                    ((shapes(16, 1, 128, 128), 64, False, bf, False), "head dims <= 64"),
+                    ((shapes(16, 1, 192, 128), 64, False, bf, False), "head dims <= 128"),
+                    ((shapes(16, 1, 128, 256), 64, False, bf, False), "head dims <= 128"),
                     ((shapes(16, 4, 192, 128), 64, False, bf, False), "head dims <= 128"),
                     ((shapes(16, 2, 64, 64), 64, False, bf, False), "G=8"),
                     ((shapes(16, 1, 64, 64), 64, True, bf, False), "segment ids"),
@@ -543,6 +545,13 @@ def test_auto_short_sequences_run_the_union_tile_without_the_cond():
   text = _select_lowered(16, 64, 64, kh=1, t=sk.STATIC_UNION_MAX_T, backend="auto")
   assert "stablehlo.case" not in text and not re.search(r"nsa_select_(fwd|dq)", text)
   assert "stablehlo.case" in _select_lowered(4, 64, 64, kh=4, backend="auto")
+  # head dims above STATIC_UNION_MAX_DIM (the union tile alone was measured at d = 64 only) keep
+  # the cond, with the Mosaic union branch beside the Triton per-token one
+  assert sk.static_union(16, sk.STATIC_UNION_MAX_T, 64, 64)
+  assert not sk.static_union(16, sk.STATIC_UNION_MAX_T + 1, 64, 64)
+  assert not sk.static_union(16, 300, 128, 128) and not sk.static_union(4, 300, 64, 64)
+  text = _select_lowered(16, 128, 128, kh=1, backend="auto")
+  assert "stablehlo.case" in text and re.search(r"nsa_select_(fwd|dq)", text)
 
 
 # ----------------------------------------------------------------------------- two warpgroups
