@@ -242,7 +242,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   # to train. With one GPU (the one-GPU kind) the runs go one after another on it; with two, NSA
   # on GPU 0 and dense on GPU 1 at once.
   local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400}
-  local runs=${PK_RUNS:-nsa dense} ngpu r gpu st
+  local runs=${PK_RUNS:-nsa dense} evals=${PK_EVAL_STEPS:-} ngpu r gpu st
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
   local t="timeout -k 60 -s TERM $((240 * steps1 / 1500)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
@@ -276,7 +276,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   for r in $runs; do
     keep "$d/${r}_s1" "${tag}_${r}_s1"; keep "$d/$r" "${tag}_$r"
     wds+="${wds:+,}$d/$r"; labels+="${labels:+,}$r"
-    for st in ${PK_EVAL_STEPS//,/ }; do wds+=",$d/$r@$st"; labels+=",$r@$st"; done
+    for st in ${evals//,/ }; do wds+=",$d/$r@$st"; labels+=",$r@$st"; done
   done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
     --workdirs=$wds --labels=$labels --lengths=2048,4096,8192 \
