@@ -535,7 +535,9 @@ def main(argv=None):
             "mosaicab16": check_mosaic,
             "registry": functools.partial(check_mosaic, backend="auto", cases=(
                 (1, 1001, 16, 1, 64, 64, 16), (2, 777, 16, 4, 128, 128, 16),
-                (1, 1001, 16, 1, 128, 128, 16)))}
+                (1, 1001, 16, 1, 128, 128, 16),
+                # long enough that random 4-token unions pass the switch: the cond's Triton branch
+                (1, 4096, 16, 1, 128, 128, 16)))}
   if a.check and not checks.get(a.plan, check_compiled)():
     print("CHECK FAILED", flush=True)
   if a.no_bench:

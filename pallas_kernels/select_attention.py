@@ -338,8 +338,10 @@ def supports(q_shape, k_shape, v_shape, n, block_size, backend="triton"):
 # (B1) and LEAN_SMEM, Mosaic's union tile is the faster union branch (2026-12-02,
 # select_h200_mosaic64.md: clustered fwd 8.37 vs 8.54 ms, bwd 20.01 vs 21.42; random, where the
 # lax.cond takes the per-token Triton tile anyway, 20.24 vs 20.12 / 33.08 vs 33.97), so the
-# union branch there is Mosaic; G = 4 depends on the pattern (below). G = 8 / 32 / 64 and
-# d = 192 or 256 are not measured with Mosaic: Triton.
+# union branch there is Mosaic. This also moves G = 16 calls at other lengths and at head dims
+# between 64 and 128 (e.g. 128 / 64) onto that branch, measured only at 64k 128/128 and at the
+# 8k training layer (64/64); no training config here has such head dims. G = 4 depends on the
+# pattern (below). G = 8 / 32 / 64 and d = 192 or 256 are not measured with Mosaic: Triton.
 #
 # G = 4 (d <= 128) is decided per call from the block lists: Mosaic's 16-token tile walks the
 # union of 16 tokens' lists. H200, 64k: "clustered" (16-token tiles average 30.0 distinct blocks)
@@ -373,7 +375,8 @@ def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpre
   """(backend, why) for backend="auto": "mosaic" where the Mosaic GPU kernels were measured faster
   on the H200 (compiled only; each keeps a lax.cond to a Triton tile for block lists that
   neighbouring tokens share little, see _select_auto, except G = 16 up to STATIC_UNION_MAX_T
-  tokens: the union tile alone), else "triton"."""
+  tokens at head dims <= STATIC_UNION_MAX_DIM: the union tile alone, static_union), else
+  "triton"."""
   if interpret:
     return "triton", "interpreted (no GPU): the Triton kernels"
   ok, why = mgpu.supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
@@ -456,14 +459,16 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   # neighbouring tokens share most blocks and the other tile otherwise (lax.cond; both exact; the
   # switch says where they cross on the H200; see _select_auto and auto_union). A chosen Mosaic
   # backend runs that union branch; the other branch is Triton; G = 16 up to STATIC_UNION_MAX_T
-  # tokens runs the Mosaic union tile alone. (An explicit backend="mosaic" runs Mosaic only.)
+  # tokens at head dims <= STATIC_UNION_MAX_DIM runs the Mosaic union tile alone (static_union).
+  # (An explicit backend="mosaic" runs Mosaic only.)
   union = union_backend = switch = None
   if tiling is None and (backend == "triton" or chosen == "mosaic"):
     union, union_backend, switch = auto_union(g, block_size, backend)
     backend = "triton"
     if union_backend == "mosaic" and static_union(g, t, q.shape[3], v.shape[3]):
       C.log_once(("static union", q.shape), "select_attention: T=%d <= STATIC_UNION_MAX_T=%d, "
-                 "G=16: Mosaic GPU union tile without the lax.cond", t, STATIC_UNION_MAX_T)
+                 "G=16, head dims <= STATIC_UNION_MAX_DIM=%d: Mosaic GPU union tile without the "
+                 "lax.cond", t, STATIC_UNION_MAX_T, STATIC_UNION_MAX_DIM)
       backend, tiling, union = "mosaic", union, None
   if backend == "mosaic":
     ok, why = mgpu.supports(q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype)

@@ -22,7 +22,7 @@
 #          grows with it). PK_STEPS2: steps of the 4k stage (default 400); PK_RUNS: which models
 #          (default "nsa dense"); on a one-GPU machine they run one after another. PK_EVAL_STEPS:
 #          4k-stage checkpoints scored beside the last (e.g. 600,800); PK_ARGS2: more overrides for
-#          the 4k stage (e.g. --config.optim.learning_rate=5e-4).
+#          the 4k stage (e.g. --config.optim.learning_rate=5e-4), with PK_TAG naming the variant.
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
 #          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
@@ -239,15 +239,26 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   # PK_N1: NSA's n in the first stage only (the 4k stage keeps the paper's 16): with 8 at 1024
   # tokens the selection must choose 5 of 13 free blocks instead of taking them all.
   # PK_STEPS2 (default 400): steps of the 4k stage. PK_RUNS (default "nsa dense"): which models
-  # to train. With one GPU (the one-GPU kind) the runs go one after another on it; with two, NSA
-  # on GPU 0 and dense on GPU 1 at once.
+  # to train. With at least as many GPUs as runs they run at once, one a GPU; otherwise (the
+  # one-GPU kind) one after another on GPU 0. PK_ARGS2 needs PK_TAG, a name for the variant in
+  # the run's tag, so that its results do not overwrite those of the plain recipe.
   local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400}
-  local runs=${PK_RUNS:-nsa dense} evals=${PK_EVAL_STEPS:-} ngpu r gpu st
+  local runs=${PK_RUNS:-nsa dense} evals=${PK_EVAL_STEPS:-} ngpu r gpu st nruns
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  nruns=$(wc -w <<< "$runs")
   if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
+  if [ -n "${PK_ARGS2:-}" ] && [ -z "${PK_TAG:-}" ]; then
+    echo "PK_ARGS2 is set: name the variant with PK_TAG (e.g. PK_TAG=lr5e-4)"; return 2
+  fi
+  for st in ${evals//,/ }; do
+    if (( st % 200 || st >= steps2 )); then
+      echo "PK_EVAL_STEPS: $st is not a saved 4k-stage step (multiples of 200 below $steps2)"
+      return 2
+    fi
+  done
   local t="timeout -k 60 -s TERM $((240 * steps1 / 1500)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
   local t2="timeout -k 60 -s TERM $((120 + steps2 * 3 / 10)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  local tag=pk2_$len1${PK_N1:+_n$PK_N1}${PK_STEPS1:+_s$PK_STEPS1}${PK_STEPS2:+_t$PK_STEPS2}
+  local tag=pk2_$len1${PK_N1:+_n$PK_N1}${PK_STEPS1:+_s$PK_STEPS1}${PK_STEPS2:+_t$PK_STEPS2}${PK_TAG:+_$PK_TAG}
   local d=$T/$tag
   # the same answer : context loss ratio as at 4k (25 : 0.01 x ~4000 = 0.04 x ~1000 = 0.02 x ~2000)
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
@@ -269,14 +280,18 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   }
   gpu=0
   for r in $runs; do
-    if (( ngpu > 1 )); then _pk_run "$r" $gpu & gpu=$((gpu + 1)); else _pk_run "$r" 0; fi
+    if (( ngpu > 1 && nruns <= ngpu )); then _pk_run "$r" $gpu & gpu=$((gpu + 1))
+    else _pk_run "$r" 0; fi
   done
   wait_runs
   local wds="" labels=""
   for r in $runs; do
     keep "$d/${r}_s1" "${tag}_${r}_s1"; keep "$d/$r" "${tag}_$r"
     wds+="${wds:+,}$d/$r"; labels+="${labels:+,}$r"
-    for st in ${evals//,/ }; do wds+=",$d/$r@$st"; labels+=",$r@$st"; done
+    for st in ${evals//,/ }; do  # a run cut by its timeout may not have reached the step
+      if [ -d "$d/$r/checkpoints/$st" ]; then wds+=",$d/$r@$st"; labels+=",$r@$st"
+      else echo "no checkpoint $st in $d/$r: not scored"; fi
+    done
   done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
     --workdirs=$wds --labels=$labels --lengths=2048,4096,8192 \

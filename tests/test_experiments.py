@@ -332,11 +332,15 @@ def test_load_model_reads_runs_saved_before_layer_loop(trained, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-def test_load_model_at_a_step_and_workdir_specs(trained, tmp_path):
-  """'@STEP' picks a saved checkpoint (evaluation of one run's checkpoints side by side); a step
-  that is not saved is named as missing, with the steps that are."""
+def test_load_model_at_a_step_and_workdir_specs(tmp_path):
+  """'@STEP' picks a saved checkpoint (evaluation of one run's checkpoints side by side): step 1
+  of a run saved at steps 1 and 2 loads step 1's weights, not the newest; a step that is not
+  saved is named as missing, with the steps that are."""
   from nsa_jax.training.checkpointing import CheckpointError
-  workdir, _, _ = trained
+  workdir = str(tmp_path / "run")
+  config = tiny_config()
+  config.checkpoint.every_steps, config.checkpoint.max_to_keep = 1, 3
+  ablate.train_run(config, workdir)
   assert trained_model.resolve_workdir(workdir) == (workdir, os.path.basename(workdir), None)
   assert trained_model.resolve_workdir(workdir + "@2") == (
       workdir, os.path.basename(workdir) + "@2", 2)
@@ -344,13 +348,14 @@ def test_load_model_at_a_step_and_workdir_specs(trained, tmp_path):
   out.mkdir()
   (out / "results.jsonl").write_text(json.dumps({"run": "nsa", "workdir": workdir}) + "\n")
   assert trained_model.resolve_workdir(f"{out}:nsa@2") == (workdir, "nsa@2", 2)
-  at2, _, _ = trained_model.load_model(workdir, step=2)
-  newest, _, _ = trained_model.load_model(workdir)
-  for a, b in zip(jax.tree.leaves(nnx.state(at2, nnx.Param)),
-                  jax.tree.leaves(nnx.state(newest, nnx.Param))):
+  params = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
+  at1, at2, newest = (trained_model.load_model(workdir, step=s)[0] for s in (1, 2, None))
+  for a, b in zip(params(at2), params(newest)):
     np.testing.assert_array_equal(a, b)
-  with pytest.raises(CheckpointError, match=r"no checkpoint step 1 .*holds steps \[2\]"):
-    trained_model.load_model(workdir, step=1)
+  assert any(not np.array_equal(a, b) for a, b in zip(params(at1), params(newest))), (
+      "step 1 loaded the newest weights")
+  with pytest.raises(CheckpointError, match=r"no checkpoint step 3 .*holds steps \[1, 2\]"):
+    trained_model.load_model(workdir, step=3)
 
 
 def test_load_model_forward_with_aux_and_longer_inputs(trained):
