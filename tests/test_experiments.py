@@ -473,6 +473,24 @@ def test_h200_runs_script_parses_and_defines_every_documented_phase():
     assert phase in defined, f"{phase} documented but not defined"
 
 
+def test_passkey2_refuses_bad_settings_before_training(tmp_path):
+  """passkey2 stops, saying why, before it trains anything: extra 4k-stage overrides without a
+  PK_TAG (their results would overwrite the plain recipe's files) and PK_EVAL_STEPS that the 4k
+  stage does not save (multiples of 200 below PK_STEPS2)."""
+  import shutil
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  work = tmp_path / "repo"
+  shutil.copytree(os.path.join(root, "scripts"), work / "scripts")  # no .whl here: no installs
+  for env, want in [({"PK_ARGS2": "--config.optim.learning_rate=5e-4"}, "with PK_TAG"),
+                    ({"PK_EVAL_STEPS": "300"}, "300 is not a saved 4k-stage step"),
+                    ({"PK_STEPS2": "800", "PK_EVAL_STEPS": "800"}, "800 is not a saved")]:
+    out = subprocess.run(["bash", "scripts/h200_runs.sh", "passkey2"], cwd=work, text=True,
+                         capture_output=True, timeout=60,
+                         env={**os.environ, "OUT": str(tmp_path / "out"), "PACK_AT": "60", **env})
+    assert want in out.stdout, (env, out.stdout, out.stderr)
+    assert "experiments.train" not in out.stdout + out.stderr
+
+
 def test_compile_time_trial_refuses_unknown_flags(monkeypatch):
   """benchmarks/compile_time_trial.py: every variant written in scripts/h200_runs.sh (and its
   default list) parses; a misspelt or retired flag stops the run before any process starts
