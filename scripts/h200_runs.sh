@@ -244,6 +244,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   # the run's tag, so that its results do not overwrite those of the plain recipe.
   local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400}
   local runs=${PK_RUNS:-nsa dense} evals=${PK_EVAL_STEPS:-} ngpu r gpu st nruns
+  local every2=200  # the 4k stage's checkpoint and eval period (as configs/sweep_needle.py:gpu)
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   nruns=$(wc -w <<< "$runs")
   if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
@@ -251,8 +252,8 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
     echo "PK_ARGS2 is set: name the variant with PK_TAG (e.g. PK_TAG=lr5e-4)"; return 2
   fi
   for st in ${evals//,/ }; do
-    if (( st % 200 || st >= steps2 )); then
-      echo "PK_EVAL_STEPS: $st is not a saved 4k-stage step (multiples of 200 below $steps2)"
+    if (( st % every2 || st >= steps2 )); then
+      echo "PK_EVAL_STEPS: $st is not a saved 4k-stage step (multiples of $every2 below $steps2)"
       return 2
     fi
   done
@@ -264,10 +265,11 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
     --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=$steps1
     --config.train.eval_every=500 --config.checkpoint.every_steps=500"
-  # every 200-step checkpoint of the 4k stage is kept, so PK_EVAL_STEPS (e.g. 600,800) can score
-  # earlier ones beside the last (needle_eval's workdir@STEP)
-  local s2="--config.train.num_steps=$steps2 --config.train.eval_every=200
-    --config.checkpoint.max_to_keep=$((steps2 / 200 + 1)) ${PK_ARGS2:-}"
+  # every checkpoint of the 4k stage is kept, so PK_EVAL_STEPS (e.g. 600,800) can score earlier
+  # ones beside the last (needle_eval's workdir@STEP)
+  local s2="--config.train.num_steps=$steps2 --config.train.eval_every=$every2
+    --config.checkpoint.every_steps=$every2 --config.checkpoint.max_to_keep=$((steps2 / every2 + 1))
+    ${PK_ARGS2:-}"
   _pk_run() {  # _pk_run <model> <gpu>: both stages of one model
     local extra1="" extra=""
     if [ "$1" = nsa ]; then extra1=${PK_N1:+--config.model.nsa.num_selected=$PK_N1}

@@ -314,8 +314,8 @@ def test_kernels_are_race_free_in_the_interpreter(monkeypatch, kernel, lean):
   lse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
   delta = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
   scale = dk ** -0.5
-  run = {"forward": lambda: mgpu.forward(q, k, v, maps, block_size=64, scale=scale, interpret=True),
-         "overlap": lambda: mgpu.forward(q, k, v, maps, block_size=64, scale=scale, interpret=True),
+  fwd = lambda: mgpu.forward(q, k, v, maps, block_size=64, scale=scale, interpret=True)
+  run = {"forward": fwd, "overlap": fwd,  # OVERLAP (set above) picks the overlapped kernel
          "dq": lambda: mgpu.dq(q, k, v, maps, do, lse, delta, block_size=64, scale=scale,
                                interpret=True),
          "dkv": lambda: mgpu.dkv_partials(q, k, v, idx, do, lse, delta, chunk_entries=24,
