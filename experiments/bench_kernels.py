@@ -145,6 +145,10 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   if tiling == "mosaic-fat":  # every buffer its own shared memory (LEAN_SMEM off)
     lean, tiling = False, "mosaic"
     impl_note += " (separate shared-memory buffers, as before 2026-12-02)"
+  ring = select_attention_mgpu.KV_RING
+  if tiling == "mosaic-ring":  # the forward's K and V in one ring of 3 buffers (KV_RING)
+    ring, tiling = True, "mosaic"
+    impl_note += " (forward: K/V ring of 3 buffers)"
   if tiling == "mosaic-ovl":  # the forward with FA3's intra-warpgroup overlap (OVERLAP)
     overlap, tiling = True, "mosaic"
     impl_note += " (forward: S(j+1) overlapped with P(j)V(j), 3 K/V slots)"
@@ -187,7 +191,7 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
                                             backend=call_backend or backend)[0]
   with mgpu_settings(WS_PINGPONG=pingpong, FAST_MASK=fast_mask, REG_P=reg_p,
                      FWD_SLOTS=slots[0], DKV_SLOTS=slots[1], OVERLAP=overlap,
-                     LEAN_SMEM=lean):
+                     LEAN_SMEM=lean, KV_RING=ring):
     fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"
@@ -288,6 +292,12 @@ def mgpu_settings(**values):
 def check_mosaic_overlap():
   """check_mosaic with OVERLAP on (P_j V_j in flight during the next softmax), compiled."""
   with mgpu_settings(OVERLAP=True):
+    return check_mosaic(backend="mosaic")
+
+
+def check_mosaic_ring():
+  """check_mosaic with KV_RING on (the forward's K and V in one ring of 3 buffers), compiled."""
+  with mgpu_settings(KV_RING=True):
     return check_mosaic(backend="mosaic")
 
 
@@ -411,6 +421,9 @@ def plan_jobs(name, ts, groups, patterns, block):
   if name == "mosaiclean":  # shared buffers (LEAN_SMEM, the default) vs separate ones, A/B twice
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 4 for p in patterns
             for tl in ("mosaic", "mosaic-fat", "mosaic", "mosaic-fat")]
+  if name == "mosaicring":  # the forward's K/V ring (KV_RING) on / off, A/B twice
+    return [(t, g, p, tl, True) for t in ts for g in groups if g >= 4 for p in patterns
+            for tl in ("mosaic", "mosaic-ring", "mosaic", "mosaic-ring")]
   if name == "mosaicovl":  # the forward's intra-warpgroup overlap (OVERLAP) on / off, A/B twice
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 4 for p in patterns
             for tl in ("mosaic", "mosaic-ovl", "mosaic", "mosaic-ovl")]
@@ -511,7 +524,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=64, help="query heads")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--patterns", default="random,clustered")
-  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicab16 | mosaicb1 | mosaicslots | mosaicovl | mosaiclean | mosaicws | registry "
+  p.add_argument("--plan", default="default", help="default | sweep | final | unroll | union4 | train8k | mosaic | mosaicab16 | mosaicb1 | mosaicslots | mosaicovl | mosaicring | mosaiclean | mosaicws | registry "
                  "(registry: backend='auto', what implementation='pallas' runs)")
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--block", type=int, default=64)
@@ -529,7 +542,7 @@ def main(argv=None):
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)
   checks = {"mosaic": check_mosaic, "mosaicb1": check_mosaic, "mosaicslots": check_mosaic_slots,
-            "mosaicovl": check_mosaic_overlap, "mosaiclean": check_mosaic,
+            "mosaicovl": check_mosaic_overlap, "mosaicring": check_mosaic_ring, "mosaiclean": check_mosaic,
             "mosaicws": functools.partial(check_mosaic, ws=True, cases=(
                 (1, 1001, 16, 1, 192, 128, 16), (1, 900, 16, 2, 64, 64, 16))),
             "mosaicab16": check_mosaic,

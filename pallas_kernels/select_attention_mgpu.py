@@ -76,6 +76,12 @@ OVERLAP = False
 # forward's 57.6 KB (3 CTAs an SM; its 116 registers allow 4) become 40.3 KB, dK/dV's 91.1 KB
 # (2 CTAs; 139 registers allow 3) 51.2 KB. False: the layouts as before 2026-12-02.
 LEAN_SMEM = True
+# The 64-row forward's K and V blocks in one ring of 3 shared-memory buffers instead of FWD_SLOTS
+# slots of each (read when traced; where d_k = d_v and OVERLAP is off). K_j sits in buffer 2j % 3
+# and V_j in (2j + 1) % 3: V_{j+1} is issued once S_j = Q K_j^T has been waited for (into K_j's
+# buffer), K_{j+2} once P_j V_j has (into V_j's). At d = 128 the forward then needs 64 KB instead
+# of 80 KB: 3 CTAs an SM instead of 2 (its 147 registers allow 3). Off by default until measured.
+KV_RING = False
 
 
 def _staging(interpret):
@@ -245,13 +251,15 @@ def _walk(blocks, b, tile, kk, *, g, tq, k_ref, v_ref, k_s, v_s, k_bar, v_bar, s
 
   last = k_ref.shape[2] // BLOCK - 1
 
-  def fetch(j, slot, clamp=False):
+  def fetch(j, slot, clamp=False, which="kv"):
     blk = block_of(j)
     # clamp (the prologue's constant j only): a short compression walk (block_of(j) = j) would
     # name a block past the array when traced; pl.when never runs those fetches
     keys = pl.ds((jnp.minimum(blk, last) if clamp else blk) * BLOCK, BLOCK)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
+    if "k" in which:
+      plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s.at[slot], k_bar.at[slot])
+    if "v" in which:
+      plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s.at[slot], v_bar.at[slot])
 
   _prologue(functools.partial(fetch, clamp=True), jnp.maximum(cnt, min_count), slots)
   return _Walk(cnt, block_of, visible, row_picked, fetch, c_id, pos)
@@ -290,24 +298,67 @@ def _tile_start(blocks, q_ref, k_ref, v_ref, scoped, *, g, tq, slots, min_count=
   return (q_s, k_s, v_s, p_s, o_s, lse_s), bars, (b, kk, rows), walk
 
 
+def _ring_start(blocks, q_ref, k_ref, v_ref, scoped, *, g, tq):
+  """_tile_start for the K/V ring (KV_RING): one buffer array kv_s [3, 64, d] and its 3
+  barriers; K_0 -> buffer 0, V_0 -> 1 and K_1 -> 2 in flight (those below the tile's count).
+  Returns (q_s, kv_s, p_s, o_s, lse_s), (q_bar, kv_bar), (batch, group, rows) and the _Walk, whose
+  fetch(j, buffer, which="k" or "v") issues one of block j's copies."""
+  (qo_s, kv_s, p_s, lse_s), (q_bar, kv_bar) = scoped
+  q_s, o_s = _buffers(qo_s)
+  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
+  rows = pl.ds(tile * ROWS, ROWS)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
+  walk = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=kv_s, v_s=kv_s,
+               k_bar=kv_bar, v_bar=kv_bar, slots=1)  # slots=1: no prologue of _walk's own
+
+  @pl.when(walk.cnt > 0)
+  def _():
+    walk.fetch(0, 0, clamp=True, which="k")
+    walk.fetch(0, 1, clamp=True, which="v")
+
+  @pl.when(walk.cnt > 1)
+  def _():
+    walk.fetch(1, 2, clamp=True, which="k")
+  return (q_s, kv_s, p_s, o_s, lse_s), (q_bar, kv_bar), (b, kk, rows), walk
+
+
+def ring_applies(dk, dv, overlap=False):
+  """Whether the 64-row forward runs with the K/V ring: KV_RING on, d_k = d_v (one buffer shape),
+  not the OVERLAP kernel (which keeps its own slots)."""
+  return KV_RING and dk == dv and not overlap
+
+
 def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype,
-            interpret, slots=2):
+            interpret, slots=2, ring=False):
   """One 64-row tile against the key blocks that `blocks(b, tile, kk, tok, pos)` names: it returns
   (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool, row_picked or None) for the tile
   (see forward / cmp_forward). With row_picked (the selection) and FAST_MASK, the pick is a row
-  bias and the causal mask applies at the last union entry only."""
-  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk = _tile_start(
-      blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq, slots=slots)
+  bias and the causal mask applies at the last union entry only. ring: K and V in one ring of
+  3 buffers (KV_RING; scoped as _ring_start's)."""
+  if ring:
+    (q_s, kv_s, p_s, o_s, lse_s), (q_bar, kv_bar), (b, kk, rows), walk = _ring_start(
+        blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq)
+    k_s, v_s, k_bar, v_bar = kv_s, kv_s, kv_bar, kv_bar
+  else:
+    (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk = _tile_start(
+        blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq, slots=slots)
   cnt, block_of, visible, row_picked, fetch, c_id, pos = walk
   plgpu.barrier_wait(q_bar.at[0])
   row_picked = row_picked if FAST_MASK else None
 
   def body(j, carry, causal=True):
     acc, m_i, l_i = carry
-    slot = _prefetch(fetch, j, cnt, slots)
+    if ring:  # K_j in buffer 2j % 3, V_j in (2j + 1) % 3
+      kslot, vslot = lax.rem(2 * j, 3), lax.rem(2 * j + 1, 3)
+    else:
+      kslot = vslot = _prefetch(fetch, j, cnt, slots)
     blk = block_of(j)
-    plgpu.barrier_wait(k_bar.at[slot])
-    s = _mm(q_s, k_s.at[slot].T, (ROWS, BLOCK))
+    plgpu.barrier_wait(k_bar.at[kslot])
+    s = _mm(q_s, k_s.at[kslot].T, (ROWS, BLOCK))
+    if ring:  # S_j is done with K_j's buffer: V_{j+1} goes there
+      @pl.when(j + 1 < cnt)
+      def _():
+        fetch(j + 1, kslot, which="v")
     if row_picked is None:
       s = jnp.where(visible(j, blk, c_id), s * (scale * LOG2E), -jnp.inf)
     else:  # the token's pick as a row bias (one FMA an element); causal only where asked
@@ -317,17 +368,21 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
         s = jnp.where(blk * BLOCK + c_id <= pos, s, -jnp.inf)
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    plgpu.barrier_wait(v_bar.at[slot])
+    plgpu.barrier_wait(v_bar.at[vslot])
     if REG_P and not interpret:  # P straight from registers (the interpreter's wgmma needs SMEM)
       p16 = p.astype(dtype)
 
       def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_s.at[slot])
+        plgpu.wgmma(acc_ref, p16, v_s.at[vslot])
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     else:
       p_s[...] = p.astype(dtype)
       plgpu.commit_smem()
-      acc = _mm_acc(acc, p_s, v_s.at[slot], interpret)
+      acc = _mm_acc(acc, p_s, v_s.at[vslot], interpret)
+    if ring:  # P_j V_j is done with V_j's buffer: K_{j+2} goes there
+      @pl.when(j + 2 < cnt)
+      def _():
+        fetch(j + 2, vslot, which="k")
     return acc, m_new, l_i
 
   if row_picked is None or tq == 1:  # (tq = 1: the token's own list, unsorted, -1 slots as 0)
@@ -425,7 +480,20 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False
   tp = nt * tq
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
   slots = overlap_slots(dk, dv) if overlap else fwd_slots(dk, dv)
-  kernel = _kernel_overlap if overlap else _kernel
+  ring = ring_applies(dk, dv, overlap)
+  kernel = _kernel_overlap if overlap else functools.partial(_kernel, ring=ring)
+  qo = _shared(plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
+               plgpu.SMEM((ROWS, dv), dtype, transforms=tr))
+  p_st = plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr) if _staging(interpret) else None
+  lse_st = plgpu.SMEM((ROWS,), jnp.float32)
+  if ring:  # K and V in one ring of 3 buffers (_ring_start)
+    scoped = ((qo, plgpu.SMEM((3, BLOCK, dk), dtype, transforms=tr), p_st, lse_st),
+              (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=3)))
+  else:
+    scoped = ((qo, plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
+               plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr), p_st, lse_st),
+              (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=slots),
+               plgpu.Barrier(num_barriers=slots)))
 
   def entry(*refs):
     *map_refs, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
@@ -433,14 +501,7 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False
         lambda *s: kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
                           lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype,
                           interpret=interpret, slots=slots),
-        (_shared(plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
-                 plgpu.SMEM((ROWS, dv), dtype, transforms=tr)),
-         plgpu.SMEM((slots, BLOCK, dk), dtype, transforms=tr),
-         plgpu.SMEM((slots, BLOCK, dv), dtype, transforms=tr),
-         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr) if _staging(interpret) else None,
-         plgpu.SMEM((ROWS,), jnp.float32)),
-        (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=slots),
-         plgpu.Barrier(num_barriers=slots)))
+        *scoped)
 
   o, lse = plgpu.kernel(
       entry,

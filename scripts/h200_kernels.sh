@@ -31,6 +31,10 @@
 #          sharing memory and unused staging dropped (LEAN_SMEM, the default) vs separate buffers,
 #          twice each, at the 8k training layer (G = 16 and 4); compiled check first; ptxas'
 #          register report in mosaiclean_ptxas.log
+# mosaicring  the Mosaic selection forward's K and V in one ring of 3 shared-memory buffers
+#          (KV_RING: 64 KB instead of 80 KB at d = 128, so 3 CTAs an SM instead of 2) on / off
+#          twice: 64k 128/128 G = 16 and 4 clustered (issue 4's shape; compiled check with the
+#          ring first; ptxas' report in mosaicring_ptxas.log), then the 8k training layer
 # mosaicb1  the Mosaic GPU selection forward with SELECTION_SPEED_PLAN's B1 step changes (the
 #          token's pick as a row bias, the causal mask on the last union entry only, P from
 #          registers) on, off, and on again (a repeat), at the 8k training layer shape, G = 16
@@ -155,6 +159,18 @@ mosaiclean() {  # shared vs separate shared-memory buffers at the 8k training la
     > "$OUT/mosaiclean/mosaiclean_ptxas.log" 2>&1
   local rc=$?
   grep -vE "^ptxas" "$OUT/mosaiclean/mosaiclean_ptxas.log" | tail -40
+  return $rc
+}
+mosaicring() {  # the forward's K/V ring on / off: 64k 128/128, then the 8k training layer
+  mkdir -p "$OUT/mosaicring"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 330 python3 -m experiments.bench_kernels --check \
+    --plan mosaicring --T 65536 --groups 16,4 --patterns clustered --iters 5 \
+    --out "$OUT/mosaicring" --tag h200_mosaicring > "$OUT/mosaicring/mosaicring_ptxas.log" 2>&1
+  local rc=$?
+  grep -vE "^ptxas" "$OUT/mosaicring/mosaicring_ptxas.log" | tail -30
+  timeout 200 python3 -m experiments.bench_kernels --plan mosaicring --T 8192 --groups 16 \
+    --heads 16 --d 64 --batch 8 --patterns clustered,random --iters 10 \
+    --out "$OUT/mosaicring8k" --tag h200_mosaicring8k || rc=$?
   return $rc
 }
 mosaicb1() {  # the Mosaic forward step (FAST_MASK, REG_P) on / off at the 8k training layer shape

@@ -600,7 +600,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
                                     "topnvar", "topnsweep",
                                     "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
-                                    "mosaiclean", "mosaicab16"}
+                                    "mosaiclean", "mosaicab16", "mosaicring"}
 
 
 def test_needle_key_blocks_and_coverage():
@@ -643,6 +643,16 @@ def test_bench_kernels_registry_labels(monkeypatch):
   recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ws-nopp")
   assert "no ping-pong" in recs[0]["impl"] and seen == [False]
   assert bk.select_attention_mgpu.WS_PINGPONG
+  # the K/V ring A/B: the variant sets KV_RING while timed, then restores it
+  assert [j[3] for j in bk.plan_jobs("mosaicring", [65536], [16], ["clustered"], 64)] == [
+      "mosaic", "mosaic-ring", "mosaic", "mosaic-ring"]
+  rings = []
+  monkeypatch.setattr(bk, "time_fwd_bwd",
+                      lambda f, *a, **k: (rings.append(bk.select_attention_mgpu.KV_RING), (1.0, 2.0))[1])
+  recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="mosaic-ring")
+  assert "K/V ring" in recs[0]["impl"] and "pallas-mosaic-gpu" in recs[0]["impl"]
+  recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="mosaic")
+  assert rings == [True, False] and not bk.select_attention_mgpu.KV_RING
 
 
 def test_bench_kernels_plot_draws_every_panel(tmp_path):

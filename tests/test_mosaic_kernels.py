@@ -253,6 +253,49 @@ def test_deeper_pipelines_lower_for_cuda(monkeypatch, g, dk, dv):
   assert _select_jaxpr(g, dk, dv, backend="mosaic") != two  # the setting took
 
 
+# KV_RING: the 64-row forward's K and V in one ring of 3 buffers (K_j in 2j % 3, V_j in 2j + 1).
+# Union walks of up to 8 blocks (T = 450) cycle the ring several times; tiles of one and two
+# blocks (only part of the prologue runs); G = 4 (16 tokens a tile) and G = 64 (one token a tile,
+# every step masked); d_k != d_v keeps the two slot arrays (ring_applies); the compression walk
+# (T = 1500: 2 blocks of 64 compressed keys for the last tiles) uses the same kernel.
+RING_CASES = [(1, 450, 16, 1, 64, 64, 6), (1, 90, 4, 1, 64, 64, 2), (1, 140, 64, 1, 64, 64, 3),
+              (2, 130, 16, 2, 128, 128, 3)]
+
+
+@pytest.mark.parametrize("case", RING_CASES, ids=[f"G{c[2] // c[3]}_{c[4]}x{c[5]}_T{c[1]}"
+                                                  for c in RING_CASES])
+def test_kv_ring_matches_reference(monkeypatch, case):
+  monkeypatch.setattr(mgpu, "KV_RING", True)
+  b, t, h, kh, dk, dv, n = case
+  assert mgpu.ring_applies(dk, dv) and not mgpu.ring_applies(192, 128)
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  maps = C.tile_maps(idx, mgpu.tiling_for(h // kh, 64))
+  o, lse = mgpu.forward(q, k, v, maps, block_size=64, scale=dk ** -0.5, interpret=INTERPRET)
+  _assert_select_matches(o, lse, q, k, v, idx)
+  if case != RING_CASES[0]:
+    return
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  ours = lambda q, k, v: select_attention(q, k, v, idx, 64, backend="mosaic", interpret=INTERPRET)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)  # dq uses the forward's lse
+  qc, kc, vc, _ = _cmp_inputs(rng, 1, 1500, 16, 1, 64, 64)  # the compression walk (2 blocks)
+  oc, _ = compress_attention(qc, kc, vc, 32, 16, backend="mosaic", interpret=INTERPRET)
+  np.testing.assert_allclose(f32(oc), ref.compressed_attention(f32(qc), f32(kc), f32(vc), 32, 16)[0],
+                             atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("g,dk,dv", [(16, 128, 128), (4, 64, 64), (16, 192, 128)],
+                         ids=["G16_128x128", "G4_64x64", "G16_192x128"])
+def test_kv_ring_lowers_for_cuda(monkeypatch, g, dk, dv):
+  """KV_RING through the CUDA lowering's checks (barrier counts, TMA shapes, shared memory); the
+  traced program changes exactly where d_k = d_v (ring_applies)."""
+  plain = _select_jaxpr(g, dk, dv, backend="mosaic")
+  monkeypatch.setattr(mgpu, "KV_RING", True)
+  _select_lowered(g, dk, dv, backend="mosaic")
+  assert (_select_jaxpr(g, dk, dv, backend="mosaic") != plain) == (dk == dv)
+
+
 # OVERLAP: the forward issues S_{j+1} and P_j V_j together and runs the softmax of S_{j+1} while
 # P_j V_j is in flight (three K/V slots). Union walks of up to 8 blocks (T = 450), tiles with one
 # block, G = 16 / 8 / 4, d_k != d_v; gradients through select_attention use its lse.
@@ -293,7 +336,7 @@ def test_overlap_lowers_for_cuda_where_it_applies(monkeypatch):
     assert (text != plain[c]) == applies and ("wait_n=1" in text) == applies, c
 
 
-@pytest.mark.parametrize("kernel", ["forward", "overlap", "dq", "dkv"])
+@pytest.mark.parametrize("kernel", ["forward", "overlap", "ring", "dq", "dkv"])
 @pytest.mark.parametrize("lean", [True, False], ids=["lean_smem", "separate_smem"])
 def test_kernels_are_race_free_in_the_interpreter(monkeypatch, kernel, lean):
   """Mosaic GPU's interpreter with race detection (it also checks reads through another RefUnion
@@ -307,6 +350,7 @@ def test_kernels_are_race_free_in_the_interpreter(monkeypatch, kernel, lean):
   monkeypatch.setattr(mgpu.plgpu, "InterpretGPUParams", lambda: params(detect_races=True))
   monkeypatch.setattr(mgpu, "LEAN_SMEM", lean)
   monkeypatch.setattr(mgpu, "OVERLAP", kernel == "overlap")
+  monkeypatch.setattr(mgpu, "KV_RING", kernel == "ring")
   b, t, h, kh, dk, dv, n = 1, 200, 8, 1, 64, 64, 3
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
@@ -315,7 +359,7 @@ def test_kernels_are_race_free_in_the_interpreter(monkeypatch, kernel, lean):
   delta = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
   scale = dk ** -0.5
   fwd = lambda: mgpu.forward(q, k, v, maps, block_size=64, scale=scale, interpret=True)
-  run = {"forward": fwd, "overlap": fwd,  # OVERLAP (set above) picks the overlapped kernel
+  run = {"forward": fwd, "overlap": fwd, "ring": fwd,  # OVERLAP / KV_RING (set above) pick it
          "dq": lambda: mgpu.dq(q, k, v, maps, do, lse, delta, block_size=64, scale=scale,
                                interpret=True),
          "dkv": lambda: mgpu.dkv_partials(q, k, v, idx, do, lse, delta, chunk_entries=24,
