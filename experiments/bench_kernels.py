@@ -146,9 +146,8 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
     lean, tiling = False, "mosaic"
     impl_note += " (separate shared-memory buffers, as before 2026-12-02)"
   ring = select_attention_mgpu.KV_RING
-  if tiling == "mosaic-ring":  # the forward's K and V in one ring of 3 buffers (KV_RING)
-    ring, tiling = True, "mosaic"
-    impl_note += " (forward: K/V ring of 3 buffers)"
+  if tiling in ("mosaic-ring", "mosaic-noring"):  # the forward's K/V ring (KV_RING) on / off
+    ring, tiling = tiling == "mosaic-ring", "mosaic"
   if tiling == "mosaic-ovl":  # the forward with FA3's intra-warpgroup overlap (OVERLAP)
     overlap, tiling = True, "mosaic"
     impl_note += " (forward: S(j+1) overlapped with P(j)V(j), 3 K/V slots)"
@@ -164,6 +163,9 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
     tiling = "mosaic"
   if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
+    with mgpu_settings(KV_RING=ring):  # what the forward will run (ring_applies reads it)
+      if select_attention_mgpu.ring_applies(dk, dv, overlap):
+        impl_note += " (forward: K/V ring of 3 buffers)"
   elif tiling in ("mosaic-ws", "mosaic-ws-nopp"):  # 128-row tiles, producer + 2 consumers
     pingpong = tiling == "mosaic-ws"
     backend, tiling = "mosaic", select_attention_mgpu.ws_tiling_for(g, bs)
@@ -423,7 +425,7 @@ def plan_jobs(name, ts, groups, patterns, block):
             for tl in ("mosaic", "mosaic-fat", "mosaic", "mosaic-fat")]
   if name == "mosaicring":  # the forward's K/V ring (KV_RING) on / off, A/B twice
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 4 for p in patterns
-            for tl in ("mosaic", "mosaic-ring", "mosaic", "mosaic-ring")]
+            for tl in ("mosaic-noring", "mosaic-ring", "mosaic-noring", "mosaic-ring")]
   if name == "mosaicovl":  # the forward's intra-warpgroup overlap (OVERLAP) on / off, A/B twice
     return [(t, g, p, tl, True) for t in ts for g in groups if g >= 4 for p in patterns
             for tl in ("mosaic", "mosaic-ovl", "mosaic", "mosaic-ovl")]

@@ -80,8 +80,13 @@ LEAN_SMEM = True
 # slots of each (read when traced; where d_k = d_v and OVERLAP is off). K_j sits in buffer 2j % 3
 # and V_j in (2j + 1) % 3: V_{j+1} is issued once S_j = Q K_j^T has been waited for (into K_j's
 # buffer), K_{j+2} once P_j V_j has (into V_j's). At d = 128 the forward then needs 64 KB instead
-# of 80 KB: 3 CTAs an SM instead of 2 (its 147 registers allow 3). Off by default until measured.
-KV_RING = False
+# of 80 KB: 3 CTAs an SM instead of 2 (its 147 registers allow 3). Measured on the H200
+# (2026-12-02, select_h200_mosaicring*.md, A/B twice): 64k, 128/128, G = 16 clustered forward
+# 7.53 / 7.51 vs 8.31 / 8.32 ms, G = 4 14.09 / 13.82 vs 14.47 / 14.35; at the 8k layer (64/64,
+# where occupancy does not change: registers allow 4 CTAs either way) clustered -2%, random +3-4%.
+# So it applies from RING_MIN_DIM (d_k = d_v >= 128) only.
+KV_RING = True
+RING_MIN_DIM = 128
 
 
 def _staging(interpret):
@@ -323,9 +328,10 @@ def _ring_start(blocks, q_ref, k_ref, v_ref, scoped, *, g, tq):
 
 
 def ring_applies(dk, dv, overlap=False):
-  """Whether the 64-row forward runs with the K/V ring: KV_RING on, d_k = d_v (one buffer shape),
-  not the OVERLAP kernel (which keeps its own slots)."""
-  return KV_RING and dk == dv and not overlap
+  """Whether the 64-row forward runs with the K/V ring: KV_RING on, d_k = d_v >= RING_MIN_DIM
+  (one buffer shape; below 128 the ring does not raise occupancy and measured no gain), not the
+  OVERLAP kernel (which keeps its own slots)."""
+  return KV_RING and dk == dv and dk >= RING_MIN_DIM and not overlap
 
 
 def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype,

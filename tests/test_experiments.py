@@ -645,14 +645,17 @@ def test_bench_kernels_registry_labels(monkeypatch):
   assert bk.select_attention_mgpu.WS_PINGPONG
   # the K/V ring A/B: the variant sets KV_RING while timed, then restores it
   assert [j[3] for j in bk.plan_jobs("mosaicring", [65536], [16], ["clustered"], 64)] == [
-      "mosaic", "mosaic-ring", "mosaic", "mosaic-ring"]
+      "mosaic-noring", "mosaic-ring", "mosaic-noring", "mosaic-ring"]
   rings = []
   monkeypatch.setattr(bk, "time_fwd_bwd",
                       lambda f, *a, **k: (rings.append(bk.select_attention_mgpu.KV_RING), (1.0, 2.0))[1])
   recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="mosaic-ring")
   assert "K/V ring" in recs[0]["impl"] and "pallas-mosaic-gpu" in recs[0]["impl"]
-  recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="mosaic")
-  assert rings == [True, False] and not bk.select_attention_mgpu.KV_RING
+  recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="mosaic-noring")
+  assert "K/V ring" not in recs[0]["impl"]
+  recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ring")
+  assert "K/V ring" not in recs[0]["impl"]  # below RING_MIN_DIM the ring does not apply
+  assert rings == [True, False, True] and bk.select_attention_mgpu.KV_RING  # restored
 
 
 def test_bench_kernels_plot_draws_every_panel(tmp_path):

@@ -266,6 +266,7 @@ RING_CASES = [(1, 450, 16, 1, 64, 64, 6), (1, 90, 4, 1, 64, 64, 2), (1, 140, 64,
                                                   for c in RING_CASES])
 def test_kv_ring_matches_reference(monkeypatch, case):
   monkeypatch.setattr(mgpu, "KV_RING", True)
+  monkeypatch.setattr(mgpu, "RING_MIN_DIM", 64)  # the small head dims too (interpreter time)
   b, t, h, kh, dk, dv, n = case
   assert mgpu.ring_applies(dk, dv) and not mgpu.ring_applies(192, 128)
   rng = np.random.default_rng(_seed())
@@ -290,10 +291,22 @@ def test_kv_ring_matches_reference(monkeypatch, case):
 def test_kv_ring_lowers_for_cuda(monkeypatch, g, dk, dv):
   """KV_RING through the CUDA lowering's checks (barrier counts, TMA shapes, shared memory); the
   traced program changes exactly where d_k = d_v (ring_applies)."""
+  monkeypatch.setattr(mgpu, "KV_RING", False)
   plain = _select_jaxpr(g, dk, dv, backend="mosaic")
   monkeypatch.setattr(mgpu, "KV_RING", True)
+  monkeypatch.setattr(mgpu, "RING_MIN_DIM", 64)
   _select_lowered(g, dk, dv, backend="mosaic")
   assert (_select_jaxpr(g, dk, dv, backend="mosaic") != plain) == (dk == dv)
+
+
+def test_kv_ring_default_rule():
+  """On by default where it raises occupancy and was measured faster (d_k = d_v >= 128); not at
+  64/64 (the 8k training layer: no occupancy change, random lists 3-4% slower), nor d_k != d_v,
+  nor with OVERLAP."""
+  assert mgpu.KV_RING and mgpu.RING_MIN_DIM == 128
+  assert mgpu.ring_applies(128, 128) and mgpu.ring_applies(256, 256)
+  assert not mgpu.ring_applies(64, 64) and not mgpu.ring_applies(192, 128)
+  assert not mgpu.ring_applies(128, 128, overlap=True)
 
 
 # OVERLAP: the forward issues S_{j+1} and P_j V_j together and runs the softmax of S_{j+1} while
@@ -351,6 +364,7 @@ def test_kernels_are_race_free_in_the_interpreter(monkeypatch, kernel, lean):
   monkeypatch.setattr(mgpu, "LEAN_SMEM", lean)
   monkeypatch.setattr(mgpu, "OVERLAP", kernel == "overlap")
   monkeypatch.setattr(mgpu, "KV_RING", kernel == "ring")
+  monkeypatch.setattr(mgpu, "RING_MIN_DIM", 64)
   b, t, h, kh, dk, dv, n = 1, 200, 8, 1, 64, 64, 3
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
