@@ -202,7 +202,7 @@ mosaicws() {
 }
 mosaicab16() {  # G = 16, 64k, 128/128: the registry with Mosaic's union tile as the union branch
   # (compiled check of backend="auto" first), then that tile vs Triton's, twice, clustered
-  timeout 200 python3 -m experiments.bench_kernels --check --plan registry --T 65536 --groups 16 \
+  timeout 330 python3 -m experiments.bench_kernels --check --plan registry --T 65536 --groups 16 \
     --patterns clustered,random --iters 5 --out "$OUT/registry16" --tag h200_registry16
   timeout 200 python3 -m experiments.bench_kernels --plan mosaicab16 --T 65536 --groups 16 \
     --patterns clustered --iters 5 --out "$OUT/mosaicab16" --tag h200_mosaicab16
