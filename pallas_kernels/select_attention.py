@@ -496,13 +496,18 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   C.check_indices(block_idx, "select_attention")
   idx = _canonical_lists(block_idx.astype(jnp.int32), block_size)
   n = block_idx.shape[-1]
+  mosaic_fwd = (backend == "mosaic" and tiling.tokens_per_tile == mgpu.tiling_for(g, block_size)
+                .tokens_per_tile) or (union is not None and union_backend == "mosaic")
+  ring = mosaic_fwd and mgpu.ring_applies(
+      dk, v.shape[3], mgpu.overlap_applies(max(1, 64 // g), dk, v.shape[3], interpret))
   C.log_once((backend, q.shape, k.shape, v.shape, block_idx.shape, block_size, tiling, union,
-              interpret),
-             "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s%s interpret=%s",
+              interpret, ring),
+             "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s%s%s interpret=%s",
              backend, q.shape, k.shape, v.shape, n, block_size, tiling,
              "" if union is None else (f"; when {switch[0]}-token tiles average <= "
                                        f"{switch[1] * n:g} distinct blocks: {union_backend} "
-                                       f"{union}"), interpret)
+                                       f"{union}"),
+             " (Mosaic forward with the K/V ring of 3 buffers)" if ring else "", interpret)
   if union is None:
     return BACKENDS[backend](q, k, v, idx, seg, block_size, scale, tiling, has_seg, interpret,
                              deterministic)

@@ -299,6 +299,19 @@ def test_kv_ring_lowers_for_cuda(monkeypatch, g, dk, dv):
   assert (_select_jaxpr(g, dk, dv, backend="mosaic") != plain) == (dk == dv)
 
 
+def test_kv_ring_is_logged(caplog):
+  """The select_attention log line says when the Mosaic forward runs the ring: 128/128 yes, 64/64
+  and 192/128 no (each shape logs once: distinct sequence lengths here)."""
+  import logging
+  for (dk, dv, t), ring in (((128, 128, 301), True), ((64, 64, 302), False),
+                            ((192, 128, 303), False)):
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pallas_kernels"):
+      _select_jaxpr(16, dk, dv, t=t, backend="mosaic")
+    assert "backend=mosaic" in caplog.text
+    assert ("K/V ring" in caplog.text) == ring, (dk, dv, caplog.text)
+
+
 def test_kv_ring_default_rule():
   """On by default where it raises occupancy and was measured faster (d_k = d_v >= 128); not at
   64/64 (the 8k training layer: no occupancy change, random lists 3-4% slower), nor d_k != d_v,
