@@ -145,9 +145,10 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
   if tiling == "mosaic-fat":  # every buffer its own shared memory (LEAN_SMEM off)
     lean, tiling = False, "mosaic"
     impl_note += " (separate shared-memory buffers, as before 2026-12-02)"
-  ring = select_attention_mgpu.KV_RING
-  if tiling in ("mosaic-ring", "mosaic-noring"):  # the forward's K/V ring (KV_RING) on / off
-    ring, tiling = tiling == "mosaic-ring", "mosaic"
+  ring, ring_min = select_attention_mgpu.KV_RING, select_attention_mgpu.RING_MIN_DIM
+  if tiling in ("mosaic-ring", "mosaic-noring"):  # the forward's K/V ring (KV_RING) on / off;
+    # on: wherever d_k = d_v (RING_MIN_DIM 0), so that the 8k layer's 64/64 A/B still has one
+    ring, ring_min, tiling = tiling == "mosaic-ring", 0, "mosaic"
   if tiling == "mosaic-ovl":  # the forward with FA3's intra-warpgroup overlap (OVERLAP)
     overlap, tiling = True, "mosaic"
     impl_note += " (forward: S(j+1) overlapped with P(j)V(j), 3 K/V slots)"
@@ -163,7 +164,7 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
     tiling = "mosaic"
   if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
-    with mgpu_settings(KV_RING=ring):  # what the forward will run (ring_applies reads it)
+    with mgpu_settings(KV_RING=ring, RING_MIN_DIM=ring_min):  # what the forward will run
       if select_attention_mgpu.ring_applies(dk, dv, overlap):
         impl_note += " (forward: K/V ring of 3 buffers)"
   elif tiling in ("mosaic-ws", "mosaic-ws-nopp"):  # 128-row tiles, producer + 2 consumers
@@ -193,7 +194,7 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
                                             backend=call_backend or backend)[0]
   with mgpu_settings(WS_PINGPONG=pingpong, FAST_MASK=fast_mask, REG_P=reg_p,
                      FWD_SLOTS=slots[0], DKV_SLOTS=slots[1], OVERLAP=overlap,
-                     LEAN_SMEM=lean, KV_RING=ring):
+                     LEAN_SMEM=lean, KV_RING=ring, RING_MIN_DIM=ring_min):
     fwd_ms, bwd_ms = time_fwd_bwd(f, q, k, v, do, idx, iters=iters)
   flops = select_flops(idx, bs, g, dk, dv)
   impl = (f"pallas-{'mosaic-gpu' if backend == 'mosaic' else 'triton'} {tiling.mode} tq{tiling.tokens_per_tile} bk{tiling.block_k} w{tiling.num_warps}"

@@ -9,8 +9,9 @@ rows gathered per step, one copy per token), summed per block by the Triton redu
 fixed order (deterministic). G = 4's dK/dV and the compression backward stay Triton. Each backend
 is one custom VJP. Checked against the reference compiled on the H200 and in Mosaic GPU's CPU
 interpreter. On the H200 (2026-11-30, benchmarks/results/select_h200_mosaic*.md) the selection
-kernels beat the Triton ones at head dims 64 and at G = 4 with clustered lists, and lose at G = 16
-with head dims 128. select_attention(backend="auto") picks them where they won. The compression
+kernels beat the Triton ones at head dims 64 and at G = 4 with clustered lists, and lost at G = 16
+with head dims 128; since 2026-12-02 (LEAN_SMEM, then KV_RING) they win there too
+(select_h200_mosaicab16*.md). select_attention(backend="auto") picks them where they won. The compression
 forward lost (19.7 vs 14.4 ms at 64k, 192/128) and is only used on request
 (implementation="pallas-mosaic").
 
@@ -20,7 +21,7 @@ visible to position p iff i*d + l - 1 <= p), up to the last block its tile's las
 Tile: 64 rows = tq tokens x the G query heads of one KV group (tq = 64 / G, G in 4..64), the
 wgmma minimum. The program walks the union of its tokens' selected blocks (l' = 64 keys each):
   1. TMA the block's K [64, d_k] and V [64, d_v] into shared memory (FWD_SLOTS slots, 2 by default: block j+1 is in
-     flight while block j is computed);
+     flight while block j is computed; at d_k = d_v >= 128 one ring of 3 buffers instead, KV_RING);
   2. S = Q K^T on the matrix unit (wgmma, float32 accumulator);
   3. rows whose token did not pick the block, and keys after the row's token (inside its own
      block), get -inf; online softmax in base 2 (a fully masked row keeps l = 0: o = 0, lse = -inf);
@@ -77,7 +78,7 @@ OVERLAP = False
 # (2 CTAs; 139 registers allow 3) 51.2 KB. False: the layouts as before 2026-12-02.
 LEAN_SMEM = True
 # The 64-row forward's K and V blocks in one ring of 3 shared-memory buffers instead of FWD_SLOTS
-# slots of each (read when traced; where d_k = d_v and OVERLAP is off). K_j sits in buffer 2j % 3
+# slots of each (read when traced; where d_k = d_v >= RING_MIN_DIM and OVERLAP is off). K_j sits in buffer 2j % 3
 # and V_j in (2j + 1) % 3: V_{j+1} is issued once S_j = Q K_j^T has been waited for (into K_j's
 # buffer), K_{j+2} once P_j V_j has (into V_j's). At d = 128 the forward then needs 64 KB instead
 # of 80 KB: 3 CTAs an SM instead of 2 (its 147 registers allow 3). Measured on the H200

@@ -647,15 +647,20 @@ def test_bench_kernels_registry_labels(monkeypatch):
   assert [j[3] for j in bk.plan_jobs("mosaicring", [65536], [16], ["clustered"], 64)] == [
       "mosaic-noring", "mosaic-ring", "mosaic-noring", "mosaic-ring"]
   rings = []
+  mg = bk.select_attention_mgpu
   monkeypatch.setattr(bk, "time_fwd_bwd",
-                      lambda f, *a, **k: (rings.append(bk.select_attention_mgpu.KV_RING), (1.0, 2.0))[1])
+                      lambda f, *a, **k: (rings.append(mg.ring_applies(128, 128) and mg.ring_applies(64, 64)
+                                                       if mg.KV_RING else False), (1.0, 2.0))[1])
   recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="mosaic-ring")
   assert "K/V ring" in recs[0]["impl"] and "pallas-mosaic-gpu" in recs[0]["impl"]
   recs = bk.bench_select(512, 16, 1, 128, 128, 8, 64, "clustered", tiling="mosaic-noring")
   assert "K/V ring" not in recs[0]["impl"]
   recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic-ring")
-  assert "K/V ring" not in recs[0]["impl"]  # below RING_MIN_DIM the ring does not apply
-  assert rings == [True, False, True] and bk.select_attention_mgpu.KV_RING  # restored
+  assert "K/V ring" in recs[0]["impl"]  # the variant forces the ring below RING_MIN_DIM too
+  recs = bk.bench_select(512, 16, 1, 64, 64, 8, 64, "clustered", tiling="mosaic")
+  assert "K/V ring" not in recs[0]["impl"]  # the default: not below RING_MIN_DIM
+  assert rings == [True, False, True, False]
+  assert mg.KV_RING and mg.RING_MIN_DIM == 128  # restored
 
 
 def test_bench_kernels_plot_draws_every_panel(tmp_path):
