@@ -464,6 +464,8 @@ def _bar_label(impl):
     variant = impl[impl.index("(fast mask") + 1:].split(")")[0]
     notes.append({"fast mask off, P from SMEM": "B1 off", "fast mask on, P from SMEM": "mask only",
                   "fast mask off, P from registers": "regs only"}.get(variant, variant))
+  if "K/V ring" in impl:
+    notes.append("K/V ring")
   if "(registry:" in impl:
     notes.append("registry")
   elif "auto" in impl:
@@ -485,7 +487,7 @@ def plot(path):
   keys = sorted({(r["T"], r["kv_heads"], r["pattern"]) for r in recs})
   bars = max(sum(r["pass"] == "fwd" for r in recs if (r["T"], r["kv_heads"], r["pattern"]) == k)
              for k in keys)
-  fig, axes = plt.subplots(1, len(keys), figsize=(max(4.2, 0.9 * bars) * len(keys), 4.6),
+  fig, axes = plt.subplots(1, len(keys), figsize=(max(6.2, max(4.2, 0.9 * bars) * len(keys)), 4.6),
                            squeeze=False)
   for ax, (t, kh, pat) in zip(axes[0], keys):
     rows = [r for r in recs if (r["T"], r["kv_heads"], r["pattern"]) == (t, kh, pat)]

@@ -696,6 +696,7 @@ def test_bench_kernels_bars_keep_repeats_and_name_variants():
   assert bk._bar_label(on) == "mosaic\nunion tq4"
   assert bk._bar_label(off) == "mosaic\nunion tq4\nB1 off"
   assert bk._bar_label(on + " (fast mask on, P from SMEM)").endswith("mask only")
+  assert bk._bar_label(on + " (forward: K/V ring of 3 buffers)") == "mosaic\nunion tq4\nK/V ring"
   assert bk._bar_label("pallas-mosaic-gpu union tq8 bk64 w4s2; x 2 consumer warpgroups, no "
                        "ping-pong").endswith("2 WG\nno ping-pong")
   assert bk._bar_label("pallas-triton union tq4 bk64 w4s2; x (auto: mean union 17.5)") == \
