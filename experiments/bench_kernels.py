@@ -164,8 +164,8 @@ def bench_select(t, h, kh, dk, dv, n, bs, pattern, *, tiling=None, deterministic
     tiling = "mosaic"
   if tiling == "mosaic":  # the Mosaic GPU kernels, 64-row union tiles
     backend, tiling = "mosaic", select_attention_mgpu.tiling_for(g, bs)
-    with mgpu_settings(KV_RING=ring, RING_MIN_DIM=ring_min):  # what the forward will run
-      if select_attention_mgpu.ring_applies(dk, dv, overlap):
+    with mgpu_settings(KV_RING=ring, RING_MIN_DIM=ring_min, OVERLAP=overlap):  # what will run
+      if select_attention_mgpu.forward_runs_ring(g, dk, dv):
         impl_note += " (forward: K/V ring of 3 buffers)"
   elif tiling in ("mosaic-ws", "mosaic-ws-nopp"):  # 128-row tiles, producer + 2 consumers
     pingpong = tiling == "mosaic-ws"

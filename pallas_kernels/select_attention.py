@@ -498,8 +498,7 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   n = block_idx.shape[-1]
   mosaic_fwd = (backend == "mosaic" and tiling.tokens_per_tile == mgpu.tiling_for(g, block_size)
                 .tokens_per_tile) or (union is not None and union_backend == "mosaic")
-  ring = mosaic_fwd and mgpu.ring_applies(
-      dk, v.shape[3], mgpu.overlap_applies(max(1, 64 // g), dk, v.shape[3], interpret))
+  ring = mosaic_fwd and mgpu.forward_runs_ring(g, dk, v.shape[3], interpret)
   C.log_once((backend, q.shape, k.shape, v.shape, block_idx.shape, block_size, tiling, union,
               interpret, ring),
              "select_attention: backend=%s q=%s k=%s v=%s n=%d block=%d %s%s%s interpret=%s",

@@ -290,42 +290,35 @@ def _prefetch(fetch, j, cnt, slots):
   return lax.rem(j, slots)
 
 
-def _tile_start(blocks, q_ref, k_ref, v_ref, scoped, *, g, tq, slots, min_count=0):
+def _tile_start(blocks, q_ref, k_ref, v_ref, scoped, *, g, tq, slots, min_count=0, ring=False):
   """The forwards' tile set-up: the query tile's TMA issued and the walk's first blocks in flight.
   Returns the buffers (q_s, k_s, v_s, p_s, o_s, lse_s; the output tile shares the query tile's
-  memory with LEAN_SMEM), the barriers, (batch, group, the tile's rows) and the _Walk."""
-  (qo_s, k_s, v_s, p_s, lse_s), bars = scoped
-  q_s, o_s = _buffers(qo_s)
-  tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
-  rows = pl.ds(tile * ROWS, ROWS)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, bars[0].at[0])
-  walk = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s,
-               k_bar=bars[1], v_bar=bars[2], slots=slots, min_count=min_count)
-  return (q_s, k_s, v_s, p_s, o_s, lse_s), bars, (b, kk, rows), walk
-
-
-def _ring_start(blocks, q_ref, k_ref, v_ref, scoped, *, g, tq):
-  """_tile_start for the K/V ring (KV_RING): one buffer array kv_s [3, 64, d] and its 3
-  barriers; K_0 -> buffer 0, V_0 -> 1 and K_1 -> 2 in flight (those below the tile's count).
-  Returns (q_s, kv_s, p_s, o_s, lse_s), (q_bar, kv_bar), (batch, group, rows) and the _Walk, whose
-  fetch(j, buffer, which="k" or "v") issues one of block j's copies."""
-  (qo_s, kv_s, p_s, lse_s), (q_bar, kv_bar) = scoped
+  memory with LEAN_SMEM), the barriers (q, K, V), (batch, group, the tile's rows) and the _Walk.
+  ring (KV_RING): `scoped` holds one buffer array [3, 64, d] and its 3 barriers, returned as both
+  K's and V's; K_0 -> buffer 0, V_0 -> 1 and K_1 -> 2 go in flight (those below the tile's count),
+  and the walk's fetch(j, buffer, which="k" or "v") issues one of block j's copies."""
+  if ring:
+    (qo_s, kv_s, p_s, lse_s), (q_bar, kv_bar) = scoped
+    k_s, v_s, k_bar, v_bar = kv_s, kv_s, kv_bar, kv_bar
+  else:
+    (qo_s, k_s, v_s, p_s, lse_s), (q_bar, k_bar, v_bar) = scoped
   q_s, o_s = _buffers(qo_s)
   tile, kk, b = lax.axis_index("tile"), lax.axis_index("group"), lax.axis_index("batch")
   rows = pl.ds(tile * ROWS, ROWS)
   plgpu.copy_gmem_to_smem(q_ref.at[b, kk, rows], q_s, q_bar.at[0])
-  walk = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=kv_s, v_s=kv_s,
-               k_bar=kv_bar, v_bar=kv_bar, slots=1)  # slots=1: no prologue of _walk's own
+  walk = _walk(blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s,
+               k_bar=k_bar, v_bar=v_bar, slots=1 if ring else slots,  # ring: its own prologue
+               min_count=min_count)
+  if ring:
+    @pl.when(walk.cnt > 0)
+    def _():
+      walk.fetch(0, 0, clamp=True, which="k")
+      walk.fetch(0, 1, clamp=True, which="v")
 
-  @pl.when(walk.cnt > 0)
-  def _():
-    walk.fetch(0, 0, clamp=True, which="k")
-    walk.fetch(0, 1, clamp=True, which="v")
-
-  @pl.when(walk.cnt > 1)
-  def _():
-    walk.fetch(1, 2, clamp=True, which="k")
-  return (q_s, kv_s, p_s, o_s, lse_s), (q_bar, kv_bar), (b, kk, rows), walk
+    @pl.when(walk.cnt > 1)
+    def _():
+      walk.fetch(1, 2, clamp=True, which="k")
+  return (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk
 
 
 def ring_applies(dk, dv, overlap=False):
@@ -341,14 +334,9 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
   (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool, row_picked or None) for the tile
   (see forward / cmp_forward). With row_picked (the selection) and FAST_MASK, the pick is a row
   bias and the causal mask applies at the last union entry only. ring: K and V in one ring of
-  3 buffers (KV_RING; scoped as _ring_start's)."""
-  if ring:
-    (q_s, kv_s, p_s, o_s, lse_s), (q_bar, kv_bar), (b, kk, rows), walk = _ring_start(
-        blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq)
-    k_s, v_s, k_bar, v_bar = kv_s, kv_s, kv_bar, kv_bar
-  else:
-    (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk = _tile_start(
-        blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq, slots=slots)
+  3 buffers (KV_RING; scoped as _tile_start's ring form)."""
+  (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk = _tile_start(
+      blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq, slots=slots, ring=ring)
   cnt, block_of, visible, row_picked, fetch, c_id, pos = walk
   plgpu.barrier_wait(q_bar.at[0])
   row_picked = row_picked if FAST_MASK else None
@@ -493,7 +481,7 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False
                plgpu.SMEM((ROWS, dv), dtype, transforms=tr))
   p_st = plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tr) if _staging(interpret) else None
   lse_st = plgpu.SMEM((ROWS,), jnp.float32)
-  if ring:  # K and V in one ring of 3 buffers (_ring_start)
+  if ring:  # K and V in one ring of 3 buffers (_tile_start's ring form)
     scoped = ((qo, plgpu.SMEM((3, BLOCK, dk), dtype, transforms=tr), p_st, lse_st),
               (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=3)))
   else:
@@ -559,6 +547,12 @@ def forward(q, k, v, maps, *, block_size, scale, interpret=False):
   return _run(_select_blocks, maps, q, _blocks_major(k), _blocks_major(v), kh=kh, nt=nt, tq=tq,
               scale=scale, interpret=interpret,
               overlap=overlap_applies(tq, dk, v.shape[3], interpret))
+
+
+def forward_runs_ring(g, dk, dv, interpret=False):
+  """Whether forward() runs the K/V ring for G query heads a group (its OVERLAP choice included):
+  what select_attention's log line and the benchmarks' labels report."""
+  return ring_applies(dk, dv, overlap_applies(_tiles(1, g)[0], dk, dv, interpret))
 
 
 def overlap_applies(tq, dk, dv, interpret=False):
