@@ -66,6 +66,14 @@ def _env_flag(name, default):
 
 
 CARRY_BOUNDS = _env_flag("CARRY_BOUNDS", False)
+# TWO_PASS: no running top-n in the chunk loop. The kernel writes each chunk's candidate scores
+#   (Eq. 10 with the forced / ineligible blocks as +inf / -inf) to a float32 buffer
+#   [B, tokens * K, NSP], and a second kernel picks each row's n best from it (n rounds of max and
+#   lowest-index-among-equals). Same order and ties as the merges. The buffer covers at most
+#   TWO_PASS_MAX_BYTES; longer sequences are walked in token slices in a lax.fori_loop, so the
+#   extra memory stays bounded (no T x T/l' array at any length).
+TWO_PASS = _env_flag("TWO_PASS", False)
+TWO_PASS_MAX_BYTES = 1 << 28
 FIRST_FILL = _env_flag("FIRST_FILL", True)
 FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
@@ -228,10 +236,18 @@ def _ascending(a_val, a_idx, *, n):
   return out
 
 
-def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref, idx_ref, *, tq, g,
+def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref, *refs, tq, g,
                  gp, m, t, h, kh, nc, block, stride, sel_block, nsj, n, npad, n_init, n_local, off,
-                 dk_pieces, scale, has_seg, carry_vec, rank_merge, first_fill):
-  tile, kk = pl.program_id(0), pl.program_id(1)
+                 dk_pieces, scale, has_seg, carry_vec, rank_merge, first_fill, two_pass=False):
+  # two_pass: refs = (tile0_ref [1]: the slice's first tile, scores_ref [slice rows, NSP]);
+  # else refs = (idx_ref,)
+  if two_pass:
+    tile0_ref, scores_ref = refs
+    tile0 = tile0_ref[0]
+    tile, kk = pl.program_id(0) + tile0, pl.program_id(1)
+  else:
+    (idx_ref,) = refs
+    tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = ca.tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   # Only padded heads are dropped: tokens past T copy token T-1 whole, so they compute (and store)
   # exactly its indices.
@@ -288,6 +304,9 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     cand = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf))
     if fill:  # the first chunk's nsj = n candidates are the list (-inf: empty slots)
       return cand, j, carry
+    if two_pass:  # the slice's row of each token: (token - first token of the slice) * K + group
+      ca.store_rows(scores_ref, (tpos - tile0 * tq) * kh + kk, ci * nsj, cand)
+      return a_val, a_idx, carry
     a_val, a_idx = (_rank_merge if rank_merge else _merge)(a_val, a_idx, cand, j, n=n)
     return a_val, a_idx, carry
 
@@ -301,7 +320,28 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   if first_fill:
     init, c0 = body(0, init, fill=True), 1
   a_val, a_idx, _ = lax.fori_loop(c0, chunks, body, init)
-  ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
+  if not two_pass:
+    ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
+
+
+def _pick_kernel(tile0_ref, scores_ref, idx_ref, *, rows, kh, t, tq, sel_block, n, npad, nsp):
+  """TWO_PASS's second kernel: `rows` rows of the slice's score buffer -> their n best blocks
+  (score desc, block asc), ascending, -1 in empty slots. Columns past a token's own block were
+  not written by the first kernel (or hold -inf there): masked here before anything reads them."""
+  r = pl.program_id(0) * rows + lax.iota(jnp.int32, rows)
+  cur = jnp.minimum(tile0_ref[0] * tq + r // kh, t - 1) // sel_block
+  j = lax.broadcasted_iota(jnp.int32, (rows, nsp), 1)
+  vals = jnp.where(j <= cur[:, None], scores_ref[r, pl.ds(0, nsp)], -jnp.inf)
+  slot = lax.broadcasted_iota(jnp.int32, (rows, npad), 1)
+  a_val = jnp.full((rows, npad), -jnp.inf, jnp.float32)
+  a_idx = jnp.full((rows, npad), -1, jnp.int32)
+  for s in range(n):  # the best left, the lowest block among equals; then it leaves the row
+    best = jnp.max(vals, axis=1)
+    pick = jnp.min(jnp.where(vals == best[:, None], j, BIG), axis=1)
+    a_val = jnp.where(slot == s, best[:, None], a_val)
+    a_idx = jnp.where(slot == s, pick[:, None], a_idx)
+    vals = jnp.where(j == pick[:, None], -jnp.inf, vals)
+  ca.store_rows(idx_ref, r, 0, _ascending(a_val, a_idx, n=n))
 
 
 def supports(q_shape, kc_shape, block, stride, sel_block, rows=64):
@@ -379,14 +419,72 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
       has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge, first_fill=first_fill)
   w = ca._whole
-  idx = pl.pallas_call(
-      kernel,
-      grid=(ca.cdiv(t, tq), kh, b),
-      in_specs=[w(t), w(t), w(ncp), w(ncp), w(t * h, dk), ca._group(ncp, dk), w(t * h)],
-      out_specs=w(t * kh, npad),
-      out_shape=jax.ShapeDtypeStruct((b, t * kh, npad), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name="nsa_select_topn",
-  )(seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
+  args = (seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
+  in_specs = [w(t), w(t), w(ncp), w(ncp), w(t * h, dk), ca._group(ncp, dk), w(t * h)]
+  params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  if TWO_PASS:
+    idx = _two_pass(functools.partial(kernel, first_fill=False, two_pass=True), args, in_specs,
+                    params, b=b, t=t, tq=tq, kh=kh, nsp=ca.next_pow2(row_chunks * nsj),
+                    sel_block=sel_block, n=num_selected, npad=npad, interpret=interpret)
+  else:
+    idx = pl.pallas_call(
+        kernel,
+        grid=(ca.cdiv(t, tq), kh, b),
+        in_specs=in_specs,
+        out_specs=w(t * kh, npad),
+        out_shape=jax.ShapeDtypeStruct((b, t * kh, npad), jnp.int32),
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_select_topn",
+    )(*args)
   return idx.reshape(b, t, kh, npad)[..., :num_selected]
+
+
+def two_pass_slice(b, t, tq, kh, nsp):
+  """Tokens per slice of TWO_PASS (a multiple of tq): as many as keep the score buffer
+  [B, tokens * K, NSP] float32 within TWO_PASS_MAX_BYTES (all T when it fits)."""
+  per_token = b * kh * nsp * 4
+  return min(ca.cdiv(t, tq) * tq, max(tq, TWO_PASS_MAX_BYTES // per_token // tq * tq))
+
+
+def _two_pass(kernel, args, in_specs, params, *, b, t, tq, kh, nsp, sel_block, n, npad,
+              interpret):
+  """TWO_PASS: per slice of tokens, the scores kernel then the pick kernel; [B, T * K, npad]."""
+  ts = two_pass_slice(b, t, tq, kh, nsp)
+  slices, tiles = ca.cdiv(t, ts), ts // tq
+  prow = max(1, min(64, 8192 // nsp))  # rows a pick program takes: ~8k scores in registers
+  brows = ca.cdiv(ts * kh, prow) * prow  # buffer rows, padded to whole pick programs
+  one = pl.BlockSpec((1,), lambda *_: (0,))
+  w = ca._whole
+  scores_call = pl.pallas_call(
+      kernel,
+      grid=(tiles, kh, b),
+      in_specs=in_specs + [one],
+      out_specs=w(brows, nsp),
+      out_shape=jax.ShapeDtypeStruct((b, brows, nsp), jnp.float32),
+      compiler_params=params,
+      interpret=interpret,
+      name="nsa_select_topn_scores",
+  )
+  pick_call = pl.pallas_call(
+      functools.partial(_pick_kernel, rows=prow, kh=kh, t=t, tq=tq, sel_block=sel_block, n=n,
+                        npad=npad, nsp=nsp),
+      grid=(brows // prow, 1, b),
+      in_specs=[one, w(brows, nsp)],
+      out_specs=w(brows, npad),
+      out_shape=jax.ShapeDtypeStruct((b, brows, npad), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="nsa_select_topn_pick",
+  )
+
+  def one_slice(si):
+    tile0 = jnp.reshape(si * tiles, (1,)).astype(jnp.int32)
+    return pick_call(tile0, scores_call(*args, tile0))[:, :ts * kh]
+
+  if slices == 1:
+    return one_slice(0)[:, :t * kh]
+  out = jnp.zeros((b, slices * ts * kh, npad), jnp.int32)
+  out = lax.fori_loop(0, slices, lambda si, o: lax.dynamic_update_slice_in_dim(
+      o, one_slice(si), si * ts * kh, axis=1), out)
+  return out[:, :t * kh]

@@ -11,6 +11,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 
@@ -136,9 +137,14 @@ def _set_topn_variants(monkeypatch, variants):
   "rank_fill": the rank merge with FIRST_FILL (loop-free merge, matmul carry); "carry": the
   vector carry with the loop merge."""
   on = {"on": TOPN_VARIANTS, "off": (), "rank_fill": ("RANK_MERGE", "FIRST_FILL"),
-        "carry": ("CARRY_VEC",)}[variants]
+        "carry": ("CARRY_VEC",), "two_pass": (), "two_pass_sliced": ("CARRY_VEC",)}[variants]
   for name in TOPN_VARIANTS:
     monkeypatch.setattr(topn_module, name, name in on)
+  # TWO_PASS: scores to a buffer, then a pick kernel; "sliced" caps the buffer at 16 KB, so the
+  # tests' sequences are walked in several token slices (the last one partly past T)
+  monkeypatch.setattr(topn_module, "TWO_PASS", variants.startswith("two_pass"))
+  if variants == "two_pass_sliced":
+    monkeypatch.setattr(topn_module, "TWO_PASS_MAX_BYTES", 1 << 14)
 
 
 def _topn_rule(vals, n):
@@ -180,6 +186,40 @@ def test_merges_keep_the_topn_rule_through_ties_and_infinities(n, fill, merge):
     assert bad.size == 0, (merge, ci, vals[bad[0, 0], :(ci + 1) * width], got[bad[0, 0]],
                            want[bad[0, 0]])
     assert np.all(np.asarray(a_val)[:, n:] == -np.inf) and np.all(np.asarray(a_idx)[:, n:] == -1)
+
+
+@pytest.mark.parametrize("n,kh", [(1, 1), (5, 2), (16, 1)])
+def test_two_pass_pick_keeps_the_topn_rule_through_ties_and_infinities(n, kh):
+  """TWO_PASS's pick kernel (interpreted) on score rows drawn from {-inf, +inf, four small
+  integers}: the n best by (score desc, block asc) among the blocks up to the row's own
+  (cur = its token // l'; later columns hold garbage, NaN here, and must be ignored), ascending,
+  -1 for -inf and empty slots."""
+  rng = np.random.default_rng(_seed())
+  nsp, rows, tq, sel_block = 64, 32, 4, 2
+  t = rows // kh + 3  # the last rows' tokens sit past T: clamped to T - 1
+  pool = np.array([-np.inf, np.inf, 0.0, 1.0, 2.0, 3.0], np.float32)
+  vals = rng.choice(pool, size=(1, rows, nsp), p=[.15, .05, .2, .2, .2, .2]).astype(np.float32)
+  tile0 = 2  # the slice starts at token tile0 * tq
+  tok = np.minimum(tile0 * tq + np.arange(rows) // kh, t - 1)
+  cur = tok // sel_block
+  garbage = np.arange(nsp)[None, None, :] > cur[None, :, None]
+  vals_in = np.where(garbage, np.nan, vals).astype(np.float32)
+  npad = 1 << (n - 1).bit_length()
+  prow = 8
+  call = pl.pallas_call(
+      functools.partial(topn_module._pick_kernel, rows=prow, kh=kh, t=t, tq=tq,
+                        sel_block=sel_block, n=n, npad=npad, nsp=nsp),
+      grid=(rows // prow, 1, 1),
+      in_specs=[pl.BlockSpec((1,), lambda *_: (0,)),
+                pl.BlockSpec((None, rows, nsp), lambda i, j, bb: (bb, 0, 0))],
+      out_specs=pl.BlockSpec((None, rows, npad), lambda i, j, bb: (bb, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((1, rows, npad), jnp.int32), interpret=INTERPRET)
+  got = np.asarray(call(jnp.array([tile0], jnp.int32), jnp.asarray(vals_in)))[0, :, :n]
+  for r in range(rows):
+    live = [(-vals[0, r, j], j) for j in range(cur[r] + 1) if vals[0, r, j] > -np.inf]
+    want = sorted(j for _, j in sorted(live)[:n])
+    want = want + [-1] * (n - len(want))
+    assert got[r].tolist() == want, (r, vals[0, r, :cur[r] + 1], got[r], want)
 
 
 def test_select_topn_asks_the_rule_with_its_chunks_and_head_dim(monkeypatch):
@@ -247,7 +287,8 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
     (2, 2, 200, 8, 8, 16, 4, "overlap", False, 1),
     (2, 2, 200, 8, 8, 16, 4, "literal", True, 1),
 ])
-@pytest.mark.parametrize("variants", ["off", "on", "rank_fill", "carry"])
+@pytest.mark.parametrize("variants", ["off", "on", "rank_fill", "carry", "two_pass",
+                                      "two_pass_sliced"])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, n_local, variants,
                                          monkeypatch):
   _set_topn_variants(monkeypatch, variants)
@@ -361,7 +402,9 @@ def _abstract_gpu():
 @pytest.mark.parametrize("h,kv,dk,dv,use_seg,variants", [(64, 4, 192, 128, False, "off"),
                                                           (8, 8, 64, 32, True, "off"),
                                                           (64, 4, 192, 128, False, "on"),
-                                                          (64, 4, 192, 128, False, "rank_fill")])
+                                                          (64, 4, 192, 128, False, "rank_fill"),
+                                                          (64, 4, 128, 128, False, "two_pass"),
+                                                          (8, 8, 64, 32, True, "two_pass_sliced")])
 def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, variants, monkeypatch):
   _set_topn_variants(monkeypatch, variants)
   t, l, d, lp = 1024, 32, 16, 64
@@ -381,9 +424,11 @@ def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, variants, monkeypatch):
     f = lambda q, kc, vc: jnp.sum(compress_attention(q, kc, vc, l, d, s)[0].astype(jnp.float32))
     return jax.grad(f, argnums=(0, 1, 2))(q, kc, vc)
 
+  topn_kernels = (("nsa_select_topn_scores", "nsa_select_topn_pick")
+                  if variants.startswith("two_pass") else ("nsa_select_topn",))
   with _abstract_gpu():
-    for fn, kernels in ((fwd, ("nsa_cmp_fwd", "nsa_select_topn")), (bwd, ("nsa_cmp_dq",
-                                                                          "nsa_cmp_dkv"))):
+    for fn, kernels in ((fwd, ("nsa_cmp_fwd",) + topn_kernels), (bwd, ("nsa_cmp_dq",
+                                                                       "nsa_cmp_dkv"))):
       text = jax.jit(fn).trace(q, kc, vc, seg).lower(lowering_platforms=("cuda",)).as_text()
       for name in kernels:
         assert name in text, f"{name} missing from the CUDA lowering"
