@@ -93,8 +93,8 @@
 #          --xla_dump_to alone wrote no PTX for the Pallas kernels; this is the next attempt.
 # topn2pass  select_topn.TWO_PASS (scores to a bounded buffer, then a pick kernel) against the
 #          merges: its compiled tests, the topnvar sweep (two_pass rows beside the merges, indices
-#          checked against the default's) at the 8k training layer and at 16k / 64k for both head
-#          dims, then the whole op at 16k and 64k with NSA_TOPN_TWO_PASS=1 and =0 (issue 5's
+#          checked against the default's) at the 8k training layer and at 16k for both head dims,
+#          then the whole op at 16k and 64k with NSA_TOPN_TWO_PASS=1 and =0 (issue 5's
 #          forward and its 16k crossover). Needs carry [".whl"] where the machine lacks pytest.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -288,16 +288,14 @@ topnlayers() {
   done
 }
 topn2pass() {
-  local dims t tp
+  local dims tp
   GPU_TEST_FILES=tests/test_compress_kernels.py OUT="$OUT/topn2pass" timeout 200 \
     bash scripts/gpu_tests.sh -k "two_pass"
   timeout 100 python3 -m experiments.bench_nsa --T '' --sweep_T 8192 --sweep_parts topnvar \
     --sweep_dims 64/64 --heads 16/1 --batch 8 --iters 10 --out "$OUT/topn2pass/sweep8k"
-  for t in 16384 65536; do
-    for dims in 192/128 128/128; do
-      timeout 120 python3 -m experiments.bench_nsa --T '' --sweep_T $t --sweep_parts topnvar \
-        --sweep_dims $dims --out "$OUT/topn2pass/sweep${t}_${dims/\//_}"
-    done
+  for dims in 192/128 128/128; do  # 64k: the whole op's breakdown below has the top-n rows
+    timeout 120 python3 -m experiments.bench_nsa --T '' --sweep_T 16384 --sweep_parts topnvar \
+      --sweep_dims $dims --out "$OUT/topn2pass/sweep16384_${dims/\//_}"
   done
   for tp in 1 0; do
     NSA_TOPN_TWO_PASS=$tp timeout 150 python3 -m experiments.bench_nsa --T 16384,65536 \
