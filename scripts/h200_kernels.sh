@@ -92,10 +92,10 @@
 #          kernel, and run ptxas -v (registers, spills) on any PTX that does. On 2026-12-01
 #          --xla_dump_to alone wrote no PTX for the Pallas kernels; this is the next attempt.
 # topn2pass  select_topn.TWO_PASS (scores to a bounded buffer, then a pick kernel) against the
-#          merges: its compiled tests, the topnvar sweep (two_pass rows beside the merges, indices
-#          checked against the default's) at the 8k training layer and at 16k for both head dims,
-#          then the whole op at 16k and 64k with NSA_TOPN_TWO_PASS=1 and =0 (issue 5's
-#          forward and its 16k crossover). Needs carry [".whl"] where the machine lacks pytest.
+#          merges: its compiled tests, the whole op at 64k and 16k with NSA_TOPN_TWO_PASS=1 and
+#          =0 (issue 5's forward and its 16k crossover), then the topnvar sweep (two_pass rows
+#          beside the merges, indices checked against the default's) at the 8k training layer
+#          and at 16k for both head dims. Needs carry [".whl"] where the machine lacks pytest.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -287,19 +287,19 @@ topnlayers() {
       --sweep_dims 64/64 --heads 16/1 --batch $b --iters 10 --out "$OUT/topnlayers/sweep$t"
   done
 }
-topn2pass() {
+topn2pass() {  # most important first: the device budget may cut the call
   local dims tp
-  GPU_TEST_FILES=tests/test_compress_kernels.py OUT="$OUT/topn2pass" timeout 200 \
+  GPU_TEST_FILES=tests/test_compress_kernels.py OUT="$OUT/topn2pass" timeout 150 \
     bash scripts/gpu_tests.sh -k "two_pass"
+  for tp in 1 0; do
+    NSA_TOPN_TWO_PASS=$tp timeout 150 python3 -m experiments.bench_nsa --T 65536,16384 \
+      --dims 128/128,192/128 --breakdown_T 65536 --iters 5 --out "$OUT/topn2pass/nsa_tp$tp"
+  done
   timeout 100 python3 -m experiments.bench_nsa --T '' --sweep_T 8192 --sweep_parts topnvar \
     --sweep_dims 64/64 --heads 16/1 --batch 8 --iters 10 --out "$OUT/topn2pass/sweep8k"
-  for dims in 192/128 128/128; do  # 64k: the whole op's breakdown below has the top-n rows
+  for dims in 192/128 128/128; do  # 64k: the whole op's breakdown above has the top-n rows
     timeout 120 python3 -m experiments.bench_nsa --T '' --sweep_T 16384 --sweep_parts topnvar \
       --sweep_dims $dims --out "$OUT/topn2pass/sweep16384_${dims/\//_}"
-  done
-  for tp in 1 0; do
-    NSA_TOPN_TWO_PASS=$tp timeout 150 python3 -m experiments.bench_nsa --T 16384,65536 \
-      --dims 192/128,128/128 --breakdown_T 65536 --iters 5 --out "$OUT/topn2pass/nsa_tp$tp"
   done
 }
 topnptx() {
