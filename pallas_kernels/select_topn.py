@@ -12,6 +12,9 @@ selection blocks in chunks of `sel_chunk` (= r * sel_chunk compressed blocks, r 
   4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
      top-n: replace-the-minimum while any candidate beats the current n-th best (`_merge`), or
      for rows of up to 32 chunks all at once by ranks (`_rank_merge`; see RANK_MERGE below).
+With TWO_PASS (off unless set) step 4 is split off: the kernel writes the chunk's candidates to a
+float32 buffer of at most TWO_PASS_MAX_BYTES (token slices beyond it) and a second kernel picks
+each row's n best, with the same order and ties.
 Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
 to the lower block index (a later chunk never displaces an equal score; the evicted entry is the
 smallest score, highest index), output ascending, -1 in empty slots. Floating-point sums run in a
