@@ -190,7 +190,7 @@ def test_merges_keep_the_topn_rule_through_ties_and_infinities(n, fill, merge):
 
 @pytest.mark.parametrize("n,kh", [(1, 1), (5, 2), (16, 1)])
 def test_two_pass_pick_keeps_the_topn_rule_through_ties_and_infinities(n, kh):
-  """TWO_PASS's pick kernel (interpreted) on score rows drawn from {-inf, +inf, four small
+  """TWO_PASS's pick kernel (interpreted on CPU, compiled on a GPU) on score rows drawn from {-inf, +inf, four small
   integers}: the n best by (score desc, block asc) among the blocks up to the row's own
   (cur = its token // l'; later columns hold garbage, NaN here, and must be ignored), ascending,
   -1 for -inf and empty slots."""
@@ -220,6 +220,18 @@ def test_two_pass_pick_keeps_the_topn_rule_through_ties_and_infinities(n, kh):
     want = sorted(j for _, j in sorted(live)[:n])
     want = want + [-1] * (n - len(want))
     assert got[r].tolist() == want, (r, vals[0, r, :cur[r] + 1], got[r], want)
+
+
+def test_two_pass_slices_bound_the_buffer(monkeypatch):
+  """The score buffer [B, tokens * K, NSP] float32 stays within TWO_PASS_MAX_BYTES: whole tiles of
+  tokens per slice, all of T when it fits (so the "two_pass_sliced" variant above really walks
+  several slices, and 64k at the paper's heads takes 4)."""
+  assert topn_module.two_pass_slice(1, 65536, 4, 4, 1024) == 16384  # 256 MB / 16 KB a token
+  assert topn_module.two_pass_slice(8, 8192, 4, 1, 128) == 8192  # the 8k layer: one slice
+  monkeypatch.setattr(topn_module, "TWO_PASS_MAX_BYTES", 1 << 14)
+  assert topn_module.two_pass_slice(2, 300, 4, 2, 16) == 64  # 256 B a token
+  assert topn_module.two_pass_slice(2, 30, 4, 2, 16) == 32  # all of T, in whole tiles
+  assert topn_module.two_pass_slice(2, 300, 4, 2, 4096) == 4  # at least one tile
 
 
 def test_select_topn_asks_the_rule_with_its_chunks_and_head_dim(monkeypatch):
