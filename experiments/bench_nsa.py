@@ -264,7 +264,6 @@ TOPN_FLAG_SETS = {
     "carry_vec": {"CARRY_VEC": True, "RANK_MERGE": False},
     "rank_merge": {"CARRY_VEC": False, "RANK_MERGE": True},
     "rank_merge+carry_vec": {"CARRY_VEC": True, "RANK_MERGE": True},
-    "two_pass": {"TWO_PASS": True},
     "two_pass+carry_vec": {"TWO_PASS": True, "CARRY_VEC": True},
     "two_pass+matmul carry": {"TWO_PASS": True, "CARRY_VEC": False},
 }

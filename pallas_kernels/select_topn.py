@@ -1,8 +1,9 @@
 """NSA block importance and top-n selection (Eq. 8-11) fused in one Pallas Triton-lowered kernel.
 
 Writes only block_idx [B, T, K, n] int32 (without TWO_PASS): the [H, T, Nc] probabilities and the
-[T, K, Ns] scores never reach memory. A program owns `tq` query positions x the G heads of one KV group and walks the
-selection blocks in chunks of `sel_chunk` (= r * sel_chunk compressed blocks, r = l'/d):
+[T, K, Ns] scores never reach memory. A program owns `tq` query positions x the G heads of one KV
+group and walks the selection blocks in chunks of `sel_chunk` (= r * sel_chunk compressed blocks,
+r = l'/d):
   1. p = exp(q . K_cmp * scale - lse) on visible blocks (Eq. 8; lse from compress_attention);
   2. Eq. 9 as a matmul with the constant band matrix W (weights 1,2,2,2,1 for l=32, d=16, l'=64):
      a chunk of compressed blocks feeds its own selection blocks and the next chunk's, so the part
