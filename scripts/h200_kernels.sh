@@ -96,6 +96,12 @@
 #          =0 (issue 5's forward and its 16k crossover), then the topnvar sweep (two_pass rows
 #          beside the merges, indices checked against the default's) at the 8k training layer
 #          and at 16k for both head dims. Needs carry [".whl"] where the machine lacks pytest.
+# fla      FLA's NSA kernels (experiments/bench_fla.py, PyTorch) and ours on the same GPU in one
+#          call, each against its own framework's cuDNN dense attention: FLA's selection on our
+#          bench_kernels index lists and its compression + top-n + selection at 8k-64k (128/128),
+#          then our whole op (bench_nsa, both head dims, compiled check) and our selection
+#          registry at 64k on the same lists; compare with experiments.compare_fla. Needs carry
+#          [".whl"] holding fla_core-0.6.0 and flash_linear_attention-0.6.0 (pure Python wheels).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -324,6 +330,18 @@ print("top-n kernel compiled")'
     cp "$f" "$OUT/topnptx/"
     [ -n "$ptxas" ] && "$ptxas" -v -arch=sm_90a "$f" -o /tmp/topn.cubin 2>&1 | tail -8
   done
+}
+
+fla() {
+  local site=/tmp/fla_site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+    .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl || { echo "fla wheels missing in .whl/"; return 2; }
+  PYTHONPATH=$PWD:$site timeout 300 python3 -m experiments.bench_fla --T 8192,16384,32768,65536 \
+    --iters 10 --out "$OUT/fla" --tag gpu
+  timeout 330 python3 -m experiments.bench_nsa --check --T 65536,8192,16384,32768 \
+    --dims 128/128,192/128 --breakdown_T 65536 --iters 5 --budget_s 240 --out "$OUT/fla"
+  timeout 200 python3 -m experiments.bench_kernels --plan registry --T 65536 --groups 16 \
+    --patterns clustered,random --iters 5 --out "$OUT/fla" --tag gpu_registry
 }
 
 nvidia-smi -L >> "$OUT/log.txt" 2>&1

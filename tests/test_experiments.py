@@ -600,7 +600,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
                                     "topnvar", "topnsweep",
                                     "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
-                                    "mosaiclean", "mosaicab16", "mosaicring", "topn2pass"}
+                                    "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla"}
 
 
 def test_needle_key_blocks_and_coverage():
@@ -945,7 +945,8 @@ def test_compare_fla_table_chart_and_errors(tmp_path):
   out = tmp_path / "vs_fla.png"
   assert compare_fla.main(["--ours", ours, "--fla", fla, "--out", str(out)]) == str(out)
   assert out.exists() and (tmp_path / "vs_fla.md").exists()
-  table = compare_fla.rows(compare_fla.load_ours(ours, 128, 128), json.load(open(fla)))
+  assert "NVIDIA H200" in (tmp_path / "vs_fla.md").read_text()
+  table = compare_fla.rows(compare_fla.load_ours(ours, 128, 128), compare_fla.load_fla(fla))
   r = next(r for r in table if r["T"] == 65536 and r["part"] == "whole" and r["pass_"] == "fwd")
   rec = next(x for x in json.load(open(ours)) if x["op"] == "nsa" and x["pass"] == "fwd"
              and x["T"] == 65536 and x["d_k"] == 128)
@@ -958,4 +959,86 @@ def test_compare_fla_table_chart_and_errors(tmp_path):
   bad = tmp_path / "fla.json"
   bad.write_text(json.dumps({"source": "x", "rows": [{"T": 123}]}))
   with pytest.raises(ValueError, match="no sequence length is in both"):
-    compare_fla.rows(compare_fla.load_ours(ours, 128, 128), json.load(open(bad)))
+    compare_fla.rows(compare_fla.load_ours(ours, 128, 128), compare_fla.load_fla(str(bad)))
+  bad.write_text(json.dumps({"rows": []}))
+  with pytest.raises(ValueError, match="reference file"):
+    compare_fla.load_fla(str(bad))
+
+
+def _fla_records(ts=(8192, 65536)):
+  """bench_fla-shaped records: dense 10 / 30 ms, whole 4 / 12 ms, select random 2 / 6, clustered
+  1 / 3 (fwd / bwd), times T / 8192."""
+  recs = []
+  for t in ts:
+    s = t / 8192
+    for op, pat, (f, b) in (("dense_torch", None, (10, 30)), ("fla_nsa", None, (4, 12)),
+                            ("fla_select", "random", (2, 6)), ("fla_select", "clustered", (1, 3))):
+      for p, ms in (("fwd", f * s), ("bwd", b * s)):
+        rec = {"op": op, "impl": "x", "pass": p, "T": t, "batch": 1, "q_heads": 64, "kv_heads": 4,
+               "d_k": 128, "d_v": 128, "ms": ms, "cudnn_ms": (10 if p == "fwd" else 30) * s,
+               "hardware": "NVIDIA H100 80GB HBM3", "date": "d", "command": "c", "torch": "2.11"}
+        if pat:
+          rec["pattern"] = pat
+        recs.append(rec)
+  return recs
+
+
+def test_compare_fla_same_run_records_and_same_list_selection(tmp_path):
+  """compare_fla with bench_fla's records: whole-op rows against bench_nsa's, selection rows per
+  pattern against bench_kernels' registry rows (the same block lists), speed-ups over each side's
+  own dense; a selection table with ambiguous rows is refused."""
+  from experiments import compare_fla
+  fla = tmp_path / "fla.json"
+  fla.write_text(json.dumps(_fla_records()))
+  base = dict(batch=1, q_heads=64, kv_heads=4, d_k=128, d_v=128, hardware="NVIDIA H100 80GB HBM3 (gpu)")
+  ours = tmp_path / "nsa.json"
+  ours.write_text(json.dumps([dict(op="nsa", impl="pallas", T=t, ms=ms, cudnn_ms=dense,
+                                   **{"pass": p}, **base)
+                              for t in (8192, 65536) for p, ms, dense in (("fwd", 5.0, 3.0),
+                                                                          ("bwd", 8.0, 9.0))]))
+  sel = tmp_path / "select.json"
+  sel.write_text(json.dumps(
+      [dict(op="select", impl=f"pallas-triton x (registry: triton branch)", T=65536, pattern=pat,
+            ms=ms, cudnn_ms=100.0, **{"pass": p}, **base)
+       for pat, p, ms in (("random", "fwd", 16.0), ("random", "bwd", 32.0),
+                          ("clustered", "fwd", 8.0), ("clustered", "bwd", 20.0))]
+      + [dict(op="select", impl="pallas-mosaic-gpu other tiling", T=65536, pattern="random",
+              ms=99.0, cudnn_ms=100.0, **{"pass": "fwd"}, **base)]))
+  out = tmp_path / "cmp.png"
+  assert compare_fla.main(["--ours", str(ours), "--ours_select", str(sel), "--fla", str(fla),
+                           "--out", str(out)]) == str(out)
+  md = (tmp_path / "cmp.md").read_text()
+  assert "NVIDIA H100 80GB HBM3," in md and "| 65536 | select | clustered | fwd | 8.00 |" in md
+  ours_d = compare_fla.load_ours(str(ours), 128, 128)
+  ours_d.update(compare_fla.load_ours_select(str(sel), 128, 128))
+  table = compare_fla.rows(ours_d, compare_fla.load_fla(str(fla)))
+  pick = lambda part, pat, p, t: next(r for r in table if (r["part"], r["pattern"], r["pass_"],
+                                                             r["T"]) == (part, pat, p, t))
+  r = pick("select", "random", "fwd", 65536)  # the registry row, not the other tiling's 99 ms
+  assert r["ours_ms"] == 16.0 and r["fla_ms"] == pytest.approx(16.0)
+  assert r["ours_speedup"] == pytest.approx(100 / 16) and r["fla_speedup"] == pytest.approx(5.0)
+  r = pick("whole", None, "bwd", 8192)
+  assert r["fla_over_ours_ms"] == pytest.approx(12 / 8.0) and r["fla_speedup"] == pytest.approx(2.5)
+  assert not any(r["part"] == "select" and r["T"] == 8192 for r in table)  # no select of ours
+  sel.write_text(json.dumps([dict(op="select", impl="a", T=65536, pattern="random", ms=1.0,
+                                  cudnn_ms=2.0, **{"pass": "fwd"}, **base)] * 2))
+  with pytest.raises(ValueError, match="registry"):
+    compare_fla.load_ours_select(str(sel), 128, 128)
+  with pytest.raises(ValueError, match="no selection rows"):
+    compare_fla.load_ours_select(str(sel), 64, 64)
+
+
+def test_bench_fla_refuses_clearly_without_torch_or_gpu(monkeypatch, capsys):
+  """bench_fla off a GPU (here: no PyTorch, or no CUDA device) ends with one line that names what
+  is missing and the fix; bad flags are refused before anything is imported."""
+  from experiments import bench_fla
+  with pytest.raises(SystemExit) as e:
+    bench_fla.main(["--heads", "64/8"])
+  assert e.value.code == 2 and "power-of-two group size of at least 16" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    bench_fla.main(["--patterns", "random,zipf"])
+  assert e.value.code == 2 and "zipf" in capsys.readouterr().err
+  monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+  with pytest.raises(SystemExit) as e:
+    bench_fla.main(["--T", "1024"])
+  assert "PyTorch is missing" in str(e.value) and "Fix" in str(e.value)
