@@ -336,11 +336,11 @@ fla() {
   local site=/tmp/fla_site
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
     .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl || { echo "fla wheels missing in .whl/"; return 2; }
-  PYTHONPATH=$PWD:$site timeout 300 python3 -m experiments.bench_fla --T 8192,16384,32768,65536 \
+  PYTHONPATH=$PWD:$site timeout 200 python3 -m experiments.bench_fla --T 8192,16384,32768,65536 \
     --iters 10 --out "$OUT/fla" --tag gpu
-  timeout 330 python3 -m experiments.bench_nsa --check --T 65536,8192,16384,32768 \
-    --dims 128/128,192/128 --breakdown_T 65536 --iters 5 --budget_s 240 --out "$OUT/fla"
-  timeout 200 python3 -m experiments.bench_kernels --plan registry --T 65536 --groups 16 \
+  timeout 260 python3 -m experiments.bench_nsa --check --T 65536,8192,16384,32768 \
+    --dims 128/128,192/128 --breakdown_T 65536 --iters 5 --budget_s 200 --out "$OUT/fla"
+  timeout 150 python3 -m experiments.bench_kernels --plan registry --T 65536 --groups 16 \
     --patterns clustered,random --iters 5 --out "$OUT/fla" --tag gpu_registry
 }
 
