@@ -260,10 +260,10 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
 # pallas_kernels.select_topn set on top of the defaults.
 TOPN_FLAG_SETS = {
     "default": {},
-    "loop merge": {"CARRY_VEC": False, "RANK_MERGE": False},
-    "carry_vec": {"CARRY_VEC": True, "RANK_MERGE": False},
-    "rank_merge": {"CARRY_VEC": False, "RANK_MERGE": True},
-    "rank_merge+carry_vec": {"CARRY_VEC": True, "RANK_MERGE": True},
+    "loop merge": {"CARRY_VEC": False, "RANK_MERGE": False, "TWO_PASS": False},
+    "carry_vec": {"CARRY_VEC": True, "RANK_MERGE": False, "TWO_PASS": False},
+    "rank_merge": {"CARRY_VEC": False, "RANK_MERGE": True, "TWO_PASS": False},
+    "rank_merge+carry_vec": {"CARRY_VEC": True, "RANK_MERGE": True, "TWO_PASS": False},
     "two_pass+carry_vec": {"TWO_PASS": True, "CARRY_VEC": True},
     "two_pass+matmul carry": {"TWO_PASS": True, "CARRY_VEC": False},
 }

@@ -13,7 +13,7 @@ r = l'/d):
   4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
      top-n: replace-the-minimum while any candidate beats the current n-th best (`_merge`), or
      for rows of up to 32 chunks all at once by ranks (`_rank_merge`; see RANK_MERGE below).
-With TWO_PASS (off unless set) step 4 is split off: the kernel writes the chunk's candidates to a
+With TWO_PASS (by default for rows of more than 32 chunks: T > 32k at l' = 64) step 4 is split off: the kernel writes the chunk's candidates to a
 float32 buffer of at most TWO_PASS_MAX_BYTES (token slices beyond it) and a second kernel picks
 each row's n best, with the same order and ties.
 Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
@@ -76,8 +76,17 @@ CARRY_BOUNDS = _env_flag("CARRY_BOUNDS", False)
 #   lowest-index-among-equals). Same order and ties as the merges. The buffer covers at most
 #   TWO_PASS_MAX_BYTES; longer sequences are walked in token slices in a lax.fori_loop, so the
 #   extra memory stays bounded (no T x T/l' array at any length).
-TWO_PASS = _env_flag("TWO_PASS", False)
+#   Default (None): on for rows of at least TWO_PASS_MIN_CHUNKS chunks (T > 32k at l' = 64), where
+#   three 64k A/Bs on the H200 each measured it faster (top-n -4.6% and -5.8% at 128/128, -6.3% at
+#   192/128; whole-op forward -2.1 to -2.8%; topn_twopass_h200.md); off below, where it is untimed.
+TWO_PASS = _env_flag("TWO_PASS", None)
+TWO_PASS_MIN_CHUNKS = 33
 TWO_PASS_MAX_BYTES = 1 << 28
+
+
+def uses_two_pass(row_chunks):
+  """Whether a row of `row_chunks` chunks takes TWO_PASS: the flag where set, else the rule."""
+  return row_chunks >= TWO_PASS_MIN_CHUNKS if TWO_PASS is None else TWO_PASS
 FIRST_FILL = _env_flag("FIRST_FILL", True)
 FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
@@ -426,7 +435,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
   args = (seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
   in_specs = [w(t), w(t), w(ncp), w(ncp), w(t * h, dk), ca._group(ncp, dk), w(t * h)]
   params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  if TWO_PASS:
+  if uses_two_pass(row_chunks):
     idx = _two_pass(functools.partial(kernel, first_fill=False, two_pass=True), args, in_specs,
                     params, b=b, t=t, tq=tq, kh=kh, nsp=ca.next_pow2(row_chunks * nsj),
                     sel_block=sel_block, n=num_selected, npad=npad, interpret=interpret)

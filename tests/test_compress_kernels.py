@@ -234,6 +234,29 @@ def test_two_pass_slices_bound_the_buffer(monkeypatch):
   assert topn_module.two_pass_slice(2, 300, 4, 2, 4096) == 4  # at least one tile
 
 
+def test_two_pass_default_rule_and_which_kernels_run(monkeypatch):
+  """TWO_PASS by default from 33 chunks a row (T > 32k at l' = 64, where it was timed faster) and
+  not below; the flag overrides the rule both ways. Checked on the traced program: the two-pass
+  path launches the scores and pick kernels, the merge path the one top-n kernel."""
+  monkeypatch.setattr(topn_module, "TWO_PASS", None)
+  assert [topn_module.uses_two_pass(c) for c in (1, 8, 32, 33, 64, 128)] == [False] * 3 + [True] * 3
+  h, dk, l, d, lp = 4, 16, 8, 4, 16
+
+  def kernels(t):  # the kernel names in the traced program of select_topn at T = t
+    f = lambda q, kc, lse: select_topn(q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=4)
+    text = str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((1, t, h, dk), jnp.float32),
+                                 jax.ShapeDtypeStruct((1, (t - l) // d + 1, 1, dk), jnp.float32),
+                                 jax.ShapeDtypeStruct((1, t, h), jnp.float32)))
+    return {k for k in ("nsa_select_topn_scores", "nsa_select_topn_pick") if k in text}
+
+  both = {"nsa_select_topn_scores", "nsa_select_topn_pick"}
+  assert kernels(33 * 16 * lp) == both and kernels(32 * 16 * lp) == set()  # 33 vs 32 chunks
+  monkeypatch.setattr(topn_module, "TWO_PASS", False)
+  assert kernels(33 * 16 * lp) == set()
+  monkeypatch.setattr(topn_module, "TWO_PASS", True)
+  assert kernels(32 * 16 * lp) == both
+
+
 def test_select_topn_asks_the_rule_with_its_chunks_and_head_dim(monkeypatch):
   """select_topn passes the row's chunk count, d_k and n to chunk_paths (traced only)."""
   seen = []
