@@ -24,17 +24,18 @@ BASE_FIELDS = ("op", "impl", "pass", "T", "batch", "q_heads", "kv_heads", "d_k",
                "cudnn_ms", "speedup", "hardware", "date", "command")
 
 
-def time_ms(fn, *args, warmup=2, iters=10, min_total_s=0.0):
+def time_ms(fn, *args, warmup=2, iters=10, min_total_s=0.0, sync=jax.block_until_ready):
   """Median wall time (ms) of fn(*args), device synchronised around every call.
 
-  fn should be jitted; its first call (compile) is excluded by the warm-up.
+  fn should be jitted; its first call (compile) is excluded by the warm-up. `sync(result)` waits
+  for the device (another framework's wait, e.g. torch's, in experiments/bench_fla.py).
   """
   for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
+    sync(fn(*args))
   times, start = [], time.perf_counter()
   while len(times) < iters or time.perf_counter() - start < min_total_s:
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    sync(fn(*args))
     times.append((time.perf_counter() - t0) * 1e3)
   return statistics.median(times)
 

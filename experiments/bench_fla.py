@@ -3,7 +3,8 @@ GPU with PyTorch's own cuDNN dense attention in the same process, so that our ta
 beside the best public NSA kernels measured on the same machine in the same device call.
 
   python3 -m experiments.bench_fla --T 8192,16384,32768,65536 --out $OUT --tag h100
-  python3 -m experiments.compare_fla --ours nsa.json --ours_select select.json --fla fla_nsa_h100.json
+  python3 -m experiments.compare_fla --ours nsa.json --ours_select select.json \
+      --fla fla_nsa_h100.json
 
 Needs PyTorch with CUDA and the wheels `fla-core` and `flash-linear-attention` (pure Python; on the
 device machine carry them: `pip download --no-deps fla-core==0.6.0 flash-linear-attention==0.6.0`).
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 # The indices come from jax on the CPU (bench_kernels' generator): torch owns the GPU here.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -56,29 +55,15 @@ def load_torch_fla():
   return torch, parallel_nsa
 
 
-def time_ms(torch, fn, warmup=2, iters=10):
-  """Median ms of fn() with the device synchronised around every call (bench_common.time_ms's
-  rule, in torch)."""
-  for _ in range(warmup):
-    fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
-
-
 def fwd_bwd_ms(torch, f, inputs, do, iters):
-  """(fwd ms under no_grad, (fwd + bwd) - fwd ms) of o = f(*inputs), gradients in every input."""
+  """(fwd ms under no_grad, (fwd + bwd) - fwd ms) of o = f(*inputs), gradients in every input;
+  bench_common's timer with torch's device wait."""
+  from experiments import bench_common as bc
+  sync = lambda _: torch.cuda.synchronize()
   with torch.no_grad():
-    fwd = time_ms(torch, lambda: f(*inputs), iters=iters)
-  def both():
-    o = f(*inputs)
-    torch.autograd.grad(o, inputs, do)
-  return fwd, time_ms(torch, both, iters=iters) - fwd
+    fwd = bc.time_ms(f, *inputs, iters=iters, sync=sync)
+  both = lambda *x: torch.autograd.grad(f(*x), x, do)
+  return fwd, bc.time_ms(both, *inputs, iters=iters, sync=sync) - fwd
 
 
 def block_indices(torch, t, kh, n, bs, pattern):
@@ -113,7 +98,8 @@ def bench_length(torch, parallel_nsa, t, h, kh, d, n, bs, patterns, iters):
   do = rnd(1, t, h, d)
   gates = [torch.sigmoid(torch.randn(1, t, h, device="cuda", generator=g)).to(torch.bfloat16)
            for _ in range(2)]
-  common = dict(batch=1, q_heads=h, kv_heads=kh, d_k=d, d_v=d, hardware=torch.cuda.get_device_name(),
+  common = dict(batch=1, q_heads=h, kv_heads=kh, d_k=d, d_v=d,
+                hardware=torch.cuda.get_device_name(),
                 date=bc.utc_now(), command=bc.command_line(), code_commit=bc.code_commit(),
                 torch=torch.__version__)
   dense = fwd_bwd_ms(torch, dense_sdpa(torch), (q, k, v), do, iters)
@@ -127,7 +113,7 @@ def bench_length(torch, parallel_nsa, t, h, kh, d, n, bs, patterns, iters):
     print(f"T={t} {op} {extra.get('pattern', '')} fwd {ms_pair[0]:.2f} bwd {ms_pair[1]:.2f} ms",
           flush=True)
 
-  def attempt(what, fn):  # one op failing (a kernel that does not compile) is a finding, not a crash
+  def attempt(what, fn):  # one op failing (a kernel that won't compile) is a finding, not a crash
     try:
       fn()
     except Exception as e:  # noqa: BLE001

@@ -13,9 +13,9 @@ r = l'/d):
   4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
      top-n: replace-the-minimum while any candidate beats the current n-th best (`_merge`), or
      for rows of up to 32 chunks all at once by ranks (`_rank_merge`; see RANK_MERGE below).
-With TWO_PASS (by default for rows of more than 32 chunks: T > 32k at l' = 64) step 4 is split off: the kernel writes the chunk's candidates to a
-float32 buffer of at most TWO_PASS_MAX_BYTES (token slices beyond it) and a second kernel picks
-each row's n best, with the same order and ties.
+With TWO_PASS (by default for rows of more than 32 chunks: T > 32k at l' = 64) step 4 is split
+off: the kernel writes the chunk's candidates to a float32 buffer of at most TWO_PASS_MAX_BYTES
+(token slices beyond it) and a second kernel picks each row's n best, with the same order and ties.
 Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
 to the lower block index (a later chunk never displaces an equal score; the evicted entry is the
 smallest score, highest index), output ascending, -1 in empty slots. Floating-point sums run in a
@@ -77,8 +77,9 @@ CARRY_BOUNDS = _env_flag("CARRY_BOUNDS", False)
 #   TWO_PASS_MAX_BYTES; longer sequences are walked in token slices in a lax.fori_loop, so the
 #   extra memory stays bounded (no T x T/l' array at any length).
 #   Default (None): on for rows of at least TWO_PASS_MIN_CHUNKS chunks (T > 32k at l' = 64), where
-#   three 64k A/Bs on the H200 each measured it faster (top-n -4.6% and -5.8% at 128/128, -6.3% at
-#   192/128; whole-op forward -2.1 to -2.8%; topn_twopass_h200.md); off below, where it is untimed.
+#   four 64k A/Bs on the H200 each measured it faster (top-n -4.6% and -5.8% at 128/128, -6.3% and
+#   -5.5% at 192/128; whole-op forward -2.1 to -4.6%; topn_twopass_default_h200.md); off below,
+#   where one sweep per shape is not enough to tell.
 TWO_PASS = _env_flag("TWO_PASS", None)
 TWO_PASS_MIN_CHUNKS = 33
 TWO_PASS_MAX_BYTES = 1 << 28
@@ -87,6 +88,8 @@ TWO_PASS_MAX_BYTES = 1 << 28
 def uses_two_pass(row_chunks):
   """Whether a row of `row_chunks` chunks takes TWO_PASS: the flag where set, else the rule."""
   return row_chunks >= TWO_PASS_MIN_CHUNKS if TWO_PASS is None else TWO_PASS
+
+
 FIRST_FILL = _env_flag("FIRST_FILL", True)
 FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
