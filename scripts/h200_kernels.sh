@@ -102,6 +102,11 @@
 #          then our whole op (bench_nsa, both head dims, compiled check) and our selection
 #          registry at 64k on the same lists; compare with experiments.compare_fla. Needs carry
 #          [".whl"] holding fla_core-0.6.0 and flash_linear_attention-0.6.0 (pure Python wheels).
+# ncuprof  Nsight Compute hardware counters (--set full, clocks left alone) of one launch of each
+#          kernel that bounds the 64k targets (benchmarks/ncu_kernels.py: the compression forward,
+#          top-n scores + pick, the selection forward on random and clustered lists, the random
+#          backward); writes the report and its raw / details pages as CSV (NCU_CASES to choose;
+#          summarise here with benchmarks/ncu_report.py).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -342,6 +347,22 @@ fla() {
     --dims 128/128,192/128 --breakdown_T 65536 --iters 5 --budget_s 200 --out "$OUT/fla"
   timeout 150 python3 -m experiments.bench_kernels --plan registry --T 65536 --groups 16 \
     --patterns clustered,random --iters 5 --out "$OUT/fla" --tag gpu_registry
+}
+
+ncuprof() {
+  local bin d="$OUT/ncuprof"
+  bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$bin" ] || { echo "ncu not found"; return 2; }
+  "$bin" --version | tail -1
+  # No preallocation (ncu's replay needs device memory), no command buffers (one launch a kernel).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" \
+    timeout "${NCU_TIMEOUT:-420}" "$bin" --clock-control none --set full --target-processes all \
+    -k regex:'nsa_|mosaic' -f -o "$d/prof" python3 benchmarks/ncu_kernels.py \
+    --cases "${NCU_CASES:-topn,random_fwd,clustered_fwd,random_bwd}"
+  "$bin" -i "$d/prof.ncu-rep" --page raw --csv > "$d/raw.csv"
+  "$bin" -i "$d/prof.ncu-rep" --page details --csv > "$d/details.csv"
+  gzip -f "$d/raw.csv" "$d/details.csv"
+  ls -la "$d"
 }
 
 nvidia-smi -L >> "$OUT/log.txt" 2>&1
