@@ -266,6 +266,8 @@ TOPN_FLAG_SETS = {
     "rank_merge+carry_vec": {"CARRY_VEC": True, "RANK_MERGE": True, "TWO_PASS": False},
     "two_pass+carry_vec": {"TWO_PASS": True, "CARRY_VEC": True},
     "two_pass+matmul carry": {"TWO_PASS": True, "CARRY_VEC": False},
+    "two_pass+head_first": {"TWO_PASS": True, "HEAD_FIRST": True},
+    "head_first, no two_pass": {"TWO_PASS": False, "HEAD_FIRST": True},
 }
 
 

@@ -90,6 +90,12 @@ def uses_two_pass(row_chunks):
   return row_chunks >= TWO_PASS_MIN_CHUNKS if TWO_PASS is None else TWO_PASS
 
 
+# HEAD_FIRST: Eq. 10 before Eq. 9 (both are linear, so the order is free): the group's heads are
+#   summed first, p [tq * G, r * nsj] -> [tq, r * nsj] in float32, and the band (Eq. 9) is then a
+#   float32 broadcast-multiply-sum on the tq rows instead of three bfloat16 matmuls on the tq * G
+#   rows (no three-term split; the next chunk's part is carried as [tq] vectors, as CARRY_VEC
+#   does). Off by default until timed on the H200.
+HEAD_FIRST = _env_flag("HEAD_FIRST", False)
 FIRST_FILL = _env_flag("FIRST_FILL", True)
 FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
@@ -254,7 +260,8 @@ def _ascending(a_val, a_idx, *, n):
 
 def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref, *refs, tq, g,
                  gp, m, t, h, kh, nc, block, stride, sel_block, nsj, n, npad, n_init, n_local, off,
-                 dk_pieces, scale, has_seg, carry_vec, rank_merge, first_fill, two_pass=False):
+                 dk_pieces, scale, has_seg, carry_vec, rank_merge, first_fill, two_pass=False,
+                 head_first=False):
   # two_pass: refs = (tile0_ref [1]: the slice's first tile, scores_ref [slice rows, NSP]);
   # else refs = (idx_ref,)
   if two_pass:
@@ -282,6 +289,9 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   w_own = _band(u, r * v + off, r, c).astype(jnp.bfloat16)
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   chunks = last // sel_block // nsj + 1
+  carry_vec = carry_vec or head_first  # head_first carries [tq] vectors of the head sums
+  if head_first:
+    w_own32 = _band(u, r * v + off, r, c)  # [bkc, nsj] float32
   if carry_vec:
     cols = carried_columns(r, c, nsj, off)
     col = lax.broadcasted_iota(jnp.int32, (m, nsj), 1)
@@ -303,14 +313,23 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     if gp > g:
       vis = vis & real_head[:, None]
     p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)  # Eq. 8
-    parts = _split3(p)
-    own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
-    if carry_vec:
+    if head_first:
+      hp = jnp.sum(p.reshape(tq, gp, bkc), axis=1)  # Eq. 10 first: [tq, bkc]
+      own = jnp.sum(hp[:, :, None] * w_own32[None, :, :], axis=1)  # Eq. 9 [tq, nsj]
+      colt = lax.broadcasted_iota(jnp.int32, (tq, nsj), 1)
+      for vv, cv in zip(cols, carry):
+        own = own + jnp.where(colt == vv, cv[:, None], 0.0)
+      carry = tuple(jnp.sum(hp * wv[None, :], axis=1) for wv in wvecs)
+    elif carry_vec:
+      parts = _split3(p)
+      own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
       for vv, cv in zip(cols, carry):
         own = own + jnp.where(col == vv, cv[:, None], 0.0)
       own = jnp.sum(own.reshape(tq, gp, nsj), axis=1)  # Eq. 10 [tq, nsj]
       carry = tuple(jnp.sum(p * wv[None, :], axis=1) for wv in wvecs)
     else:
+      parts = _split3(p)
+      own = _exact_dot(parts, w_own)  # Eq. 9 [m, nsj]
       nxt = _exact_dot(parts, w_next)
       own = jnp.sum(own.reshape(tq, gp, nsj), axis=1) + carry  # Eq. 10 [tq, nsj]
       carry = jnp.sum(nxt.reshape(tq, gp, nsj), axis=1)
@@ -326,7 +345,7 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     a_val, a_idx = (_rank_merge if rank_merge else _merge)(a_val, a_idx, cand, j, n=n)
     return a_val, a_idx, carry
 
-  carry0 = (tuple(jnp.zeros((m,), jnp.float32) for _ in cols) if carry_vec
+  carry0 = (tuple(jnp.zeros((tq if head_first else m,), jnp.float32) for _ in cols) if carry_vec
             else jnp.zeros((tq, nsj), jnp.float32))
   init = (jnp.full((tq, npad), -jnp.inf, jnp.float32), jnp.full((tq, npad), -1, jnp.int32), carry0)
   # With nsj == n == NP the first chunk needs no merge (16 of the ~45 merge iterations of a
@@ -433,7 +452,8 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
       _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
       sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
-      has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge, first_fill=first_fill)
+      has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge, first_fill=first_fill,
+      head_first=HEAD_FIRST)
   w = ca._whole
   args = (seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
   in_specs = [w(t), w(t), w(ncp), w(ncp), w(t * h, dk), ca._group(ncp, dk), w(t * h)]

@@ -137,9 +137,12 @@ def _set_topn_variants(monkeypatch, variants):
   "rank_fill": the rank merge with FIRST_FILL (loop-free merge, matmul carry); "carry": the
   vector carry with the loop merge."""
   on = {"on": TOPN_VARIANTS, "off": (), "rank_fill": ("RANK_MERGE", "FIRST_FILL"),
-        "carry": ("CARRY_VEC",), "two_pass": (), "two_pass_sliced": ("CARRY_VEC",)}[variants]
+        "carry": ("CARRY_VEC",), "two_pass": (), "two_pass_sliced": ("CARRY_VEC",),
+        "head_first": (), "two_pass_head_first": ()}[variants]
   for name in TOPN_VARIANTS:
     monkeypatch.setattr(topn_module, name, name in on)
+  # HEAD_FIRST: the head sum before the band (float32 band on the token rows, vector carry)
+  monkeypatch.setattr(topn_module, "HEAD_FIRST", variants.endswith("head_first"))
   # TWO_PASS: scores to a buffer, then a pick kernel; "sliced" caps the buffer at 16 KB, so the
   # tests' sequences are walked in several token slices (the last one partly past T)
   monkeypatch.setattr(topn_module, "TWO_PASS", variants.startswith("two_pass"))
@@ -323,7 +326,7 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
     (2, 2, 200, 8, 8, 16, 4, "literal", True, 1),
 ])
 @pytest.mark.parametrize("variants", ["off", "on", "rank_fill", "carry", "two_pass",
-                                      "two_pass_sliced"])
+                                      "two_pass_sliced", "head_first", "two_pass_head_first"])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, n_local, variants,
                                          monkeypatch):
   _set_topn_variants(monkeypatch, variants)
@@ -439,7 +442,10 @@ def _abstract_gpu():
                                                           (64, 4, 192, 128, False, "on"),
                                                           (64, 4, 192, 128, False, "rank_fill"),
                                                           (64, 4, 128, 128, False, "two_pass"),
-                                                          (8, 8, 64, 32, True, "two_pass_sliced")])
+                                                          (8, 8, 64, 32, True, "two_pass_sliced"),
+                                                          (64, 4, 128, 128, False, "head_first"),
+                                                          (8, 8, 64, 32, True,
+                                                           "two_pass_head_first")])
 def test_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, variants, monkeypatch):
   _set_topn_variants(monkeypatch, variants)
   t, l, d, lp = 1024, 32, 16, 64
