@@ -10,6 +10,7 @@ per kernel. Meant to be run under ncu on the H200 (Firecracker machines read the
 Cases (paper shape: B=1, 64 query / 4 KV heads, l=32, d=16, l'=64, n=16; --dims 128/128):
   (always, first)  the Triton compression forward (nsa_cmp_fwd), which gives the top-n's lse
   topn           block scores + top-n (nsa_select_topn_scores / _pick with TWO_PASS at 64k)
+  topn_head_first  the same with select_topn.HEAD_FIRST (head sum before the band)
   random_fwd     selection forward, "random" lists (backend="auto": the per-token Triton tile)
   clustered_fwd  selection forward, "clustered" lists (backend="auto": Mosaic GPU union tile)
   random_bwd     selection backward, random lists (dq, dK/dV, reduce)
@@ -31,9 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 from experiments.bench_kernels import index_pattern, make_qkv  # noqa: E402
 from pallas_kernels.compress_attention import compress_attention  # noqa: E402
 from pallas_kernels.select_attention import select_attention  # noqa: E402
+from pallas_kernels import select_topn as st  # noqa: E402
 from pallas_kernels.select_topn import select_topn  # noqa: E402
 
-CASES = ("topn", "random_fwd", "clustered_fwd", "random_bwd")
+CASES = ("topn", "topn_head_first", "random_fwd", "clustered_fwd", "random_bwd")
 L, D, LP, N = 32, 16, 64, 16
 
 
@@ -42,7 +44,7 @@ def main(argv=None):
   p.add_argument("--T", type=int, default=65536)
   p.add_argument("--dims", default="128/128", help="d_k/d_v")
   p.add_argument("--heads", default="64/4", help="query heads / KV heads")
-  p.add_argument("--cases", default=",".join(CASES[:3]), help=f"comma list of {CASES}")
+  p.add_argument("--cases", default="topn,random_fwd,clustered_fwd", help=f"comma list of {CASES}")
   a = p.parse_args(argv)
   cases = [c for c in a.cases.split(",") if c]
   bad = [c for c in cases if c not in CASES]
@@ -61,8 +63,10 @@ def main(argv=None):
   kc = jax.random.normal(jax.random.key(5), (b, nc, kh, dk), jnp.bfloat16)
   vc = jax.random.normal(jax.random.key(6), (b, nc, kh, dv), jnp.bfloat16)
   cmp = jax.jit(lambda q, kc, vc: compress_attention(q, kc, vc, L, D, interpret=interp))
-  topn = jax.jit(lambda q, kc, lse: select_topn(q, kc, lse, block=L, stride=D, sel_block=LP,
-                                                num_selected=N, interpret=interp))
+  # one jitted function per top-n case: jit's trace cache would otherwise ignore the flag
+  topn, topn_hf = (jax.jit(lambda q, kc, lse: select_topn(
+      q, kc, lse, block=L, stride=D, sel_block=LP, num_selected=N, interpret=interp))
+      for _ in range(2))
   sel = jax.jit(lambda q, k, v, idx: select_attention(q, k, v, idx, LP, backend="auto",
                                                       interpret=interp)[0])
   sel_vjp = jax.jit(lambda q, k, v, idx, do: jax.vjp(
@@ -73,11 +77,15 @@ def main(argv=None):
   idx = {pat: jax.block_until_ready(index_pattern(jax.random.key(3), b, t, kh, N, LP, pat))
          for pat in ("random", "clustered")}
   # Compile every case before any runs (compiling launches no kernels of ours).
-  run = {"topn": (topn, (q, kc, lse)),
+  run = {"topn": (topn, (q, kc, lse)), "topn_head_first": (topn_hf, (q, kc, lse)),
          "random_fwd": (sel, (q, k, v, idx["random"])),
          "clustered_fwd": (sel, (q, k, v, idx["clustered"])),
          "random_bwd": (sel_vjp, (q, k, v, idx["random"], do))}
-  exes = {c: run[c][0].lower(*run[c][1]).compile() for c in cases}
+  exes = {}
+  for c in cases:  # select_topn reads HEAD_FIRST while tracing
+    st.HEAD_FIRST = c == "topn_head_first"
+    exes[c] = run[c][0].trace(*run[c][1]).lower().compile()
+  st.HEAD_FIRST = False
   for c in cases:
     t0 = time.perf_counter()
     jax.block_until_ready(exes[c](*run[c][1]))

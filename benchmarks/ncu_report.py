@@ -23,12 +23,12 @@ METRICS = [
     ("duration", "gpu__time_duration.sum"),
     ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("memory %", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
-    ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("DRAM %", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
     ("L2 %", "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("L1 %", "l1tex__throughput.avg.pct_of_peak_sustained_active"),
     ("DRAM read", "dram__bytes_read.sum"),
     ("DRAM write", "dram__bytes_write.sum"),
-    ("L2 bytes", "lts__t_bytes.sum"),
+    ("L2 sectors", "lts__t_sectors.sum"),
     ("L2 hit %", "lts__t_sector_hit_rate.pct"),
     ("L1 hit %", "l1tex__t_sector_hit_rate.pct"),
     ("issue active %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
@@ -42,8 +42,8 @@ METRICS = [
     ("block size", "launch__block_size"),
     ("grid size", "launch__grid_size"),
 ]
-PIPE = re.compile(r"^sm__(?:inst_executed_)?pipe_(\w+?)_(?:cycles_active|inst_executed)?"
-                  r"\.?avg\.pct_of_peak_sustained_active$")
+PIPE = re.compile(r"^sm__(?:inst_executed_)?pipe_(\w+?)(?:_cycles_active)?"
+                  r"\.avg\.pct_of_peak_sustained_active$")
 STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+)_per_issue_active\.ratio$")
 
 
@@ -73,6 +73,8 @@ def summarise(header, units, body):
       if name in col:
         rec[label] = num(r[col[name]])
         rec[label + " unit"] = units[col[name]]
+    if rec.get("L2 sectors") is not None:  # 32-byte sectors through L2 (reads and writes)
+      rec["L2 GB"] = rec["L2 sectors"] * 32 / 1e9
     pipes = {}
     for name, i in col.items():
       mm = PIPE.match(name)
@@ -82,7 +84,8 @@ def summarise(header, units, body):
     stalls = {}
     for name, i in col.items():
       mm = STALL.match(name)
-      if mm and num(r[i]) is not None and not mm.group(1).endswith("_not_issued"):
+      if (mm and num(r[i]) is not None and not mm.group(1).endswith("_not_issued")
+          and mm.group(1) not in ("selected", "not_selected")):  # issuing, not waiting
         stalls[mm.group(1)] = num(r[i])
     rec["stalls (cycles per issue)"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:5])
     out.append(rec)
@@ -98,7 +101,7 @@ def fmt(v):
 
 
 def markdown(recs, note):
-  labels = ["duration", "SM %", "memory %", "DRAM %", "L2 %", "L1 %", "L2 bytes", "L2 hit %",
+  labels = ["duration", "SM %", "memory %", "DRAM %", "L2 %", "L1 %", "L2 GB", "L2 hit %",
             "L1 hit %", "issue active %", "achieved occupancy %", "theoretical occupancy %",
             "registers", "smem/block"]
   lines = [f"# Nsight Compute profile of the NSA kernels", "", note, "",
@@ -108,8 +111,8 @@ def markdown(recs, note):
     cells = []
     for lab in labels:
       unit = r.get(lab + " unit", "")
-      cells.append(fmt(r.get(lab)) + (f" {unit}" if unit and lab in ("duration", "L2 bytes",
-                                                                        "smem/block") else ""))
+      cells.append(fmt(r.get(lab)) + (f" {unit}" if unit and lab in ("duration", "smem/block")
+                                      else ""))
     lines.append(f"| {r['kernel'][:48]} | " + " | ".join(cells) + " |")
   lines += ["", "Busiest pipes (% of peak while the SM is active) and the largest warp stall "
             "reasons (average cycles a warp waits per issued instruction):", ""]

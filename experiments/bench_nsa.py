@@ -261,12 +261,13 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
 TOPN_FLAG_SETS = {
     "default": {},
     "loop merge": {"CARRY_VEC": False, "RANK_MERGE": False, "TWO_PASS": False},
-    "carry_vec": {"CARRY_VEC": True, "RANK_MERGE": False, "TWO_PASS": False},
     "rank_merge": {"CARRY_VEC": False, "RANK_MERGE": True, "TWO_PASS": False},
     "rank_merge+carry_vec": {"CARRY_VEC": True, "RANK_MERGE": True, "TWO_PASS": False},
-    "two_pass+carry_vec": {"TWO_PASS": True, "CARRY_VEC": True},
-    "two_pass+matmul carry": {"TWO_PASS": True, "CARRY_VEC": False},
-    "two_pass+head_first": {"TWO_PASS": True, "HEAD_FIRST": True},
+    # TWO_PASS with HEAD_FIRST (its default there) and the pick's default launch
+    "two_pass": {"TWO_PASS": True},
+    "two_pass, no head_first": {"TWO_PASS": True, "HEAD_FIRST": False, "CARRY_VEC": True},
+    "two_pass, first pick launch": {"TWO_PASS": True, "PICK_ELEMS": 8192, "PICK_LOOP": False},
+    "two_pass, pick 2 rows unrolled": {"TWO_PASS": True, "PICK_ELEMS": 2048, "PICK_LOOP": False},
     "head_first, no two_pass": {"TWO_PASS": False, "HEAD_FIRST": True},
 }
 

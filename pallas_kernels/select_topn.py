@@ -13,9 +13,10 @@ r = l'/d):
   4. Eq. 11: forced blocks get +inf, ineligible ones -inf, and the chunk is merged into a running
      top-n: replace-the-minimum while any candidate beats the current n-th best (`_merge`), or
      for rows of up to 32 chunks all at once by ranks (`_rank_merge`; see RANK_MERGE below).
-With TWO_PASS (by default for rows of more than 32 chunks: T > 32k at l' = 64) step 4 is split
-off: the kernel writes the chunk's candidates to a float32 buffer of at most TWO_PASS_MAX_BYTES
-(token slices beyond it) and a second kernel picks each row's n best, with the same order and ties.
+With TWO_PASS (the default at every length since 2026-12-03) step 4 is split off: the kernel
+writes the chunk's candidates to a float32 buffer of at most TWO_PASS_MAX_BYTES (token slices beyond
+it) and a second kernel picks each row's n best, with the same order and ties; with it, HEAD_FIRST
+swaps steps 2 and 3 (head sum first, then the band in float32 on the token rows).
 Order and ties exactly as nsa_jax.reference.select_blocks: the n largest scores, equal scores going
 to the lower block index (a later chunk never displaces an equal score; the evicted entry is the
 smallest score, highest index), output ascending, -1 in empty slots. Floating-point sums run in a
@@ -76,13 +77,25 @@ CARRY_BOUNDS = _env_flag("CARRY_BOUNDS", False)
 #   lowest-index-among-equals). Same order and ties as the merges. The buffer covers at most
 #   TWO_PASS_MAX_BYTES; longer sequences are walked in token slices in a lax.fori_loop, so the
 #   extra memory stays bounded (no T x T/l' array at any length).
-#   Default (None): on for rows of at least TWO_PASS_MIN_CHUNKS chunks (T > 32k at l' = 64), where
-#   four 64k A/Bs on the H200 each measured it faster (top-n -4.6% and -5.8% at 128/128, -6.3% and
-#   -5.5% at 192/128; whole-op forward -2.1 to -4.6%; topn_twopass_default_h200.md); off below,
-#   where one sweep per shape is not enough to tell.
+#   Default (None): on for rows of at least TWO_PASS_MIN_CHUNKS chunks, now 1 (every length). From
+#   2026-12-02 it was on from 33 chunks (T > 32k at l' = 64) after four 64k A/Bs (top-n -4.6% to
+#   -6.3%; topn_twopass_default_h200.md). With HEAD_FIRST and the pick's new launch (below) it is
+#   the fastest top-n in every H200 sweep of 2026-12-03 (topn_pick_h200.md): 8k training layer
+#   0.59 vs 0.84 ms (the best merge), 16k 1.20 vs 1.61 (128/128) and 1.43 vs 1.73 (192/128), 32k
+#   3.78 / 3.83 vs 4.66 / 4.82 and 4.69 / 4.86 vs 5.33 / 5.35, 64k 13.17 vs 16.50 and 15.81 vs 18.38.
 TWO_PASS = _env_flag("TWO_PASS", None)
-TWO_PASS_MIN_CHUNKS = 33
+TWO_PASS_MIN_CHUNKS = 1
 TWO_PASS_MAX_BYTES = 1 << 28
+# The pick kernel's launch: about PICK_ELEMS scores a program (rows = PICK_ELEMS // row width),
+# PICK_WARPS warps, and the n rounds unrolled in Python or (PICK_LOOP) a lax.fori_loop. Nsight
+# Compute at 64k (benchmarks/results/ncu_h200.md) of the first launch (8 rows of 1024 scores,
+# 4 warps, unrolled): 255 registers, 12.5% occupancy, 1.11 ms a 16k-token slice, a quarter of
+# the top-n's time. Sweep (topn_pick_h200.md, one H200, 2026-12-03; whole top-n, HEAD_FIRST on):
+# 4 rows + loop 13.17 / 15.81 ms at 64k 128/128 / 192/128 against 15.06 / 17.95 with the first
+# launch, 3.83 / 4.86 at 32k; 8 warps gained nothing (16.16 / 18.91).
+PICK_ELEMS = int(os.environ.get("NSA_TOPN_PICK_ELEMS", 4096))
+PICK_WARPS = int(os.environ.get("NSA_TOPN_PICK_WARPS", 4))
+PICK_LOOP = _env_flag("PICK_LOOP", True)
 
 
 def uses_two_pass(row_chunks):
@@ -94,8 +107,11 @@ def uses_two_pass(row_chunks):
 #   summed first, p [tq * G, r * nsj] -> [tq, r * nsj] in float32, and the band (Eq. 9) is then a
 #   float32 broadcast-multiply-sum on the tq rows instead of three bfloat16 matmuls on the tq * G
 #   rows (no three-term split; the next chunk's part is carried as [tq] vectors, as CARRY_VEC
-#   does). Off by default until timed on the H200.
-HEAD_FIRST = _env_flag("HEAD_FIRST", False)
+#   does). Default (None): on with TWO_PASS, off with the merges. H200 top-n sweeps
+#   (topn_pick_h200.md, 2026-12-03, first launch of the pick): two-pass 15.06 vs 16.12 ms (64k
+#   128/128, twice: 15.03 vs 16.16) and 17.95 vs 18.43 (64k 192/128); with the merges it was
+#   slower (18.0 vs 16.5 ms at 64k 128/128).
+HEAD_FIRST = _env_flag("HEAD_FIRST", None)
 FIRST_FILL = _env_flag("FIRST_FILL", True)
 FIRST_FILL_MAX_CHUNKS = 8
 CARRY_VEC = _env_flag("CARRY_VEC", None)
@@ -359,7 +375,8 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
     ca.store_rows(idx_ref, tpos * kh + kk, 0, _ascending(a_val, a_idx, n=n))
 
 
-def _pick_kernel(tile0_ref, scores_ref, idx_ref, *, rows, kh, t, tq, sel_block, n, npad, nsp):
+def _pick_kernel(tile0_ref, scores_ref, idx_ref, *, rows, kh, t, tq, sel_block, n, npad, nsp,
+                 loop=False):
   """TWO_PASS's second kernel: `rows` rows of the slice's score buffer -> their n best blocks
   (score desc, block asc), ascending, -1 in empty slots. Columns past a token's own block were
   not written by the first kernel (or hold -inf there): masked here before anything reads them."""
@@ -370,12 +387,22 @@ def _pick_kernel(tile0_ref, scores_ref, idx_ref, *, rows, kh, t, tq, sel_block, 
   slot = lax.broadcasted_iota(jnp.int32, (rows, npad), 1)
   a_val = jnp.full((rows, npad), -jnp.inf, jnp.float32)
   a_idx = jnp.full((rows, npad), -1, jnp.int32)
-  for s in range(n):  # the best left, the lowest block among equals; then it leaves the row
+
+  def round_(s, st):  # the best left, the lowest block among equals; then it leaves the row
+    vals, a_val, a_idx = st
     best = jnp.max(vals, axis=1)
     pick = jnp.min(jnp.where(vals == best[:, None], j, BIG), axis=1)
     a_val = jnp.where(slot == s, best[:, None], a_val)
     a_idx = jnp.where(slot == s, pick[:, None], a_idx)
-    vals = jnp.where(j == pick[:, None], -jnp.inf, vals)
+    return jnp.where(j == pick[:, None], -jnp.inf, vals), a_val, a_idx
+
+  st = (vals, a_val, a_idx)
+  if loop:
+    st = lax.fori_loop(0, n, round_, st)
+  else:
+    for s in range(n):
+      st = round_(s, st)
+  _, a_val, a_idx = st
   ca.store_rows(idx_ref, r, 0, _ascending(a_val, a_idx, n=n))
 
 
@@ -453,12 +480,15 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
       sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
       has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge, first_fill=first_fill,
-      head_first=HEAD_FIRST)
+      head_first=False)
   w = ca._whole
   args = (seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
   in_specs = [w(t), w(t), w(ncp), w(ncp), w(t * h, dk), ca._group(ncp, dk), w(t * h)]
   params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  if uses_two_pass(row_chunks):
+  two_pass = uses_two_pass(row_chunks)
+  head_first = two_pass if HEAD_FIRST is None else HEAD_FIRST
+  kernel = functools.partial(kernel, head_first=head_first)
+  if two_pass:
     idx = _two_pass(functools.partial(kernel, first_fill=False, two_pass=True), args, in_specs,
                     params, b=b, t=t, tq=tq, kh=kh, nsp=ca.next_pow2(row_chunks * nsj),
                     sel_block=sel_block, n=num_selected, npad=npad, interpret=interpret)
@@ -488,7 +518,7 @@ def _two_pass(kernel, args, in_specs, params, *, b, t, tq, kh, nsp, sel_block, n
   """TWO_PASS: per slice of tokens, the scores kernel then the pick kernel; [B, T * K, npad]."""
   ts = two_pass_slice(b, t, tq, kh, nsp)
   slices, tiles = ca.cdiv(t, ts), ts // tq
-  prow = max(1, min(64, 8192 // nsp))  # rows a pick program takes: ~8k scores in registers
+  prow = max(1, min(64, PICK_ELEMS // nsp))  # rows a pick program takes (scores in registers)
   brows = ca.cdiv(ts * kh, prow) * prow  # buffer rows, padded to whole pick programs
   one = pl.BlockSpec((1,), lambda *_: (0,))
   w = ca._whole
@@ -504,12 +534,12 @@ def _two_pass(kernel, args, in_specs, params, *, b, t, tq, kh, nsp, sel_block, n
   )
   pick_call = pl.pallas_call(
       functools.partial(_pick_kernel, rows=prow, kh=kh, t=t, tq=tq, sel_block=sel_block, n=n,
-                        npad=npad, nsp=nsp),
+                        npad=npad, nsp=nsp, loop=PICK_LOOP),
       grid=(brows // prow, 1, b),
       in_specs=[one, w(brows, nsp)],
       out_specs=w(brows, npad),
       out_shape=jax.ShapeDtypeStruct((b, brows, npad), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=PICK_WARPS, num_stages=1),
       interpret=interpret,
       name="nsa_select_topn_pick",
   )

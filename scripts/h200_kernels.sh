@@ -106,7 +106,9 @@
 #          kernel that bounds the 64k targets (benchmarks/ncu_kernels.py: the compression forward,
 #          top-n scores + pick, the selection forward on random and clustered lists, the random
 #          backward); writes the report and its raw / details pages as CSV (NCU_CASES to choose;
-#          summarise here with benchmarks/ncu_report.py).
+#          summarise here with benchmarks/ncu_report.py). 2026-12-03: the three Triton cases
+#          (NCU_CASES=topn,topn_head_first,random_fwd) took 110 s; "--target-processes all"
+#          crashed Python after the first kernel; the Mosaic and backward cases are untried.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -356,7 +358,7 @@ ncuprof() {
   "$bin" --version | tail -1
   # No preallocation (ncu's replay needs device memory), no command buffers (one launch a kernel).
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" \
-    timeout "${NCU_TIMEOUT:-420}" "$bin" --clock-control none --set full --target-processes all \
+    timeout "${NCU_TIMEOUT:-420}" "$bin" --clock-control none --set full --target-processes application-only \
     -k regex:'nsa_|mosaic' -f -o "$d/prof" python3 benchmarks/ncu_kernels.py \
     --cases "${NCU_CASES:-topn,random_fwd,clustered_fwd,random_bwd}"
   "$bin" -i "$d/prof.ncu-rep" --page raw --csv > "$d/raw.csv"

@@ -143,6 +143,9 @@ def _set_topn_variants(monkeypatch, variants):
     monkeypatch.setattr(topn_module, name, name in on)
   # HEAD_FIRST: the head sum before the band (float32 band on the token rows, vector carry)
   monkeypatch.setattr(topn_module, "HEAD_FIRST", variants.endswith("head_first"))
+  if variants == "two_pass_head_first":  # also the pick's rounds unrolled, fewer rows a program
+    monkeypatch.setattr(topn_module, "PICK_LOOP", False)
+    monkeypatch.setattr(topn_module, "PICK_ELEMS", 512)
   # TWO_PASS: scores to a buffer, then a pick kernel; "sliced" caps the buffer at 16 KB, so the
   # tests' sequences are walked in several token slices (the last one partly past T)
   monkeypatch.setattr(topn_module, "TWO_PASS", variants.startswith("two_pass"))
@@ -238,10 +241,14 @@ def test_two_pass_slices_bound_the_buffer(monkeypatch):
 
 
 def test_two_pass_default_rule_and_which_kernels_run(monkeypatch):
-  """TWO_PASS by default from 33 chunks a row (T > 32k at l' = 64, where it was timed faster) and
-  not below; the flag overrides the rule both ways. Checked on the traced program: the two-pass
-  path launches the scores and pick kernels, the merge path the one top-n kernel."""
+  """TWO_PASS by default from TWO_PASS_MIN_CHUNKS chunks a row (1 since 2026-12-03: every length,
+  timed faster at each; 33 before) and not below; the flag overrides the rule both ways. Checked
+  on the traced program: the two-pass path launches the scores and pick kernels, the merge path
+  the one top-n kernel."""
   monkeypatch.setattr(topn_module, "TWO_PASS", None)
+  assert topn_module.TWO_PASS_MIN_CHUNKS == 1
+  assert all(topn_module.uses_two_pass(c) for c in (1, 8, 32, 33, 64, 128))
+  monkeypatch.setattr(topn_module, "TWO_PASS_MIN_CHUNKS", 33)  # the rule itself, at the old line
   assert [topn_module.uses_two_pass(c) for c in (1, 8, 32, 33, 64, 128)] == [False] * 3 + [True] * 3
   h, dk, l, d, lp = 4, 16, 8, 4, 16
 
@@ -254,6 +261,9 @@ def test_two_pass_default_rule_and_which_kernels_run(monkeypatch):
 
   both = {"nsa_select_topn_scores", "nsa_select_topn_pick"}
   assert kernels(33 * 16 * lp) == both and kernels(32 * 16 * lp) == set()  # 33 vs 32 chunks
+  monkeypatch.setattr(topn_module, "TWO_PASS_MIN_CHUNKS", 1)  # the default: one chunk is enough
+  assert kernels(16 * lp) == both and kernels(32 * 16 * lp) == both
+  monkeypatch.setattr(topn_module, "TWO_PASS_MIN_CHUNKS", 33)
   monkeypatch.setattr(topn_module, "TWO_PASS", False)
   assert kernels(33 * 16 * lp) == set()
   monkeypatch.setattr(topn_module, "TWO_PASS", True)
