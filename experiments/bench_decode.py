@@ -43,7 +43,12 @@ VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
             "pallas_all_topn_w4": dict(topn_num_warps=4),  # default: 2 warps (tuned 2026-11-29)
             # Eq. 9's band sums in the compressed-cache walk, one scores + top-n kernel:
             # two launches instead of three; timed 2026-11-30: slower (decode_walk_h200.md)
-            "pallas_all_walkscores": dict(scores_in_walk=True)}
+            "pallas_all_walkscores": dict(scores_in_walk=True),
+            # the head sum before Eq. 9's band (float32, no matmuls) and the top-n rounds in a
+            # loop, as in the training top-n (select_topn.HEAD_FIRST / PICK_LOOP); untimed
+            "pallas_all_headfirst": dict(scores_head_first=True),
+            "pallas_all_topn_loop": dict(topn_loop=True),
+            "pallas_all_headfirst_loop": dict(scores_head_first=True, topn_loop=True)}
 L2_BYTES = 60e6
 
 

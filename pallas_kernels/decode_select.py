@@ -42,7 +42,7 @@ SLOT_BLOCK = 64  # compressed slots per split-K step of the decode kernel
 
 
 def _scores_kernel(meta_ref, lse_ref, lg_ref, sc_ref, *, g, m_rows, seg_len, r, c, nsj, off,
-                   sel_block, n_init, n_local):
+                   sel_block, n_init, n_local, head_first=False):
   """Program (b, k, ci): the Eq. 9-11 scores of selection blocks [ci * nsj, (ci + 1) * nsj)."""
   ci = pl.program_id(2)
   nv, t = meta_ref[0], meta_ref[1]
@@ -63,6 +63,9 @@ def _scores_kernel(meta_ref, lse_ref, lg_ref, sc_ref, *, g, m_rows, seg_len, r, 
     slot = slot0 + lax.iota(jnp.int32, bkc)
     ok = real[:, None] & (slot < nv)[None, :] & live
     p = jnp.where(ok, jnp.exp2(s * LOG2E - lse2[:, None]), 0.0)  # Eq. 8
+    if head_first:  # Eq. 10 (the head sum), then Eq. 9's band in float32: no matmul
+      w = st._band(u, k_base, r, c)
+      return jnp.sum(jnp.sum(p, axis=0)[:, None] * w, axis=0)[None, :]
     w = st._band(u, k_base, r, c).astype(jnp.bfloat16)
     return jnp.sum(st._exact_dot(st._split3(p), w), axis=0)[None, :]  # Eq. 9, then 10
 
@@ -75,27 +78,36 @@ def _scores_kernel(meta_ref, lse_ref, lg_ref, sc_ref, *, g, m_rows, seg_len, r, 
   sc_ref[...] = jnp.where(forced, jnp.inf, jnp.where(elig, own, -jnp.inf)).reshape(nsj)
 
 
-def _topn_kernel(sc_ref, idx_ref, *, ns, n):
+def _topn_kernel(sc_ref, idx_ref, *, ns, n, loop=False):
   """Program (b, k): the n best of the group's block scores (+inf forced, -inf ineligible), by
   n rounds of (max, lowest block holding it), then ascending with -1 in empty slots."""
   nsp, npad = sc_ref.shape[0], idx_ref.shape[0]
   j = lax.broadcasted_iota(jnp.int32, (1, nsp), 1)
   vals = jnp.where(j < ns, sc_ref[...].reshape(1, nsp), -jnp.inf)  # slots past Ns: never written
-  idx_ref[...] = _best_n(vals, j, n=n, npad=npad)
+  idx_ref[...] = _best_n(vals, j, n=n, npad=npad, loop=loop)
 
 
-def _best_n(vals, j, *, n, npad):
+def _best_n(vals, j, *, n, npad, loop=False):
   """[NP] ascending block ids of the n best of vals [1, S] (block ids j [1, S]; +inf forced, -inf
-  ineligible): n rounds of (max, lowest block holding it), -1 in empty slots."""
+  ineligible): n rounds of (max, lowest block holding it), -1 in empty slots. loop: the rounds
+  in a lax.fori_loop instead of unrolled (less code; see select_topn.PICK_LOOP)."""
   slot = lax.broadcasted_iota(jnp.int32, (1, npad), 1)
-  a_val = jnp.full((1, npad), -jnp.inf, jnp.float32)
-  a_idx = jnp.full((1, npad), -1, jnp.int32)
-  for s in range(n):
+
+  def round_(s, state):
+    vals, a_val, a_idx = state
     best = jnp.max(vals, axis=1, keepdims=True)
     pick = jnp.min(jnp.where(vals == best, j, st.BIG), axis=1, keepdims=True)  # ties: lower block
     a_val = jnp.where(slot == s, best, a_val)
     a_idx = jnp.where(slot == s, pick, a_idx)
-    vals = jnp.where(j == pick, -jnp.inf, vals)
+    return jnp.where(j == pick, -jnp.inf, vals), a_val, a_idx
+
+  state = (vals, jnp.full((1, npad), -jnp.inf, jnp.float32), jnp.full((1, npad), -1, jnp.int32))
+  if loop:
+    state = lax.fori_loop(0, n, round_, state)
+  else:
+    for s in range(n):
+      state = round_(s, state)
+  _, a_val, a_idx = state
   return st._ascending(a_val, a_idx, n=n).reshape(npad)
 
 
@@ -183,12 +195,12 @@ def band_supports(kc_shape, num_sel_blocks, block, stride, sel_block, alignment)
 @functools.partial(jax.jit, static_argnames=(
     "num_sel_blocks", "block", "stride", "sel_block", "num_selected", "num_init", "num_local",
     "alignment", "scale", "blocks_per_split", "cmp_num_stages", "topn_num_warps",
-    "scores_in_walk", "interpret"))
+    "scores_in_walk", "scores_head_first", "topn_loop", "interpret"))
 def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, stride,
                              sel_block, num_selected, num_init=1, num_local=2,
                              alignment="overlap", scale=None, blocks_per_split=None,
                              cmp_num_stages=2, topn_num_warps=2, scores_in_walk=False,
-                             interpret=False):
+                             scores_head_first=False, topn_loop=False, interpret=False):
   """Compression branch + top-n of one query per sequence.
 
   qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
@@ -199,6 +211,9 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   `band_supports` allows it (logged otherwise). Correct on the H200 (compiled decode tests) but
   slower there: 64k batch 8 192/128 0.119 ms a step against 0.078 ms (the walk 41 vs 27 us, the
   band top-n 41 us vs scores + top-n 18 us; benchmarks/results/decode_walk_h200.md), so off.
+  scores_head_first / topn_loop (three-kernel path; not yet timed, so off): the scores kernel sums
+  the group's heads before Eq. 9's band and then applies the band in float32 without matmuls (as
+  select_topn.HEAD_FIRST, faster in the training top-n); the top-n kernel's rounds in a loop.
   """
   if alignment not in st.ALIGN_OFFSET:
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")
@@ -243,7 +258,7 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   kernel = functools.partial(
       _scores_kernel, g=g, m_rows=m_rows, seg_len=seg_len, r=r, c=block // stride, nsj=nsj,
       off=st.ALIGN_OFFSET[alignment](r), sel_block=sel_block, n_init=num_init,
-      n_local=num_local)
+      n_local=num_local, head_first=scores_head_first)
   C.log_once(("decode_scores", qg.shape, k_cmp.shape, num_sel_blocks, interpret),
              "decode block scores: qg=%s k_cmp=%s selection blocks=%d chunks=%d interpret=%s",
              qg.shape, k_cmp.shape, num_sel_blocks, chunks, interpret)
@@ -259,7 +274,7 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
       name="nsa_decode_scores",
   )(meta, lse_rows, lg)
   idx = pl.pallas_call(
-      functools.partial(_topn_kernel, ns=num_sel_blocks, n=n),
+      functools.partial(_topn_kernel, ns=num_sel_blocks, n=n, loop=topn_loop),
       grid=(b, kh),
       in_specs=[da.per_group(scores.shape[-1])],
       out_specs=da.per_group(npad),

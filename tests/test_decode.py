@@ -234,12 +234,14 @@ def test_decode_with_pallas_kernels_interpret_equals_parallel(in_walk, monkeypat
 
 @pytest.mark.parametrize("heads,kv_heads,dk,dv,align,in_walk", [
     (16, 1, 32, 16, "overlap", False), (4, 2, 16, 32, "literal", False),
-    (16, 1, 32, 16, "overlap", True), (4, 2, 16, 32, "literal", True)])
+    (16, 1, 32, 16, "overlap", True), (4, 2, 16, 32, "literal", True),
+    (16, 1, 32, 16, "overlap", "head_first"), (4, 2, 16, 32, "literal", "head_first")])
 def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv, align, in_walk):
   """pallas_kernels.decode_select (interpret mode): o_cmp equal to decode_math.compressed_decode and
   block indices equal to the plain-JAX scores + top-n, at positions inside the first selection
   block, across top-n chunks (16 blocks of 16 tokens) and at the end of the cache; with in_walk,
-  the scores come from the decode walk's band sums (scores_in_walk=True: two launches)."""
+  the scores come from the decode walk's band sums (scores_in_walk=True: two launches);
+  "head_first": the three-kernel path with scores_head_first and topn_loop."""
   from pallas_kernels import decode_select
   cfg = NSAConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=dk, head_dim_v=dv, cmp_block=8,
                   cmp_stride=4, sel_block=16, num_selected=5, window=16, score_alignment=align)
@@ -253,8 +255,9 @@ def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv
             jax.random.normal(k2, (b, kv_heads, nc, dk)), jax.random.normal(k3, (b, kv_heads, nc, dv)))
   fused = jax.jit(lambda q, kc, vc, t: decode_math.cmp_select_with(
       functools.partial(decode_select.compressed_select_decode, interpret=INTERPRET,
-                        scores_in_walk=in_walk), q, kc, vc, t, ns,
-      cfg))
+                        **({"scores_head_first": True, "topn_loop": True}
+                           if in_walk == "head_first" else {"scores_in_walk": in_walk})),
+      q, kc, vc, t, ns, cfg))
   assert_cmp_select_matches_plain(fused, well_posed(make, positions, ns, cfg), positions, ns, cfg)
 
 
@@ -350,7 +353,11 @@ def test_decode_kernels_lower_for_cuda():
     _, _, idx2 = decode_select.compressed_select_decode(
         q, kc, vc, t, jnp.int32(nc - 1), num_sel_blocks=s_slc // 64, block=32, stride=16,
         sel_block=64, num_selected=16, scores_in_walk=True)
-    return o_c, o_s, o_s2, o_w, idx2
+    # the head-first scores and the looped top-n must lower too (a lowering error raises here)
+    _, _, idx3 = decode_select.compressed_select_decode(
+        q, kc, vc, t, jnp.int32(nc - 1), num_sel_blocks=s_slc // 64, block=32, stride=16,
+        sel_block=64, num_selected=16, scores_head_first=True, topn_loop=True)
+    return o_c, o_s, o_s2, o_w, idx2, idx3
 
   abstract = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
