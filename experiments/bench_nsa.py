@@ -263,8 +263,7 @@ TOPN_FLAG_SETS = {
     "loop merge": {"CARRY_VEC": False, "RANK_MERGE": False, "TWO_PASS": False},
     "rank_merge": {"CARRY_VEC": False, "RANK_MERGE": True, "TWO_PASS": False},
     "rank_merge+carry_vec": {"CARRY_VEC": True, "RANK_MERGE": True, "TWO_PASS": False},
-    # TWO_PASS with HEAD_FIRST (its default there) and the pick's default launch
-    "two_pass": {"TWO_PASS": True},
+    # "default" is TWO_PASS with HEAD_FIRST and the pick's default launch (2026-12-03)
     "two_pass, no head_first": {"TWO_PASS": True, "HEAD_FIRST": False, "CARRY_VEC": True},
     "two_pass, first pick launch": {"TWO_PASS": True, "PICK_ELEMS": 8192, "PICK_LOOP": False},
     "two_pass, pick 2 rows unrolled": {"TWO_PASS": True, "PICK_ELEMS": 2048, "PICK_LOOP": False},

@@ -516,6 +516,10 @@ def two_pass_slice(b, t, tq, kh, nsp):
 def _two_pass(kernel, args, in_specs, params, *, b, t, tq, kh, nsp, sel_block, n, npad,
               interpret):
   """TWO_PASS: per slice of tokens, the scores kernel then the pick kernel; [B, T * K, npad]."""
+  if PICK_ELEMS < 1 or PICK_ELEMS & (PICK_ELEMS - 1):
+    raise ValueError(f"select_topn: PICK_ELEMS={PICK_ELEMS} (NSA_TOPN_PICK_ELEMS) must be a "
+                     "power of two >= 1: the pick kernel's rows a program are PICK_ELEMS // row "
+                     "width and Triton tiles need power-of-two sizes. Fix: e.g. 4096 (default)")
   ts = two_pass_slice(b, t, tq, kh, nsp)
   slices, tiles = ca.cdiv(t, ts), ts // tq
   prow = max(1, min(64, PICK_ELEMS // nsp))  # rows a pick program takes (scores in registers)

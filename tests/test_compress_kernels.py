@@ -136,6 +136,8 @@ def _set_topn_variants(monkeypatch, variants):
   """"on": every optional code path of the top-n kernel forced on; "off": every one off;
   "rank_fill": the rank merge with FIRST_FILL (loop-free merge, matmul carry); "carry": the
   vector carry with the loop merge."""
+  if variants == "default":  # what ships: every flag at its module default (the measured rules)
+    return
   on = {"on": TOPN_VARIANTS, "off": (), "rank_fill": ("RANK_MERGE", "FIRST_FILL"),
         "carry": ("CARRY_VEC",), "two_pass": (), "two_pass_sliced": ("CARRY_VEC",),
         "head_first": (), "two_pass_head_first": ()}[variants]
@@ -194,12 +196,14 @@ def test_merges_keep_the_topn_rule_through_ties_and_infinities(n, fill, merge):
     assert np.all(np.asarray(a_val)[:, n:] == -np.inf) and np.all(np.asarray(a_idx)[:, n:] == -1)
 
 
-@pytest.mark.parametrize("n,kh", [(1, 1), (5, 2), (16, 1)])
-def test_two_pass_pick_keeps_the_topn_rule_through_ties_and_infinities(n, kh):
-  """TWO_PASS's pick kernel (interpreted on CPU, compiled on a GPU) on score rows drawn from {-inf, +inf, four small
-  integers}: the n best by (score desc, block asc) among the blocks up to the row's own
-  (cur = its token // l'; later columns hold garbage, NaN here, and must be ignored), ascending,
-  -1 for -inf and empty slots."""
+@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("n,kh,prow", [(1, 1, 8), (5, 2, 8), (16, 1, 8), (16, 2, 1)])
+def test_two_pass_pick_keeps_the_topn_rule_through_ties_and_infinities(n, kh, prow, loop):
+  """TWO_PASS's pick kernel (interpreted on CPU, compiled on a GPU) on score rows drawn from {-inf,
+  +inf, four small integers}: the n best by (score desc, block asc) among the blocks up to the
+  row's own (cur = its token // l'; later columns hold garbage, NaN here, and must be ignored),
+  ascending, -1 for -inf and empty slots. Rounds unrolled and in a loop (PICK_LOOP, the
+  default), 8 rows a program and 1 (what rows of >= PICK_ELEMS scores get)."""
   rng = np.random.default_rng(_seed())
   nsp, rows, tq, sel_block = 64, 32, 4, 2
   t = rows // kh + 3  # the last rows' tokens sit past T: clamped to T - 1
@@ -211,10 +215,9 @@ def test_two_pass_pick_keeps_the_topn_rule_through_ties_and_infinities(n, kh):
   garbage = np.arange(nsp)[None, None, :] > cur[None, :, None]
   vals_in = np.where(garbage, np.nan, vals).astype(np.float32)
   npad = 1 << (n - 1).bit_length()
-  prow = 8
   call = pl.pallas_call(
       functools.partial(topn_module._pick_kernel, rows=prow, kh=kh, t=t, tq=tq,
-                        sel_block=sel_block, n=n, npad=npad, nsp=nsp),
+                        sel_block=sel_block, n=n, npad=npad, nsp=nsp, loop=loop),
       grid=(rows // prow, 1, 1),
       in_specs=[pl.BlockSpec((1,), lambda *_: (0,)),
                 pl.BlockSpec((None, rows, nsp), lambda i, j, bb: (bb, 0, 0))],
@@ -226,6 +229,13 @@ def test_two_pass_pick_keeps_the_topn_rule_through_ties_and_infinities(n, kh):
     want = sorted(j for _, j in sorted(live)[:n])
     want = want + [-1] * (n - len(want))
     assert got[r].tolist() == want, (r, vals[0, r, :cur[r] + 1], got[r], want)
+
+
+def test_pick_elems_must_be_a_power_of_two(monkeypatch):
+  monkeypatch.setattr(topn_module, "PICK_ELEMS", 3000)
+  q, kc, lse = jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 7, 1, 16)), jnp.zeros((1, 64, 4))
+  with pytest.raises(ValueError, match="PICK_ELEMS=3000.*power of two"):
+    select_topn(q, kc, lse, block=16, stride=8, sel_block=16, num_selected=2, interpret=True)
 
 
 def test_two_pass_slices_bound_the_buffer(monkeypatch):
@@ -262,7 +272,21 @@ def test_two_pass_default_rule_and_which_kernels_run(monkeypatch):
   both = {"nsa_select_topn_scores", "nsa_select_topn_pick"}
   assert kernels(33 * 16 * lp) == both and kernels(32 * 16 * lp) == set()  # 33 vs 32 chunks
   monkeypatch.setattr(topn_module, "TWO_PASS_MIN_CHUNKS", 1)  # the default: one chunk is enough
+  seen, real = [], topn_module._topn_kernel  # HEAD_FIRST = None follows TWO_PASS
+  monkeypatch.setattr(topn_module, "_topn_kernel", lambda *a, **k: seen.append(
+      (k.get("two_pass", False), k["head_first"])) or real(*a, **k))
   assert kernels(16 * lp) == both and kernels(32 * 16 * lp) == both
+  assert set(seen) == {(True, True)}, seen
+  monkeypatch.setattr(topn_module, "TWO_PASS", False)
+  seen.clear()
+  assert kernels(16 * lp) == set() and set(seen) == {(False, False)}, seen
+  monkeypatch.setattr(topn_module, "HEAD_FIRST", True)  # a set flag wins over the rule
+  seen.clear()
+  kernels(16 * lp)
+  assert set(seen) == {(False, True)}, seen
+  monkeypatch.setattr(topn_module, "HEAD_FIRST", None)
+  monkeypatch.setattr(topn_module, "TWO_PASS", None)
+  monkeypatch.setattr(topn_module, "_topn_kernel", real)
   monkeypatch.setattr(topn_module, "TWO_PASS_MIN_CHUNKS", 33)
   monkeypatch.setattr(topn_module, "TWO_PASS", False)
   assert kernels(33 * 16 * lp) == set()
@@ -335,7 +359,7 @@ def test_topn_paths_follow_the_measured_rule(monkeypatch):
     (2, 2, 200, 8, 8, 16, 4, "overlap", False, 1),
     (2, 2, 200, 8, 8, 16, 4, "literal", True, 1),
 ])
-@pytest.mark.parametrize("variants", ["off", "on", "rank_fill", "carry", "two_pass",
+@pytest.mark.parametrize("variants", ["default", "off", "on", "rank_fill", "carry", "two_pass",
                                       "two_pass_sliced", "head_first", "two_pass_head_first"])
 def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, n_local, variants,
                                          monkeypatch):
@@ -357,6 +381,28 @@ def test_topn_equals_reference_selection(g, kv, t, l, d, lp, n, align, use_seg, 
       q, kc, lse, block=l, stride=d, sel_block=lp, num_selected=n, num_local=n_local,
       alignment=align, segment_ids=seg, interpret=INTERPRET))(q, kc, lse, seg)
   assert got.shape == want.shape and got.dtype == jnp.int32
+  assert_same_selection(want, got, scores, seed)
+
+
+@pytest.mark.parametrize("g,kv,elems", [(3, 2, 4096), (64, 1, 4096), (12, 1, 16)])
+def test_topn_defaults_with_padded_heads_one_token_tiles_and_one_row_picks(g, kv, elems,
+                                                                           monkeypatch):
+  """The shipped top-n (TWO_PASS with HEAD_FIRST, looped pick) where the tile pads the group's
+  heads (G = 3 -> 4 rows a token, G = 12 -> 16), holds one token (G = 64: tq = 1), and where
+  the pick takes one row a program (PICK_ELEMS below a row's width), against the reference."""
+  monkeypatch.setattr(topn_module, "PICK_ELEMS", elems)
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 2)
+  b, t, dk, l, d, lp, n = 1, 300, 32, 16, 8, 16, 4
+  cfg = NSAConfig(num_heads=g * kv, num_kv_heads=kv, head_dim=dk, cmp_block=l, cmp_stride=d,
+                  sel_block=lp, num_selected=n, window=64)
+  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
+  kc = jax.random.normal(ks[1], (b, cfg.num_cmp_blocks(t), kv, dk))
+  _, lse, p = reference.compressed_attention(q, kc, kc, l, d)
+  scores = reference.selection_scores(p, kv, t, cfg)
+  want = reference.select_blocks(scores, cfg)
+  got = jax.jit(lambda q, kc, lse: select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
+                                               num_selected=n, interpret=INTERPRET))(q, kc, lse)
   assert_same_selection(want, got, scores, seed)
 
 
