@@ -600,7 +600,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "foldsweep", "foldnsa", "mosaicb1", "walk", "fastmerge",
                                     "topnvar", "topnsweep",
                                     "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
-                                    "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla"}
+                                    "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
+                                    "ncuprof", "decodehf"}
 
 
 def test_needle_key_blocks_and_coverage():
