@@ -91,23 +91,7 @@ def _best_n(vals, j, *, n, npad, loop=False):
   """[NP] ascending block ids of the n best of vals [1, S] (block ids j [1, S]; +inf forced, -inf
   ineligible): n rounds of (max, lowest block holding it), -1 in empty slots. loop: the rounds
   in a lax.fori_loop instead of unrolled (less code; see select_topn.PICK_LOOP)."""
-  slot = lax.broadcasted_iota(jnp.int32, (1, npad), 1)
-
-  def round_(s, state):
-    vals, a_val, a_idx = state
-    best = jnp.max(vals, axis=1, keepdims=True)
-    pick = jnp.min(jnp.where(vals == best, j, st.BIG), axis=1, keepdims=True)  # ties: lower block
-    a_val = jnp.where(slot == s, best, a_val)
-    a_idx = jnp.where(slot == s, pick, a_idx)
-    return jnp.where(j == pick, -jnp.inf, vals), a_val, a_idx
-
-  state = (vals, jnp.full((1, npad), -jnp.inf, jnp.float32), jnp.full((1, npad), -1, jnp.int32))
-  if loop:
-    state = lax.fori_loop(0, n, round_, state)
-  else:
-    for s in range(n):
-      state = round_(s, state)
-  _, a_val, a_idx = state
+  a_val, a_idx = st.best_n_rounds(vals, j, n=n, npad=npad, loop=loop)
   return st._ascending(a_val, a_idx, n=n).reshape(npad)
 
 

@@ -384,26 +384,34 @@ def _pick_kernel(tile0_ref, scores_ref, idx_ref, *, rows, kh, t, tq, sel_block, 
   cur = jnp.minimum(tile0_ref[0] * tq + r // kh, t - 1) // sel_block
   j = lax.broadcasted_iota(jnp.int32, (rows, nsp), 1)
   vals = jnp.where(j <= cur[:, None], scores_ref[r, pl.ds(0, nsp)], -jnp.inf)
+  a_val, a_idx = best_n_rounds(vals, j, n=n, npad=npad, loop=loop)
+  ca.store_rows(idx_ref, r, 0, _ascending(a_val, a_idx, n=n))
+
+
+def best_n_rounds(vals, j, *, n, npad, loop):
+  """(a_val, a_idx) [rows, NP] of vals [rows, S] (block ids j [rows, S]): n rounds of (the best
+  left, the lowest block among equals), each pick then leaving its row; slots past the picks and
+  rounds that find only -inf hold -inf (and the block of that -inf, dropped by _ascending).
+  loop: the rounds in a lax.fori_loop (PICK_LOOP) instead of unrolled. Also the decode top-n's."""
+  rows = vals.shape[0]
   slot = lax.broadcasted_iota(jnp.int32, (rows, npad), 1)
-  a_val = jnp.full((rows, npad), -jnp.inf, jnp.float32)
-  a_idx = jnp.full((rows, npad), -1, jnp.int32)
 
-  def round_(s, st):  # the best left, the lowest block among equals; then it leaves the row
-    vals, a_val, a_idx = st
-    best = jnp.max(vals, axis=1)
-    pick = jnp.min(jnp.where(vals == best[:, None], j, BIG), axis=1)
-    a_val = jnp.where(slot == s, best[:, None], a_val)
-    a_idx = jnp.where(slot == s, pick[:, None], a_idx)
-    return jnp.where(j == pick[:, None], -jnp.inf, vals), a_val, a_idx
+  def round_(s, state):
+    vals, a_val, a_idx = state
+    best = jnp.max(vals, axis=1, keepdims=True)
+    pick = jnp.min(jnp.where(vals == best, j, BIG), axis=1, keepdims=True)  # ties: lower block
+    a_val = jnp.where(slot == s, best, a_val)
+    a_idx = jnp.where(slot == s, pick, a_idx)
+    return jnp.where(j == pick, -jnp.inf, vals), a_val, a_idx
 
-  st = (vals, a_val, a_idx)
+  state = (vals, jnp.full((rows, npad), -jnp.inf, jnp.float32),
+           jnp.full((rows, npad), -1, jnp.int32))
   if loop:
-    st = lax.fori_loop(0, n, round_, st)
+    state = lax.fori_loop(0, n, round_, state)
   else:
     for s in range(n):
-      st = round_(s, st)
-  _, a_val, a_idx = st
-  ca.store_rows(idx_ref, r, 0, _ascending(a_val, a_idx, n=n))
+      state = round_(s, state)
+  return state[1], state[2]
 
 
 def supports(q_shape, kc_shape, block, stride, sel_block, rows=64):
