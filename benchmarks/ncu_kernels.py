@@ -9,8 +9,9 @@ per kernel. Meant to be run under ncu on the H200 (Firecracker machines read the
 
 Cases (paper shape: B=1, 64 query / 4 KV heads, l=32, d=16, l'=64, n=16; --dims 128/128):
   (always, first)  the Triton compression forward (nsa_cmp_fwd), which gives the top-n's lse
-  topn           block scores + top-n (nsa_select_topn_scores / _pick with TWO_PASS at 64k)
-  topn_head_first  the same with select_topn.HEAD_FIRST (head sum before the band)
+  topn           block scores + top-n as shipped (nsa_select_topn_scores / _pick: TWO_PASS)
+  topn_head_first  the same with select_topn.HEAD_FIRST forced on (head sum before the band;
+                 the default with TWO_PASS since 2026-12-03, off when ncu_h200.md was taken)
   random_fwd     selection forward, "random" lists (backend="auto": the per-token Triton tile)
   clustered_fwd  selection forward, "clustered" lists (backend="auto": Mosaic GPU union tile)
   random_bwd     selection backward, random lists (dq, dK/dV, reduce)
@@ -81,11 +82,13 @@ def main(argv=None):
          "random_fwd": (sel, (q, k, v, idx["random"])),
          "clustered_fwd": (sel, (q, k, v, idx["clustered"])),
          "random_bwd": (sel_vjp, (q, k, v, idx["random"], do))}
-  exes = {}
-  for c in cases:  # select_topn reads HEAD_FIRST while tracing
-    st.HEAD_FIRST = c == "topn_head_first"
-    exes[c] = run[c][0].trace(*run[c][1]).lower().compile()
-  st.HEAD_FIRST = False
+  exes, default = {}, st.HEAD_FIRST
+  try:
+    for c in cases:  # select_topn reads HEAD_FIRST while tracing
+      st.HEAD_FIRST = True if c == "topn_head_first" else default
+      exes[c] = run[c][0].trace(*run[c][1]).lower().compile()
+  finally:
+    st.HEAD_FIRST = default
   for c in cases:
     t0 = time.perf_counter()
     jax.block_until_ready(exes[c](*run[c][1]))

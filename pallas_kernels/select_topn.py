@@ -302,12 +302,11 @@ def _topn_kernel(seg_ref, first_ref, bseg_ref, bpure_ref, q_ref, k_ref, lse_ref,
   first = first_ref[tpos] if has_seg else jnp.zeros((tq,), jnp.int32)
   u = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 0)
   v = lax.broadcasted_iota(jnp.int32, (bkc, nsj), 1)
-  w_own = _band(u, r * v + off, r, c).astype(jnp.bfloat16)
+  w_own32 = _band(u, r * v + off, r, c)  # [bkc, nsj] float32 (HEAD_FIRST's band)
+  w_own = w_own32.astype(jnp.bfloat16)  # the band matmuls' (small integers: exact)
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   chunks = last // sel_block // nsj + 1
   carry_vec = carry_vec or head_first  # head_first carries [tq] vectors of the head sums
-  if head_first:
-    w_own32 = _band(u, r * v + off, r, c)  # [bkc, nsj] float32
   if carry_vec:
     cols = carried_columns(r, c, nsj, off)
     col = lax.broadcasted_iota(jnp.int32, (m, nsj), 1)
@@ -483,19 +482,18 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
   row_chunks = ca.cdiv(ns, nsj)
   carry_vec, rank_merge = chunk_paths(row_chunks, dk, num_selected)
   first_fill = FIRST_FILL and nsj == num_selected == npad and row_chunks <= FIRST_FILL_MAX_CHUNKS
+  two_pass = uses_two_pass(row_chunks)
+  head_first = two_pass if HEAD_FIRST is None else HEAD_FIRST
   kernel = functools.partial(
       _topn_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, kh=kh, nc=nc, block=block, stride=stride,
       sel_block=sel_block, nsj=nsj, n=num_selected, npad=npad, n_init=num_init,
       n_local=num_local, off=ALIGN_OFFSET[alignment](r), dk_pieces=ca.dim_pieces(dk), scale=scale,
       has_seg=has_seg, carry_vec=carry_vec, rank_merge=rank_merge, first_fill=first_fill,
-      head_first=False)
+      head_first=head_first)
   w = ca._whole
   args = (seg, first, bseg, bpure, q.reshape(b, t * h, dk), kc, lse.reshape(b, t * h))
   in_specs = [w(t), w(t), w(ncp), w(ncp), w(t * h, dk), ca._group(ncp, dk), w(t * h)]
   params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  two_pass = uses_two_pass(row_chunks)
-  head_first = two_pass if HEAD_FIRST is None else HEAD_FIRST
-  kernel = functools.partial(kernel, head_first=head_first)
   if two_pass:
     idx = _two_pass(functools.partial(kernel, first_fill=False, two_pass=True), args, in_specs,
                     params, b=b, t=t, tq=tq, kh=kh, nsp=ca.next_pow2(row_chunks * nsj),
