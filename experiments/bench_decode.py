@@ -44,11 +44,14 @@ VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
             # Eq. 9's band sums in the compressed-cache walk, one scores + top-n kernel:
             # two launches instead of three; timed 2026-11-30: slower (decode_walk_h200.md)
             "pallas_all_walkscores": dict(scores_in_walk=True),
-            # the head sum before Eq. 9's band (float32, no matmuls) and the top-n rounds in a
-            # loop, as in the training top-n (select_topn.HEAD_FIRST / PICK_LOOP); untimed
-            "pallas_all_headfirst": dict(scores_head_first=True),
+            # Eq. 9's band as matmuls after Eq. 8 (the default until 2026-12-03, when the head
+            # sum first won: decode_headfirst_h200.md), and the top-n rounds in a loop (opt-in)
+            "pallas_all_bandmm": dict(scores_head_first=False),
             "pallas_all_topn_loop": dict(topn_loop=True),
-            "pallas_all_headfirst_loop": dict(scores_head_first=True, topn_loop=True)}
+            # the same paths timed a second time in one run (an A/B's repeat; a name given twice
+            # to --impls is timed once)
+            "pallas_all_again": dict(),
+            "pallas_all_bandmm_again": dict(scores_head_first=False)}
 L2_BYTES = 60e6
 
 

@@ -184,7 +184,7 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
                              sel_block, num_selected, num_init=1, num_local=2,
                              alignment="overlap", scale=None, blocks_per_split=None,
                              cmp_num_stages=2, topn_num_warps=2, scores_in_walk=False,
-                             scores_head_first=False, topn_loop=False, interpret=False):
+                             scores_head_first=True, topn_loop=False, interpret=False):
   """Compression branch + top-n of one query per sequence.
 
   qg [B, K, G, Dk]; k_cmp [B, K, S, Dk], v_cmp [B, K, S, Dv] (head-major, S a multiple of 64);
@@ -195,9 +195,13 @@ def compressed_select_decode(qg, k_cmp, v_cmp, t, nv, *, num_sel_blocks, block, 
   `band_supports` allows it (logged otherwise). Correct on the H200 (compiled decode tests) but
   slower there: 64k batch 8 192/128 0.119 ms a step against 0.078 ms (the walk 41 vs 27 us, the
   band top-n 41 us vs scores + top-n 18 us; benchmarks/results/decode_walk_h200.md), so off.
-  scores_head_first / topn_loop (three-kernel path; not yet timed, so off): the scores kernel sums
-  the group's heads before Eq. 9's band and then applies the band in float32 without matmuls (as
-  select_topn.HEAD_FIRST, faster in the training top-n); the top-n kernel's rounds in a loop.
+  scores_head_first (three-kernel path; the default since 2026-12-03): the scores kernel sums the
+  group's heads before Eq. 9's band and then applies the band in float32 without matmuls (as
+  select_topn.HEAD_FIRST in the training top-n). On the H200 (benchmarks/results/
+  decode_headfirst_h200.md) the scores kernel took 7.0 instead of 10.9 us a step at 64k, batch 8,
+  192/128 (device time of the step 68.9 vs 73.3 us); False keeps the band matmuls.
+  topn_loop: the top-n kernel's rounds in a loop instead of unrolled (opt-in: no change measured,
+  7.3 vs 7.1 us).
   """
   if alignment not in st.ALIGN_OFFSET:
     raise ValueError(f"alignment={alignment!r}: expected one of {sorted(st.ALIGN_OFFSET)}")

@@ -76,10 +76,12 @@
 #          the committed three-kernel scoring, 64k and 128k, batch 8 and 1, with a profile; needs
 #          carry [".whl"] only where the machine lacks pytest; ~3.5 min measured (2026-11-30:
 #          correct, slower than the three-kernel path at every shape).
-# decodehf  the decode scores with the head sum first (scores_head_first) and the decode top-n
-#          rounds in a loop (topn_loop), their compiled tests, then an A/B against the default
-#          fused path (pallas_all, first and last) at 64k and 128k, batch 8 and 1, with a
-#          profile; needs carry [".whl"] where the machine lacks pytest. Not yet run.
+# decodehf  the decode scores' head sum first (scores_head_first, the default since 2026-12-03)
+#          against the band matmuls (pallas_all_bandmm) and the top-n rounds in a loop
+#          (topn_loop), each default / bandmm timed twice in the run; their compiled tests first;
+#          64k and 128k, batch 8 and 1, with a profile; carry [".whl"] where the machine lacks
+#          pytest. 2026-12-03 (before the default changed): 459 s with 140 compiled top-n tests
+#          after it (decode_headfirst_h200.md).
 # fastmerge  the top-n tests compiled (they run the merge variants both ways), then the top-n
 #          kernel's merge variants (select_topn.CARRY_BOUNDS, FIRST_FILL) in all four combinations
 #          via NSA_TOPN_CARRY_BOUNDS / NSA_TOPN_FIRST_FILL at the 8k training layer and at 64k
@@ -271,7 +273,7 @@ decodehf() {
     -k "fused_compression_topn or lower_for_cuda or pallas_kernels_interpret"
   timeout 300 python3 -m experiments.bench_decode --out "$OUT/decodehf" --name decode_headfirst \
     --lengths 65536,131072 --batches 8,1 --impls \
-    pallas_all,pallas_all_headfirst,pallas_all_topn_loop,pallas_all_headfirst_loop,pallas_all \
+    pallas_all,pallas_all_bandmm,pallas_all_topn_loop,pallas_all_again,pallas_all_bandmm_again \
     --profile --selection_only_T '' --breakdown_T '' --max_seconds 220
 }
 fastmerge() {

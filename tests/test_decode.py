@@ -235,13 +235,15 @@ def test_decode_with_pallas_kernels_interpret_equals_parallel(in_walk, monkeypat
 @pytest.mark.parametrize("heads,kv_heads,dk,dv,align,in_walk", [
     (16, 1, 32, 16, "overlap", False), (4, 2, 16, 32, "literal", False),
     (16, 1, 32, 16, "overlap", True), (4, 2, 16, 32, "literal", True),
-    (16, 1, 32, 16, "overlap", "head_first"), (4, 2, 16, 32, "literal", "head_first")])
+    (16, 1, 32, 16, "overlap", "default"), (4, 2, 16, 32, "literal", "default"),
+    (16, 1, 32, 16, "overlap", "topn_loop")])
 def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv, align, in_walk):
   """pallas_kernels.decode_select (interpret mode): o_cmp equal to decode_math.compressed_decode and
   block indices equal to the plain-JAX scores + top-n, at positions inside the first selection
   block, across top-n chunks (16 blocks of 16 tokens) and at the end of the cache; with in_walk,
   the scores come from the decode walk's band sums (scores_in_walk=True: two launches);
-  "head_first": the three-kernel path with scores_head_first and topn_loop."""
+  False: the three-kernel path with Eq. 9's band matmuls (scores_head_first=False); "default":
+  the shipped keywords (the head sum first); "topn_loop": that with the top-n rounds looped."""
   from pallas_kernels import decode_select
   cfg = NSAConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=dk, head_dim_v=dv, cmp_block=8,
                   cmp_stride=4, sel_block=16, num_selected=5, window=16, score_alignment=align)
@@ -255,8 +257,8 @@ def test_fused_compression_topn_decode_matches_plain_jax(heads, kv_heads, dk, dv
             jax.random.normal(k2, (b, kv_heads, nc, dk)), jax.random.normal(k3, (b, kv_heads, nc, dv)))
   fused = jax.jit(lambda q, kc, vc, t: decode_math.cmp_select_with(
       functools.partial(decode_select.compressed_select_decode, interpret=INTERPRET,
-                        **({"scores_head_first": True, "topn_loop": True}
-                           if in_walk == "head_first" else {"scores_in_walk": in_walk})),
+                        **{False: {"scores_head_first": False}, True: {"scores_in_walk": True},
+                           "default": {}, "topn_loop": {"topn_loop": True}}[in_walk]),
       q, kc, vc, t, ns, cfg))
   assert_cmp_select_matches_plain(fused, well_posed(make, positions, ns, cfg), positions, ns, cfg)
 
@@ -353,10 +355,10 @@ def test_decode_kernels_lower_for_cuda():
     _, _, idx2 = decode_select.compressed_select_decode(
         q, kc, vc, t, jnp.int32(nc - 1), num_sel_blocks=s_slc // 64, block=32, stride=16,
         sel_block=64, num_selected=16, scores_in_walk=True)
-    # the head-first scores and the looped top-n must lower too (a lowering error raises here)
+    # the band-matmul scores and the looped top-n must lower too (a lowering error raises here)
     _, _, idx3 = decode_select.compressed_select_decode(
         q, kc, vc, t, jnp.int32(nc - 1), num_sel_blocks=s_slc // 64, block=32, stride=16,
-        sel_block=64, num_selected=16, scores_head_first=True, topn_loop=True)
+        sel_block=64, num_selected=16, scores_head_first=False, topn_loop=True)
     return o_c, o_s, o_s2, o_w, idx2, idx3
 
   abstract = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
