@@ -19,6 +19,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BASE_FIELDS = ("op", "impl", "pass", "T", "batch", "q_heads", "kv_heads", "d_k", "d_v", "ms",
                "cudnn_ms", "speedup", "hardware", "date", "command")
@@ -84,6 +85,46 @@ def measure_peaks(n=8192, copy_mib=2048):
 def floor_ms(flops, nbytes, peaks):
   """The larger of FLOPs / matmul rate and bytes / copy rate, in ms."""
   return max(flops / peaks[0], nbytes / peaks[1]) * 1e3
+
+
+def nsa_pairs(t, block, stride, sel_block, num_selected, window):
+  """Query-key pairs per head over a causal sequence of t tokens: {compress, select, window,
+  dense}. compress: query p sees compressed block i when i * stride + block - 1 <= p; select:
+  min(n, current block + 1) distinct blocks of sel_block keys, the current one causal (every
+  slot filled, as the top-n fills them); window: the last min(p + 1, window) keys; dense: causal."""
+  pos = np.arange(t, dtype=np.int64)
+  cmp = np.where(pos >= block - 1, (pos - block + 1) // stride + 1, 0)
+  blocks = np.minimum(num_selected, pos // sel_block + 1)
+  sel = (blocks - 1) * sel_block + pos % sel_block + 1
+  return dict(compress=int(cmp.sum()), select=int(sel.sum()),
+              window=int(np.minimum(pos + 1, window).sum()), dense=t * (t + 1) // 2)
+
+
+def attn_flops(pairs, heads, dk, dv, pass_):
+  """Matmul FLOPs of attention over `pairs` query-key pairs a head: forward QK^T + PV; backward
+  S recomputed, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (3 d_k-sized + 2 d_v-sized)."""
+  per = {"fwd": dk + dv, "bwd": 3 * dk + 2 * dv}[pass_]
+  return 2 * heads * pairs * per
+
+
+def nsa_flops(t, batch, heads, dk, dv, *, block, stride, sel_block, num_selected, window):
+  """{(op, pass): matmul FLOPs} of the NSA op and its branches at the paper's counting, and of
+  dense causal attention at d = max(d_k, d_v) (what cuDNN is timed at). "topn" counts its QK^T
+  recompute only (the scores' softmax, head sum and band are not matmuls). "nsa" is compress +
+  select + window, the op's own work; "nsa_built" adds the top-n's recompute, which every
+  implementation that does not store the [heads, T, T/d] probabilities pays."""
+  p = nsa_pairs(t, block, stride, sel_block, num_selected, window)
+  dd = max(dk, dv)
+  out = {}
+  for pass_ in ("fwd", "bwd"):
+    for op in ("compress", "select", "window"):
+      out[(op, pass_)] = batch * attn_flops(p[op], heads, dk, dv, pass_)
+    out[("nsa", pass_)] = sum(out[(op, pass_)] for op in ("compress", "select", "window"))
+    out[("dense", pass_)] = batch * attn_flops(p["dense"], heads, dd, dd, pass_)
+  out[("topn", "fwd")] = batch * 2 * heads * p["compress"] * dk
+  out[("nsa_built", "fwd")] = out[("nsa", "fwd")] + out[("topn", "fwd")]
+  out[("nsa_built", "bwd")] = out[("nsa", "bwd")]
+  return out
 
 
 def command_line():

@@ -40,6 +40,30 @@ INTERPRET = not ON_GPU  # lets the script be dry-run on a CPU with tiny shapes
 FOLD_IMPL = "cudnn" if ON_GPU else "xla"  # compress_fold: XLA attention stands in off a GPU
 BATCH = 1  # --batch: sequences per call (every op, cuDNN and layer call)
 IMPL = "pallas"  # --impl: the whole op's implementation ("pallas", "pallas-triton", "pallas-mosaic")
+MATMUL_FLOPS = None  # measured bf16 matmul rate (FLOP/s) on a GPU, or --matmul_tflops
+
+
+def flop_fields(op, pass_, t, cfg, ms, cudnn_ms, batch=None, matmul=None):
+  """tflops (achieved), flop_floor_ms (FLOPs / matmul rate) and cudnn_tflops for a record of the
+  whole op or a branch (bench_common.nsa_flops); "nsa" rows also carry the floor with the top-n's
+  QK^T recompute (flop_floor_built_ms). {} for ops without a count (e.g. "layer")."""
+  fl = bc.nsa_flops(t, BATCH if batch is None else batch, cfg.num_heads, cfg.head_dim, cfg.dim_v,
+                    block=cfg.cmp_block, stride=cfg.cmp_stride, sel_block=cfg.sel_block,
+                    num_selected=cfg.num_selected, window=cfg.window)
+  if (op, pass_) not in fl or ms is None:
+    return {}
+  rate = MATMUL_FLOPS if matmul is None else matmul
+  out = dict(tflop=round(fl[(op, pass_)] / 1e12, 3),
+             tflops=round(fl[(op, pass_)] / (ms * 1e9), 1))
+  if cudnn_ms:
+    out["cudnn_tflops"] = round(fl[("dense", pass_)] / (cudnn_ms * 1e9), 1)
+  if rate:
+    out["matmul_tflops"] = round(rate / 1e12, 1)
+    out["flop_floor_ms"] = round(fl[(op, pass_)] / rate * 1e3, 3)
+    out["ms_over_floor"] = round(ms / out["flop_floor_ms"], 2)
+    if op == "nsa":
+      out["flop_floor_built_ms"] = round(fl[("nsa_built", pass_)] / rate * 1e3, 3)
+  return out
 
 
 def paper_cfg(h, kh, dk, dv):
@@ -127,6 +151,7 @@ class Bench:
                     cudnn_temp_bytes=dense.get("bwd_mem", {}).get("temp_bytes"))
       else:
         ex.update(res.get("fwd_mem", {}))
+      ex.update(flop_fields(op, pass_, t, cfg, ms, dms))
       ex["cmp_tiling"] = CMP_TILING
       ex["fold_cudnn_backward"] = ops.FOLD_CUDNN_BACKWARD
       self.records.append(bc.record(op=op, impl=impl, pass_=pass_, ms=ms, cudnn_ms=dms, **base,
@@ -436,6 +461,7 @@ def summary(records):
         s = r64[0]["speedup"]
         lines.append(f"- d_k/d_v={dims[0]}/{dims[1]}, {pass_} at T=65536: {s:.2f}x vs cuDNN "
                      f"(target >= {goal}x: {'MET' if s >= goal else 'NOT met'})")
+        lines += floor_lines(r64[0], goal)
       pts = sorted((r["T"], r["speedup"]) for r in rows if r["pass"] == pass_)
       if pts:
         above = [t for t, s in pts if s > 1]
@@ -444,6 +470,67 @@ def summary(records):
                      f"crossover (above 1 from here on): {cross}; 16k target "
                      f"{'MET' if cross is not None and cross <= 16384 else 'NOT met'}")
   return lines
+
+
+def floor_lines(r, goal):
+  """Why a target stands where it does: the time it allows against the FLOP floor, and the
+  FLOP rates of both sides (empty when the record has no FLOP fields)."""
+  if "tflops" not in r or not r.get("cudnn_ms"):
+    return []
+  budget = r["cudnn_ms"] / goal
+  out = [f"  - {goal}x allows {budget:.2f} ms; the op ran {r['ms']:.2f} ms at {r['tflops']} "
+         f"TFLOP/s on its {r['tflop']} TFLOP (compress + select + window matmuls), cuDNN at "
+         f"{r.get('cudnn_tflops')} TFLOP/s"]
+  if r.get("flop_floor_ms"):
+    built = r.get("flop_floor_built_ms")
+    need = r["tflop"] * 1e3 / budget
+    out.append(f"  - FLOP floor at the {r['matmul_tflops']} TFLOP/s matmul rate: "
+               f"{r['flop_floor_ms']:.2f} ms" + (f" ({built:.2f} ms with the top-n's QK^T "
+               f"recompute)" if built else "") + f"; {goal}x needs {need:.0f} TFLOP/s on the op's "
+               f"own FLOPs = {need / r['matmul_tflops']:.0%} of the matmul rate"
+               + (f" ({r['tflop'] * 1e3 / budget * built / r['flop_floor_ms'] / r['matmul_tflops']:.0%}"
+                  " counting the recompute)" if built else ""))
+  return out
+
+
+def floor_report(path, matmul_tflops):
+  """<stem>_floor.md from a committed results file: every nsa / branch row with its FLOPs, its
+  achieved rate and the FLOP floor at a matmul rate given by the caller (say where it was
+  measured). The timings are the file's; only the FLOP arithmetic is added."""
+  records = json.load(open(path))
+  rate = matmul_tflops * 1e12
+  rows = []
+  for r in records:
+    cfg = NSAConfig(num_heads=r["q_heads"], num_kv_heads=r["kv_heads"], head_dim=r["d_k"],
+                    head_dim_v=r["d_v"])
+    ff = flop_fields(r["op"], r["pass"], r["T"], cfg, r["ms"], r.get("cudnn_ms"), batch=r["batch"],
+                     matmul=rate)
+    if ff:
+      rows.append(dict(r, **ff))
+  stem = os.path.splitext(path)[0]
+  cols = ["op", "impl", "pass", "T", "d_k", "d_v", "ms", "tflop", "tflops", "flop_floor_ms",
+          "ms_over_floor", "cudnn_ms", "cudnn_tflops", "speedup"]
+  lines = [f"# FLOP floors of `{os.path.basename(path)}`", "",
+           f"Timings from `{os.path.basename(path)}` ({rows[0]['hardware'] if rows else ''}, "
+           f"{rows[0]['date'] if rows else ''}); FLOPs counted by `bench_common.nsa_flops` (matmuls "
+           f"only: forward QK^T + PV, backward 3 d_k- + 2 d_v-sized products; the top-n row counts "
+           f"its QK^T recompute); floor = FLOPs / {matmul_tflops} TFLOP/s (the bf16 matmul rate "
+           f"given to `--matmul_tflops`). Command: `python3 -m experiments.bench_nsa --floor "
+           f"{path} --matmul_tflops {matmul_tflops}`", "", "## Targets (T=65536)", ""]
+  for dims in ((192, 128), (128, 128)):
+    for pass_, goal in TARGETS:
+      for r in rows:
+        if r["op"] == "nsa" and r["pass"] == pass_ and r["T"] == 65536 and (r["d_k"], r["d_v"]) == dims:
+          lines.append(f"- d_k/d_v={dims[0]}/{dims[1]}, {pass_}: {r['speedup']:.2f}x vs cuDNN "
+                       f"(target {goal}x)")
+          lines += floor_lines(r, goal)
+  lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |"
+            for r in rows]
+  with open(stem + "_floor.md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines[:20]))
+  return stem + "_floor.md"
 
 
 def plot(path):
@@ -493,8 +580,9 @@ def plot(path):
 
 def table(records):
   """Markdown table with the base fields plus backward sums and compiled temporary memory."""
-  cols = ["op", "impl", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "fwd_bwd_ms",
-          "cudnn_fwd_bwd_ms", "temp_GB", "cudnn_temp_GB", "cmp_tiling"]
+  cols = ["op", "impl", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "tflops",
+          "flop_floor_ms", "fwd_bwd_ms", "cudnn_fwd_bwd_ms", "temp_GB", "cudnn_temp_GB",
+          "cmp_tiling"]
   gb = lambda x: None if x is None else round(x / 2 ** 30, 2)
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for r in records:
@@ -544,6 +632,12 @@ def main(argv=None):
                  help="backward under the compression fold's forward at d_k == d_v: cuDNN (the "
                       "default, nsa_jax.ops.FOLD_CUDNN_BACKWARD) or the Triton kernels")
   p.add_argument("--plot", default="")
+  p.add_argument("--floor", default="",
+                 help="write <stem>_floor.md for a results JSON: FLOPs, achieved TFLOP/s and the "
+                      "FLOP floor of each row at --matmul_tflops (runs on a CPU)")
+  p.add_argument("--matmul_tflops", type=float, default=0.0,
+                 help="bf16 matmul rate for the FLOP floors (default: measured at start on a GPU; "
+                      "needed with --floor)")
   p.add_argument("--profile_T", type=int, default=0,
                  help="also save the device kernels of the whole op (fwd, fwd+bwd) at this T and "
                       "the last --dims entry as nsa_profile.json (jax.profiler)")
@@ -551,6 +645,12 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.plot:
     return plot(a.plot)
+  if a.floor:
+    if a.matmul_tflops <= 0:
+      p.error("--floor needs --matmul_tflops (the measured bf16 matmul rate, e.g. from the "
+              "run's own log or bench_decode's header)")
+    floor_report(a.floor, a.matmul_tflops)
+    return 0
   ints = lambda s: [int(x) for x in s.split(",") if x]
   # (--breakdown_T only acts on lengths that --T / --long_T also run)
   bc.require_gpu(p, ints(a.T) + ints(a.long_T) + ints(a.layer_T) + ints(a.fold_sweep_T)
@@ -563,6 +663,13 @@ def main(argv=None):
     raise SystemExit(f"--batch={a.batch}: needs a positive batch size")
   BATCH = a.batch
   h, kh = ints(a.heads.replace("/", ","))
+  global MATMUL_FLOPS
+  if a.matmul_tflops > 0:
+    MATMUL_FLOPS = a.matmul_tflops * 1e12
+  elif ON_GPU:
+    MATMUL_FLOPS = bc.measure_peaks()[0]
+  if MATMUL_FLOPS:
+    print(f"bf16 matmul rate for the FLOP floors: {MATMUL_FLOPS / 1e12:.0f} TFLOP/s", flush=True)
   bench = Bench(a.out, a.iters, a.budget_s)
   key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
   if a.check:

@@ -547,6 +547,56 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
 
 
+@pytest.mark.parametrize("t,block,stride,sel_block,n,window", [
+    (300, 32, 16, 64, 4, 64), (257, 16, 8, 32, 3, 100), (64, 32, 16, 64, 16, 512)])
+def test_nsa_pair_counts_equal_the_reference_masks(t, block, stride, sel_block, n, window):
+  """bench_common.nsa_pairs (the FLOP floors of bench_nsa) counts the query-key pairs that the
+  reference's own masks allow: compression visibility, the window, dense causal, and selection
+  with every slot filled (the current block and the n - 1 before it, as the top-n fills them)."""
+  import jax.numpy as jnp
+  from experiments import bench_common as bc
+  from nsa_jax import reference
+  seg = jnp.zeros((1, t), jnp.int32)
+  got = bc.nsa_pairs(t, block, stride, sel_block, n, window)
+  cur = jnp.arange(t) // sel_block
+  idx = cur[:, None] - jnp.arange(n)[None, :]
+  idx = jnp.where(idx >= 0, idx, -1)[None, :, None, :]  # [1, T, 1, n], -1 = empty slot
+  want = dict(compress=reference.cmp_visible_mask(seg, block, stride).sum(),
+              select=reference.selection_mask(idx, sel_block, seg).sum(),
+              window=reference.window_mask(seg, window).sum(),
+              dense=reference.causal_mask(seg).sum())
+  assert got == {k: int(v) for k, v in want.items()}
+  fl = bc.nsa_flops(t, 2, 4, 32, 16, block=block, stride=stride, sel_block=sel_block,
+                    num_selected=n, window=window)
+  assert fl[("select", "fwd")] == 2 * 2 * 4 * got["select"] * (32 + 16)
+  assert fl[("compress", "bwd")] == 2 * 2 * 4 * got["compress"] * (3 * 32 + 2 * 16)
+  assert fl[("dense", "fwd")] == 2 * 2 * 4 * got["dense"] * 64  # cuDNN's dims: 32/32
+  assert fl[("nsa_built", "fwd")] == fl[("nsa", "fwd")] + 2 * 2 * 4 * got["compress"] * 32
+
+
+def test_bench_nsa_floor_report(tmp_path):
+  """--floor adds FLOPs, rates and floors to a results file's rows and says what the 6x target
+  needs; it refuses to run without a matmul rate."""
+  from experiments import bench_nsa, bench_common as bc
+  base = dict(T=65536, batch=1, q_heads=64, kv_heads=4, d_k=128, d_v=128, hardware="H", date="D",
+              command="c")
+  recs = [dict(base, op="nsa", impl="pallas", **{"pass": "fwd"}, ms=40.0, cudnn_ms=120.0,
+               speedup=3.0),
+          dict(base, op="layer", impl="x", **{"pass": "fwd"}, ms=1.0, cudnn_ms=1.0, speedup=1.0)]
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(recs))
+  with pytest.raises(SystemExit):
+    bench_nsa.main(["--floor", str(path)])
+  out = bench_nsa.floor_report(str(path), 600.0)
+  text = open(out).read()
+  fl = bc.nsa_flops(65536, 1, 64, 128, 128, block=32, stride=16, sel_block=64, num_selected=16,
+                    window=512)[("nsa", "fwd")]
+  assert f"{fl / 600e12 * 1e3:.2f} ms" in text and "6.0x allows 20.00 ms" in text
+  need = fl / 20e-3 / 1e12
+  assert f"needs {need:.0f} TFLOP/s" in text
+  assert "| layer |" not in text and text.count("| nsa |") == 1
+
+
 def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
   """--sweep_parts mosaic times the Mosaic GPU compression forward beside the Triton one, --impl
   pallas-mosaic the whole op (here in the interpreters, so only the code paths are checked)."""
