@@ -22,7 +22,8 @@
 #          grows with it). PK_STEPS2: steps of the 4k stage (default 400); PK_RUNS: which models
 #          (default "nsa dense"); on a one-GPU machine they run one after another. PK_EVAL_STEPS:
 #          4k-stage checkpoints scored beside the last (e.g. 600,800); PK_ARGS2: more overrides for
-#          the 4k stage (e.g. --config.optim.learning_rate=5e-4), with PK_TAG naming the variant.
+#          the 4k stage (e.g. --config.optim.learning_rate=5e-4), PK_ARGS1 for the first stage
+#          (e.g. seeds), with PK_TAG naming the variant.
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
 #          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
@@ -241,15 +242,17 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   # PK_STEPS2 (default 400): steps of the 4k stage. PK_RUNS (default "nsa dense"): which models
   # to train. With at least as many GPUs as runs they run at once, one a GPU; otherwise (the
   # one-GPU kind) one after another on GPU 0. PK_ARGS2 needs PK_TAG, a name for the variant in
-  # the run's tag, so that its results do not overwrite those of the plain recipe.
+  # the run's tag, so that its results do not overwrite those of the plain recipe. PK_ARGS1: the
+  # same for stage 1 (e.g. "--config.train.seed=1 --config.data.seed=1" with PK_ARGS2 holding
+  # them too: a second seed of the whole recipe).
   local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400}
   local runs=${PK_RUNS:-nsa dense} evals=${PK_EVAL_STEPS:-} ngpu r gpu st nruns
   local every2=200  # the 4k stage's checkpoint and eval period (as configs/sweep_needle.py:gpu)
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   nruns=$(wc -w <<< "$runs")
   if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
-  if [ -n "${PK_ARGS2:-}" ] && [ -z "${PK_TAG:-}" ]; then
-    echo "PK_ARGS2 is set: name the variant with PK_TAG (e.g. PK_TAG=lr5e-4)"; return 2
+  if [ -n "${PK_ARGS1:-}${PK_ARGS2:-}" ] && [ -z "${PK_TAG:-}" ]; then
+    echo "PK_ARGS1 / PK_ARGS2 is set: name the variant with PK_TAG (e.g. PK_TAG=lr5e-4)"; return 2
   fi
   for st in ${evals//,/ }; do
     if (( st % every2 || st >= steps2 )); then
@@ -264,7 +267,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   # the same answer : context loss ratio as at 4k (25 : 0.01 x ~4000 = 0.04 x ~1000 = 0.02 x ~2000)
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
     --config.data.context_loss_weight=$(python3 -c "print(0.04 * 1024 / $len1)") --config.train.num_steps=$steps1
-    --config.train.eval_every=500 --config.checkpoint.every_steps=500"
+    --config.train.eval_every=500 --config.checkpoint.every_steps=500 ${PK_ARGS1:-}"
   # every checkpoint of the 4k stage is kept, so PK_EVAL_STEPS (e.g. 600,800) can score earlier
   # ones beside the last (needle_eval's workdir@STEP)
   local s2="--config.train.num_steps=$steps2 --config.train.eval_every=$every2

@@ -482,6 +482,7 @@ def test_passkey2_refuses_bad_settings_before_training(tmp_path):
   work = tmp_path / "repo"
   shutil.copytree(os.path.join(root, "scripts"), work / "scripts")  # no .whl here: no installs
   for env, want in [({"PK_ARGS2": "--config.optim.learning_rate=5e-4"}, "with PK_TAG"),
+                    ({"PK_ARGS1": "--config.train.seed=1"}, "with PK_TAG"),
                     ({"PK_EVAL_STEPS": "300"}, "300 is not a saved 4k-stage step"),
                     ({"PK_STEPS2": "800", "PK_EVAL_STEPS": "800"}, "800 is not a saved")]:
     out = subprocess.run(["bash", "scripts/h200_runs.sh", "passkey2"], cwd=work, text=True,
