@@ -6,9 +6,10 @@ three Pallas Triton-lowered kernels and no XLA pass over the compressed logits.
    [B, K, splits, M, L]: M >= 16 padded head rows, L = blocks_per_split * 64 slots).
 2. `_scores_kernel`, one program per (sequence, KV group, chunk of nsj selection blocks), reads the
    chunk's r * nsj slots and the previous chunk's (Eq. 9's band reaches back): p = exp(logit -
-   lse) on visible slots (Eq. 8, lse from the merged splits), Eq. 9 as the band matmul of
-   pallas_kernels.select_topn (float32-exact via three bfloat16 terms), Eq. 10 as a sum over the
-   group's heads, and Eq. 11's forced (+inf) / ineligible (-inf) rules. It writes only the
+   lse) on visible slots (Eq. 8, lse from the merged splits), by default Eq. 10's sum over the
+   group's heads first and then Eq. 9's band as a float32 multiply-sum (scores_head_first=True;
+   False: Eq. 9 as the band matmul of pallas_kernels.select_topn, float32-exact via three bfloat16
+   terms, then the head sum), and Eq. 11's forced (+inf) / ineligible (-inf) rules. It writes only the
    [B, K, Ns] block scores (4 bytes per 64 cached tokens).
 3. `_topn_kernel`, one program per (sequence, KV group): n rounds of (max, lowest block holding
    it) over the scores, then ascending: block_idx [B, K, n] int32, -1 in empty slots.

@@ -534,6 +534,10 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   # bwd = (fwd + bwd) - fwd: on a busy CPU at this size the difference can come out negative
   assert all(r["T"] == 128 and r["batch"] == 2 and math.isfinite(r["ms"]) for r in recs)
   assert all(r["ms"] > 0 for r in recs if r["pass"] == "fwd")
+  # every whole-op / branch row carries its FLOP count and achieved rate (no matmul rate on a
+  # CPU, so no floor)
+  assert all(r["tflop"] > 0 and r["tflops"] > 0 and "flop_floor_ms" not in r
+             for r in recs if r["pass"] == "fwd" and r["op"] != "layer")
   sweep = json.load(open(tmp_path / "nsa_sweep.json"))
   assert sweep["T"] == 128 and sweep["hardware"] and sweep["command"]
   assert (sweep["d_k"], sweep["d_v"], sweep["batch"]) == (32, 32, 2)
@@ -593,9 +597,22 @@ def test_bench_nsa_floor_report(tmp_path):
   fl = bc.nsa_flops(65536, 1, 64, 128, 128, block=32, stride=16, sel_block=64, num_selected=16,
                     window=512)[("nsa", "fwd")]
   assert f"{fl / 600e12 * 1e3:.2f} ms" in text and "6.0x allows 20.00 ms" in text
-  need = fl / 20e-3 / 1e12
-  assert f"needs {need:.0f} TFLOP/s" in text
+  built = bc.nsa_flops(65536, 1, 64, 128, 128, block=32, stride=16, sel_block=64,
+                       num_selected=16, window=512)[("nsa_built", "fwd")]
+  assert f"at {fl / 600e12 / 20e-3:.0%} of the matmul rate ({built / 600e12 / 20e-3:.0%} " \
+         "counting the recompute)" in text
   assert "| layer |" not in text and text.count("| nsa |") == 1
+  # small shapes, non-positive times (a CPU's bwd difference) and the backward: no division by
+  # a rounded-away floor, no rates from negative times, no "recompute" in the backward
+  cfg = bench_nsa.paper_cfg(64, 4, 128, 128)
+  for t in (64, 256):
+    f = bench_nsa.flop_fields("topn", "fwd", t, cfg, 0.05, 1.0, batch=1, matmul=600e12)
+    assert f["flop_floor_ms"] > 0 and f["ms_over_floor"] > 1
+  assert "tflops" not in bench_nsa.flop_fields("nsa", "bwd", 256, cfg, -0.1, 1.0, batch=1,
+                                               matmul=600e12)
+  b = bench_nsa.flop_fields("nsa", "bwd", 65536, cfg, 60.0, 300.0, batch=1, matmul=600e12)
+  assert "flop_floor_built_ms" not in b
+  assert "recompute" not in " ".join(bench_nsa.floor_lines(dict(b, ms=60.0, cudnn_ms=300.0), 5.0))
 
 
 def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
