@@ -115,6 +115,14 @@
 #          summarise here with benchmarks/ncu_report.py). 2026-12-03: the three Triton cases
 #          (NCU_CASES=topn,topn_head_first,random_fwd) took 110 s; "--target-processes all"
 #          crashed Python after the first kernel; the Mosaic and backward cases are untried.
+# cmdsched  does XLA's command-buffer (CUDA graph) scheduling let independent kernels of the
+#          whole op overlap? The window branch depends on nothing else, and the L2-bound selection
+#          would gain from running beside compute-bound work (docs/STATUS.md issue 5, FLOP
+#          floors). The 64k 128/128 whole op (forward and backward, no breakdown) under
+#          --xla_gpu_command_buffer_scheduling_mode = SERIALIZE, CONCURRENT, LHS and the default,
+#          the default repeated last, each a fresh process. The values parse in jaxlib 0.11.2
+#          (checked on CPU); whether Pallas calls land in the graphs and overlap is what it
+#          measures. Untried; ~5 x 50 s estimated.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -363,6 +371,15 @@ fla() {
     --dims 128/128,192/128 --breakdown_T 65536 --iters 5 --budget_s 200 --out "$OUT/fla"
   timeout 150 python3 -m experiments.bench_kernels --plan registry --T 65536 --groups 16 \
     --patterns clustered,random --iters 5 --out "$OUT/fla" --tag gpu_registry
+}
+
+cmdsched() {
+  local mode
+  for mode in default SERIALIZE CONCURRENT LHS default2; do
+    XLA_FLAGS="$(case $mode in default*) ;; *) echo "--xla_gpu_command_buffer_scheduling_mode=$mode";; esac)" \
+      timeout 110 python3 -m experiments.bench_nsa --T 65536 --dims 128/128 --breakdown_T '' \
+      --iters 5 --out "$OUT/cmdsched/$mode"
+  done
 }
 
 ncuprof() {
