@@ -48,8 +48,8 @@ VARIANTS = {"pallas_all_stages3": dict(cmp_num_stages=3),
             # sum first won: decode_headfirst_h200.md), and the top-n rounds in a loop (opt-in)
             "pallas_all_bandmm": dict(scores_head_first=False),
             "pallas_all_topn_loop": dict(topn_loop=True),
-            # the same paths timed a second time in one run (an A/B's repeat; a name given twice
-            # to --impls is timed once)
+            # the same paths timed a second time in one run (an A/B's repeat; --impls refuses
+            # a name given twice)
             "pallas_all_again": dict(),
             "pallas_all_bandmm_again": dict(scores_head_first=False)}
 L2_BYTES = 60e6
@@ -331,6 +331,10 @@ def main():
   unknown = [x for x in impls if x not in IMPLS and x not in VARIANTS]
   if unknown:
     ap.error(f"--impls: unknown {unknown}; choose from {list(IMPLS) + list(VARIANTS)}")
+  repeated = sorted({x for x in impls if impls.count(x) > 1})
+  if repeated:  # results are keyed by name: a second timing would overwrite the first
+    ap.error(f"--impls: {repeated} given twice; to time a path twice in one run use its "
+             f"'_again' variant (e.g. pallas_all_again)")
   RUN["impls"] = ["xla"] + impls
   sel_t = {int(x) for x in args.selection_only_T.split(",") if x}
   breakdown_t = {int(x) for x in args.breakdown_T.split(",") if x}

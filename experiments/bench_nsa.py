@@ -531,17 +531,7 @@ def floor_report(path, matmul_tflops):
                  f"not a ceiling. Floors of branches are added as if they run one after another "
                  f"(as they do now); kernels that overlap the L2-bound selection with the "
                  f"compute-bound branches would have a lower bound.")
-  lines += ["", "## Targets (T=65536)", ""]
-  for dims in ((192, 128), (128, 128)):
-    for pass_, goal in TARGETS:
-      for r in rows:
-        if r["op"] == "nsa" and r["pass"] == pass_ and r["T"] == 65536 and (r["d_k"], r["d_v"]) == dims:
-          lines.append(f"- d_k/d_v={dims[0]}/{dims[1]}, {pass_}: {r['speedup']:.2f}x vs cuDNN "
-                       f"(target {goal}x)")
-          lines += floor_lines(r, goal)
-  lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |"
-            for r in rows]
+  lines += ["", "## Targets (T=65536)", "", *summary(rows), "", table(rows, cols)]
   with open(stem + "_floor.md", "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines[:20]))
@@ -593,11 +583,12 @@ def plot(path):
     f.write(pre + "\n\n" + table(records) + "\n")
 
 
-def table(records):
-  """Markdown table with the base fields plus backward sums and compiled temporary memory."""
-  cols = ["op", "impl", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "tflops",
-          "flop_floor_ms", "fwd_bwd_ms", "cudnn_fwd_bwd_ms", "temp_GB", "cudnn_temp_GB",
-          "cmp_tiling"]
+def table(records, cols=None):
+  """Markdown table with the base fields plus backward sums and compiled temporary memory (or
+  the columns `cols`)."""
+  cols = cols or ["op", "impl", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "tflops",
+                  "flop_floor_ms", "fwd_bwd_ms", "cudnn_fwd_bwd_ms", "temp_GB", "cudnn_temp_GB",
+                  "cmp_tiling"]
   gb = lambda x: None if x is None else round(x / 2 ** 30, 2)
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for r in records:

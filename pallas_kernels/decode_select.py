@@ -64,11 +64,10 @@ def _scores_kernel(meta_ref, lse_ref, lg_ref, sc_ref, *, g, m_rows, seg_len, r, 
     slot = slot0 + lax.iota(jnp.int32, bkc)
     ok = real[:, None] & (slot < nv)[None, :] & live
     p = jnp.where(ok, jnp.exp2(s * LOG2E - lse2[:, None]), 0.0)  # Eq. 8
+    w = st._band(u, k_base, r, c)  # [bkc, nsj] float32 (small integers)
     if head_first:  # Eq. 10 (the head sum), then Eq. 9's band in float32: no matmul
-      w = st._band(u, k_base, r, c)
       return jnp.sum(jnp.sum(p, axis=0)[:, None] * w, axis=0)[None, :]
-    w = st._band(u, k_base, r, c).astype(jnp.bfloat16)
-    return jnp.sum(st._exact_dot(st._split3(p), w), axis=0)[None, :]  # Eq. 9, then 10
+    return jnp.sum(st._exact_dot(st._split3(p), w.astype(jnp.bfloat16)), axis=0)[None, :]  # Eq. 9, 10
 
   # A chunk's blocks also take the last slots of the chunk before (Eq. 9's band reaches back).
   own = (band_sum(ci, r * v + off, True)

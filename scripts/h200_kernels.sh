@@ -374,10 +374,11 @@ fla() {
 }
 
 cmdsched() {
-  local mode
+  local mode flags
   for mode in default SERIALIZE CONCURRENT LHS default2; do
-    XLA_FLAGS="$(case $mode in default*) ;; *) echo "--xla_gpu_command_buffer_scheduling_mode=$mode";; esac)" \
-      timeout 110 python3 -m experiments.bench_nsa --T 65536 --dims 128/128 --breakdown_T '' \
+    flags=""
+    [[ $mode == default* ]] || flags="--xla_gpu_command_buffer_scheduling_mode=$mode"
+    XLA_FLAGS="$flags" timeout 110 python3 -m experiments.bench_nsa --T 65536 --dims 128/128 --breakdown_T '' \
       --iters 5 --out "$OUT/cmdsched/$mode"
   done
 }

@@ -594,11 +594,10 @@ def test_bench_nsa_floor_report(tmp_path):
     bench_nsa.main(["--floor", str(path)])
   out = bench_nsa.floor_report(str(path), 600.0)
   text = open(out).read()
-  fl = bc.nsa_flops(65536, 1, 64, 128, 128, block=32, stride=16, sel_block=64, num_selected=16,
-                    window=512)[("nsa", "fwd")]
+  counts = bc.nsa_flops(65536, 1, 64, 128, 128, block=32, stride=16, sel_block=64,
+                        num_selected=16, window=512)
+  fl, built = counts[("nsa", "fwd")], counts[("nsa_built", "fwd")]
   assert f"{fl / 600e12 * 1e3:.2f} ms" in text and "6.0x allows 20.00 ms" in text
-  built = bc.nsa_flops(65536, 1, 64, 128, 128, block=32, stride=16, sel_block=64,
-                       num_selected=16, window=512)[("nsa_built", "fwd")]
   assert f"at {fl / 600e12 / 20e-3:.0%} of the matmul rate ({built / 600e12 / 20e-3:.0%} " \
          "counting the recompute)" in text
   assert "| layer |" not in text and text.count("| nsa |") == 1
@@ -1002,6 +1001,12 @@ def test_benchmarks_refuse_gpu_sizes_off_a_gpu(monkeypatch, capsys):
   with pytest.raises(SystemExit) as e:
     bench_decode.main()
   assert e.value.code == 2 and "--lengths 1024" in capsys.readouterr().err
+  # a path named twice would be timed once (results are keyed by name): refused, naming the fix
+  monkeypatch.setattr(sys, "argv", ["bench_decode", "--interpret", "--lengths", "1024",
+                                    "--impls", "pallas_all,pallas_all"])
+  with pytest.raises(SystemExit) as e:
+    bench_decode.main()
+  assert e.value.code == 2 and "pallas_all_again" in capsys.readouterr().err
 
 
 def test_compare_fla_table_chart_and_errors(tmp_path):
