@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,38 @@ def log_once(level, msg):
 
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
+
+
+def _parse_streams(spec: str) -> dict:
+  """"win:1,cmp:2" -> {"win": 1, "cmp": 2}; "" -> {}."""
+  out = {}
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    name, _, num = part.partition(":")
+    if name not in ("cmp", "slc", "win") or not num.isdigit() or int(num) < 1:
+      raise ValueError(f"NSA_BRANCH_STREAMS entry {part!r}: want branch:stream with branch in "
+                       "cmp / slc / win and stream >= 1 (e.g. NSA_BRANCH_STREAMS=win:1)")
+    out[name] = int(num)
+  return out
+
+
+# Experimental (opt-in): run a branch on its own GPU stream through jax's compute_on
+# ("gpu_stream:N", XLA's stream annotation), so that it can overlap the other branches, forward
+# and backward. {} (the default) keeps every kernel on the one compute stream. XLA honours the
+# annotation only with --xla_gpu_experimental_stream_annotation=true in XLA_FLAGS.
+BRANCH_STREAMS = _parse_streams(os.environ.get("NSA_BRANCH_STREAMS", ""))
+STREAMS_OFF_GPU = False  # tests: wrap in compute_on off a GPU too (the annotation is ignored there)
+
+
+def _on_stream(branch, fn, *args):
+  """fn(*args), on GPU stream BRANCH_STREAMS[branch] when one is set."""
+  stream = BRANCH_STREAMS.get(branch)
+  if stream is None or not (on_gpu() or STREAMS_OFF_GPU):
+    return fn(*args)
+  from jax._src import core as jax_core
+  from jax.experimental.compute_on import compute_on
+  log_once(logging.INFO, f"NSA {branch} branch on GPU stream {stream} (compute_on)")
+  return compute_on(fn, compute_type=f"gpu_stream:{stream}",
+                    out_memory_spaces=jax_core.MemorySpace.Device)(*args)
 
 
 def _pallas_support(q, k, v, cfg: NSAConfig):
@@ -253,13 +286,14 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
     with jax.named_scope("cmp"):  # scopes label the kernels in profiles (profile_step.py)
       if cmp_be in ("cudnn", "fold-xla"):
         from pallas_kernels import compress_fold as cmp_fold
-        o_cmp, lse_cmp = cmp_fold.compressed_attention(
-            q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale,
+        cmp_fn = lambda q, k, v: cmp_fold.compressed_attention(  # noqa: E731
+            q, k, v, cfg.cmp_block, cfg.cmp_stride, scale,
             implementation="cudnn" if cmp_be == "cudnn" else "xla")
       else:
-        o_cmp, lse_cmp = compress_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride,
-                                            segment_ids, scale, interpret=interpret,
-                                            backend="cudnn" if cmp_be == "cudnn-fwd" else cmp_be)
+        cmp_fn = lambda q, k, v: compress_attention(  # noqa: E731
+            q, k, v, cfg.cmp_block, cfg.cmp_stride, segment_ids, scale, interpret=interpret,
+            backend="cudnn" if cmp_be == "cudnn-fwd" else cmp_be)
+      o_cmp, lse_cmp = _on_stream("cmp", cmp_fn, q, k_cmp, v_cmp)
     outs["cmp"] = o_cmp
   if want_idx:
     with jax.named_scope("topn"):
@@ -267,12 +301,14 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
           q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg, segment_ids,
           scale, interpret)
     with jax.named_scope("slc"):
-      outs["slc"], _ = select_kernel(q, k_slc, v_slc, idx, cfg.sel_block, segment_ids, scale,
-                                     interpret=interpret, backend=slc_be)
+      outs["slc"], _ = _on_stream("slc", lambda q, k, v, i: select_kernel(
+          q, k, v, i, cfg.sel_block, segment_ids, scale, interpret=interpret, backend=slc_be),
+          q, k_slc, v_slc, idx)
     aux["block_idx"] = idx
   if "win" in cfg.branches:
     with jax.named_scope("win"):
-      outs["win"] = window_attention(q, k_win, v_win, cfg.window, segment_ids, scale)
+      outs["win"] = _on_stream("win", lambda q, k, v: window_attention(
+          q, k, v, cfg.window, segment_ids, scale), q, k_win, v_win)
   with jax.named_scope("combine"):
     o = reference.combine(outs, gates, cfg.branches).astype(q.dtype)
   if return_aux:

@@ -122,7 +122,14 @@
 #          --xla_gpu_command_buffer_scheduling_mode = SERIALIZE, CONCURRENT, LHS and the default,
 #          the default repeated last, each a fresh process. The values parse in jaxlib 0.11.2
 #          (checked on CPU); whether Pallas calls land in the graphs and overlap is what it
-#          measures. Untried; ~5 x 50 s estimated.
+#          measures. 2026-12-03 (139 s): no mode moved the forward (40.25-41.30 ms) or the
+#          backward (67.7-69.1 ms) beyond the default's own repeat.
+# streams  branches on separate GPU streams (ops.BRANCH_STREAMS through jax's compute_on, with
+#          --xla_gpu_experimental_stream_annotation=true): benchmarks/stream_overlap_trial.py
+#          times the whole op forward and forward + backward per stream layout in one process
+#          (one-stream first and last), checks every layout's output and gradients against the
+#          one-stream layout's, cuDNN dense in the same run; at 64k 128/128, at the 8k training
+#          layer (16/1 heads, 64/64, batch 8), and one 64k layout without the flag.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -381,6 +388,16 @@ cmdsched() {
     XLA_FLAGS="$flags" timeout 110 python3 -m experiments.bench_nsa --T 65536 --dims 128/128 --breakdown_T '' \
       --iters 5 --out "$OUT/cmdsched/$mode"
   done
+}
+
+streams() {
+  local f=--xla_gpu_experimental_stream_annotation=true
+  XLA_FLAGS=$f timeout 280 python3 benchmarks/stream_overlap_trial.py "$OUT/streams/64k" \
+    --layouts ",win:1,win:1+cmp:2,slc:1,cmp:1,"
+  XLA_FLAGS=$f timeout 150 python3 benchmarks/stream_overlap_trial.py "$OUT/streams/8k" --T 8192 \
+    --heads 16/1 --dims 64/64 --batch 8 --iters 10 --layouts ",win:1,win:1+cmp:2,slc:1,"
+  timeout 100 python3 benchmarks/stream_overlap_trial.py "$OUT/streams/64k_noflag" \
+    --layouts ",win:1+cmp:2"
 }
 
 ncuprof() {

@@ -239,6 +239,7 @@ passkey() {  # configs/sweep_needle.py:gpu (docs/results/passkey_recipe.md), NSA
 passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per step stay 32k.
   # PK_N1: NSA's n in the first stage only (the 4k stage keeps the paper's 16): with 8 at 1024
   # tokens the selection must choose 5 of 13 free blocks instead of taking them all.
+  # PK_DEPTHS (default 0,0.25,0.5,0.75,1): the needle depths scored.
   # PK_STEPS2 (default 400): steps of the 4k stage. PK_RUNS (default "nsa dense"): which models
   # to train. With at least as many GPUs as runs they run at once, one a GPU; otherwise (the
   # one-GPU kind) one after another on GPU 0. PK_ARGS2 needs PK_TAG, a name for the variant in
@@ -300,7 +301,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   done
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
     --workdirs=$wds --labels=$labels --lengths=2048,4096,8192 \
-    --depths=0,0.25,0.5,0.75,1 --samples=16 --out=$R/needle_gpu_$tag.png > "$R/needle_gpu_$tag.log" 2>&1
+    --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_gpu_$tag.png > "$R/needle_gpu_$tag.log" 2>&1
   tail -n 30 "$R/needle_gpu_$tag.log"
 }
 

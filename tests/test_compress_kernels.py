@@ -485,6 +485,51 @@ def test_whole_op_pallas_matches_reference():
     _close(a, r, 1e-4, "d" + name, seed)
 
 
+@pytest.mark.parametrize("streams", [{"win": 1}, {"cmp": 2, "slc": 3, "win": 1}])
+def test_whole_op_on_branch_streams_equals_one_stream(streams, monkeypatch):
+  """ops.BRANCH_STREAMS (NSA_BRANCH_STREAMS) wraps branches in compute_on("gpu_stream:N"): the
+  lowering carries one stream annotation per chosen branch, and loss, block indices and every
+  gradient equal the one-stream path (the interpreter ignores the annotation, so this checks the
+  wrapping: arguments, outputs, gradients through compute_on, not the GPU's overlap)."""
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 10)
+  cfg, args = whole_op_case(ks)
+  seg = _segments(ks[8], 1, 100)
+  w = jax.random.normal(ks[9], (1, 100, cfg.num_heads, cfg.dim_v))
+
+  def runner():  # a fresh function each time: jit caches traces per function
+    def f(*a):
+      o, aux = ops.nsa_attention(*a, cfg, segment_ids=seg, implementation="pallas",
+                                 return_aux=True)
+      return jnp.sum(o * w), aux["block_idx"]
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True))
+  (val, idx), grads = runner()(*args)
+  monkeypatch.setattr(ops, "BRANCH_STREAMS", streams)
+  monkeypatch.setattr(ops, "STREAMS_OFF_GPU", True)
+  lowered = runner().lower(*args)
+  text = lowered.as_text()
+  for stream in streams.values():
+    assert f'_xla_stream_annotation = "{stream}"' in text, f"stream {stream} not annotated"
+  (sval, sidx), sgrads = lowered.compile()(*args)
+  assert np.array_equal(idx, sidx)
+  _close(sval, val, 1e-6, "loss", seed)
+  for name, a, r in zip(("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"),
+                        sgrads, grads):
+    _close(a, r, 1e-6, "d" + name, seed)
+
+
+@pytest.mark.parametrize("spec,want", [("", {}), ("win:1", {"win": 1}),
+                                       (" cmp:2 , win:1 ", {"cmp": 2, "win": 1})])
+def test_branch_streams_parse(spec, want):
+  assert ops._parse_streams(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["window:1", "win", "win:0", "win:x", "win:-1"])
+def test_branch_streams_refuse_bad_entries(spec):
+  with pytest.raises(ValueError, match="NSA_BRANCH_STREAMS entry .*branch:stream"):
+    ops._parse_streams(spec)
+
+
 # ----------------------------------------------------------------------------- CUDA lowering
 
 def _abstract_gpu():
