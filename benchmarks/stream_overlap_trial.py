@@ -9,8 +9,9 @@
 # in the same run.
 #   python3 benchmarks/stream_overlap_trial.py OUT_DIR [--T 65536] [--dims 128/128]
 #       [--heads 64/4] [--batch 1] [--layouts ",win:1,win:1+cmp:2,slc:1,"] [--iters 5]
-# A layout is a BRANCH_STREAMS spec with "+" between entries ("" = one stream); a layout given
-# twice is timed twice (the repeat is labelled "again").
+# A layout is a BRANCH_STREAMS spec with "+" between entries ("" = one stream; the entry "group"
+# also sets ops.STREAM_GROUP); a layout given twice is timed twice (labelled "again"); a layout
+# that fails to compile or run is recorded with its error and the others still run.
 import argparse
 import json
 import os
@@ -37,8 +38,12 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=5)
   a = p.parse_args(argv)
   layouts = a.layouts.split(",")
+  def parse(spec):  # (BRANCH_STREAMS, STREAM_GROUP) of a layout
+    parts = spec.split("+")
+    return ops._parse_streams(",".join(p for p in parts if p != "group")), "group" in parts
+
   for spec in layouts:  # refuse a bad layout before anything compiles
-    ops._parse_streams(spec.replace("+", ","))
+    parse(spec)
   h, kh = map(int, a.heads.split("/"))
   dk, dv = map(int, a.dims.split("/"))
   bench_nsa.BATCH = a.batch
@@ -67,13 +72,21 @@ def main(argv=None):
   for spec in layouts:
     label = (spec or "one stream") + (" (again)" if spec in seen else "")
     seen.add(spec)
-    ops.BRANCH_STREAMS = ops._parse_streams(spec.replace("+", ","))
-    flow = jax.jit(lambda *x: fn(*x)).lower(*args)  # a fresh function: a fresh trace
-    blow = jax.jit(bench_nsa.with_grad(lambda *x: fn(*x))).lower(args, ct)
-    lowered = flow.as_text() + blow.as_text()
-    fexe, bexe = flow.compile(), blow.compile()
-    hlo = fexe.as_text() + bexe.as_text()
-    out, grads = fexe(*args), bexe(args, ct)
+    ops.BRANCH_STREAMS, ops.STREAM_GROUP = parse(spec)
+    try:
+      flow = jax.jit(lambda *x: fn(*x)).lower(*args)  # a fresh function: a fresh trace
+      blow = jax.jit(bench_nsa.with_grad(lambda *x: fn(*x))).lower(args, ct)
+      lowered = flow.as_text() + blow.as_text()
+      fexe, bexe = flow.compile(), blow.compile()
+      hlo = fexe.as_text() + bexe.as_text()
+      out, grads = fexe(*args), bexe(args, ct)
+    except Exception as e:  # a layout XLA refuses is a result too; the others still run
+      err = f"{type(e).__name__}: {str(e)[:300]}"
+      print(f"{label:>22}: FAILED {err}", flush=True)
+      records.append(dict(layout=label, error=err, T=a.T, d_k=dk, d_v=dv, command=command,
+                          xla_flags=os.environ.get("XLA_FLAGS", ""), hardware=bc.hardware(),
+                          date=bc.utc_now()))
+      continue
     if base is None:
       base = (out, grads)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -96,17 +109,18 @@ def main(argv=None):
           f"({(d_fb - d_fwd) / (fb - fwd):.2f}x), annotated ops {extra['annotated_lowered']} lowered / "
           f"{extra['annotated_ops']} compiled, "
           f"max |diff| vs one stream {diff:.3g}", flush=True)
-  ops.BRANCH_STREAMS = {}
+  ops.BRANCH_STREAMS, ops.STREAM_GROUP = {}, False
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "streams.json"), "w") as f:
     json.dump(records, f, indent=1)
   cols = ["layout", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "annotated_lowered",
           "annotated_ops",
-          "max_abs_diff_vs_one_stream"]
+          "max_abs_diff_vs_one_stream", "error"]
   lines = [f"Command: `{command}`; XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`; "
            f"{bc.hardware()}; {bc.utc_now()}", "", "| " + " | ".join(cols) + " |",
            "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in records]
+  lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in cols) + " |"
+            for r in records]
   with open(os.path.join(a.out, "streams.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))

@@ -28,6 +28,7 @@ whole on that axis (computed redundantly there), with a warning naming it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -73,6 +74,18 @@ def _parse_streams(spec: str) -> dict:
 # annotation only with --xla_gpu_experimental_stream_annotation=true in XLA_FLAGS.
 BRANCH_STREAMS = _parse_streams(os.environ.get("NSA_BRANCH_STREAMS", ""))
 STREAMS_OFF_GPU = False  # tests: wrap in compute_on off a GPU too (the annotation is ignored there)
+# With streams set: put the branches' ops into one XLA scheduling group
+# (_scheduling_group_id), which asks the scheduler to overlap the group's async stream calls
+# with its other work (NSA_STREAM_GROUP=1). Forward only: jax does not tag gradient ops.
+STREAM_GROUP = os.environ.get("NSA_STREAM_GROUP", "") == "1"
+
+
+def _stream_group():
+  if not (STREAM_GROUP and BRANCH_STREAMS and (on_gpu() or STREAMS_OFF_GPU)):
+    return contextlib.nullcontext()
+  from jax.experimental.xla_metadata import set_xla_metadata
+  log_once(logging.INFO, "NSA branches in one XLA scheduling group")
+  return set_xla_metadata(_scheduling_group_id="1")
 
 
 def _on_stream(branch, fn, *args):
@@ -274,41 +287,42 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   # (cmp_fold's fold through XLA attention, any backend) instead of the choice above.
   cmp_be = cmp_backend or cmp_be
   outs, aux = {}, {}
-  want_idx = "slc" in cfg.branches
-  # Like the reference, the compression branch also runs when it only feeds the NSA selector
-  # (its log-sum-exp turns the top-n kernel's logits into probabilities).
-  if "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa"):
-    if cmp_be == "auto":  # decided (and logged) only where the branch runs
-      cmp_be = _auto_cmp_backend(q, v_cmp, segment_ids)
-    if cmp_be in ("cudnn", "fold-xla") and segment_ids is not None:
-      raise ValueError(f"compression backend {cmp_be!r} does not take segment ids (one "
-                       "visibility rule per folded group). Fix: use the Triton kernels")
-    with jax.named_scope("cmp"):  # scopes label the kernels in profiles (profile_step.py)
-      if cmp_be in ("cudnn", "fold-xla"):
-        from pallas_kernels import compress_fold as cmp_fold
-        cmp_fn = lambda q, k, v: cmp_fold.compressed_attention(  # noqa: E731
-            q, k, v, cfg.cmp_block, cfg.cmp_stride, scale,
-            implementation="cudnn" if cmp_be == "cudnn" else "xla")
-      else:
-        cmp_fn = lambda q, k, v: compress_attention(  # noqa: E731
-            q, k, v, cfg.cmp_block, cfg.cmp_stride, segment_ids, scale, interpret=interpret,
-            backend="cudnn" if cmp_be == "cudnn-fwd" else cmp_be)
-      o_cmp, lse_cmp = _on_stream("cmp", cmp_fn, q, k_cmp, v_cmp)
-    outs["cmp"] = o_cmp
-  if want_idx:
-    with jax.named_scope("topn"):
-      idx = block_idx if block_idx is not None else _pallas_indices(
-          q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg, segment_ids,
-          scale, interpret)
-    with jax.named_scope("slc"):
-      outs["slc"], _ = _on_stream("slc", lambda q, k, v, i: select_kernel(
-          q, k, v, i, cfg.sel_block, segment_ids, scale, interpret=interpret, backend=slc_be),
-          q, k_slc, v_slc, idx)
-    aux["block_idx"] = idx
-  if "win" in cfg.branches:
-    with jax.named_scope("win"):
-      outs["win"] = _on_stream("win", lambda q, k, v: window_attention(
-          q, k, v, cfg.window, segment_ids, scale), q, k_win, v_win)
+  with _stream_group():  # a no-op unless STREAM_GROUP (with streams, on a GPU)
+    want_idx = "slc" in cfg.branches
+    # Like the reference, the compression branch also runs when it only feeds the NSA selector
+    # (its log-sum-exp turns the top-n kernel's logits into probabilities).
+    if "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa"):
+      if cmp_be == "auto":  # decided (and logged) only where the branch runs
+        cmp_be = _auto_cmp_backend(q, v_cmp, segment_ids)
+      if cmp_be in ("cudnn", "fold-xla") and segment_ids is not None:
+        raise ValueError(f"compression backend {cmp_be!r} does not take segment ids (one "
+                         "visibility rule per folded group). Fix: use the Triton kernels")
+      with jax.named_scope("cmp"):  # scopes label the kernels in profiles (profile_step.py)
+        if cmp_be in ("cudnn", "fold-xla"):
+          from pallas_kernels import compress_fold as cmp_fold
+          cmp_fn = lambda q, k, v: cmp_fold.compressed_attention(  # noqa: E731
+              q, k, v, cfg.cmp_block, cfg.cmp_stride, scale,
+              implementation="cudnn" if cmp_be == "cudnn" else "xla")
+        else:
+          cmp_fn = lambda q, k, v: compress_attention(  # noqa: E731
+              q, k, v, cfg.cmp_block, cfg.cmp_stride, segment_ids, scale, interpret=interpret,
+              backend="cudnn" if cmp_be == "cudnn-fwd" else cmp_be)
+        o_cmp, lse_cmp = _on_stream("cmp", cmp_fn, q, k_cmp, v_cmp)
+      outs["cmp"] = o_cmp
+    if want_idx:
+      with jax.named_scope("topn"):
+        idx = block_idx if block_idx is not None else _pallas_indices(
+            q, k_cmp, v_cmp, lse_cmp if cfg.selector == "nsa" else None, k_slc, cfg, segment_ids,
+            scale, interpret)
+      with jax.named_scope("slc"):
+        outs["slc"], _ = _on_stream("slc", lambda q, k, v, i: select_kernel(
+            q, k, v, i, cfg.sel_block, segment_ids, scale, interpret=interpret, backend=slc_be),
+            q, k_slc, v_slc, idx)
+      aux["block_idx"] = idx
+    if "win" in cfg.branches:
+      with jax.named_scope("win"):
+        outs["win"] = _on_stream("win", lambda q, k, v: window_attention(
+            q, k, v, cfg.window, segment_ids, scale), q, k_win, v_win)
   with jax.named_scope("combine"):
     o = reference.combine(outs, gates, cfg.branches).astype(q.dtype)
   if return_aux:

@@ -485,8 +485,9 @@ def test_whole_op_pallas_matches_reference():
     _close(a, r, 1e-4, "d" + name, seed)
 
 
-@pytest.mark.parametrize("streams", [{"win": 1}, {"cmp": 2, "slc": 3, "win": 1}])
-def test_whole_op_on_branch_streams_equals_one_stream(streams, monkeypatch):
+@pytest.mark.parametrize("streams,group", [({"win": 1}, False), ({"cmp": 2, "slc": 3, "win": 1}, False),
+                                           ({"win": 1, "slc": 2}, True)])
+def test_whole_op_on_branch_streams_equals_one_stream(streams, group, monkeypatch):
   """ops.BRANCH_STREAMS (NSA_BRANCH_STREAMS) wraps branches in compute_on("gpu_stream:N"): the
   lowering carries one stream annotation per chosen branch, and loss, block indices and every
   gradient equal the one-stream path (the interpreter ignores the annotation, so this checks the
@@ -506,8 +507,10 @@ def test_whole_op_on_branch_streams_equals_one_stream(streams, monkeypatch):
   (val, idx), grads = runner()(*args)
   monkeypatch.setattr(ops, "BRANCH_STREAMS", streams)
   monkeypatch.setattr(ops, "STREAMS_OFF_GPU", True)
+  monkeypatch.setattr(ops, "STREAM_GROUP", group)
   lowered = runner().lower(*args)
   text = lowered.as_text()
+  assert ('_scheduling_group_id = "1"' in text) == group
   for stream in streams.values():
     assert f'_xla_stream_annotation = "{stream}"' in text, f"stream {stream} not annotated"
   (sval, sidx), sgrads = lowered.compile()(*args)
