@@ -27,6 +27,23 @@ from experiments import bench_nsa  # noqa: E402
 from nsa_jax import ops  # noqa: E402
 
 
+def write(out, records, command):
+  """streams.json + streams.md, rewritten after every layout (an XLA abort later keeps them)."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "streams.json"), "w") as f:
+    json.dump(records, f, indent=1)
+  cols = ["layout", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "annotated_lowered",
+          "annotated_ops", "max_abs_diff_vs_one_stream", "error"]
+  lines = [f"Command: `{command}`; XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`; "
+           f"{bc.hardware()}; {bc.utc_now()}", "", "| " + " | ".join(cols) + " |",
+           "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in cols) + " |"
+            for r in records]
+  with open(os.path.join(out, "streams.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return lines
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("out")
@@ -86,6 +103,7 @@ def main(argv=None):
       records.append(dict(layout=label, error=err, T=a.T, d_k=dk, d_v=dv, command=command,
                           xla_flags=os.environ.get("XLA_FLAGS", ""), hardware=bc.hardware(),
                           date=bc.utc_now()))
+      write(a.out, records, command)
       continue
     if base is None:
       base = (out, grads)
@@ -105,25 +123,13 @@ def main(argv=None):
                           cudnn_fwd_bwd_ms=round(d_fb, 4), **common, **extra)):
       rec["command"] = command
       records.append(rec)
+    write(a.out, records, command)
     print(f"{label:>22}: fwd {fwd:.3f} ms ({d_fwd / fwd:.2f}x cuDNN), bwd {fb - fwd:.3f} ms "
           f"({(d_fb - d_fwd) / (fb - fwd):.2f}x), annotated ops {extra['annotated_lowered']} lowered / "
           f"{extra['annotated_ops']} compiled, "
           f"max |diff| vs one stream {diff:.3g}", flush=True)
   ops.BRANCH_STREAMS, ops.STREAM_GROUP = {}, False
-  os.makedirs(a.out, exist_ok=True)
-  with open(os.path.join(a.out, "streams.json"), "w") as f:
-    json.dump(records, f, indent=1)
-  cols = ["layout", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "annotated_lowered",
-          "annotated_ops",
-          "max_abs_diff_vs_one_stream", "error"]
-  lines = [f"Command: `{command}`; XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`; "
-           f"{bc.hardware()}; {bc.utc_now()}", "", "| " + " | ".join(cols) + " |",
-           "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in cols) + " |"
-            for r in records]
-  with open(os.path.join(a.out, "streams.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  print("\n".join(write(a.out, records, command)))
 
 
 if __name__ == "__main__":
