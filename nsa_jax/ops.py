@@ -64,14 +64,18 @@ def _parse_streams(spec: str) -> dict:
     if name not in ("cmp", "slc", "win") or not num.isdigit() or int(num) < 1:
       raise ValueError(f"NSA_BRANCH_STREAMS entry {part!r}: want branch:stream with branch in "
                        "cmp / slc / win and stream >= 1 (e.g. NSA_BRANCH_STREAMS=win:1)")
+    if name in out:
+      raise ValueError(f"NSA_BRANCH_STREAMS names branch {name!r} twice ({spec!r}): give each "
+                       "branch one stream")
     out[name] = int(num)
   return out
 
 
 # Experimental (opt-in): run a branch on its own GPU stream through jax's compute_on
 # ("gpu_stream:N", XLA's stream annotation), so that it can overlap the other branches, forward
-# and backward. {} (the default) keeps every kernel on the one compute stream. XLA honours the
-# annotation only with --xla_gpu_experimental_stream_annotation=true in XLA_FLAGS.
+# and backward. {} (the default) keeps every kernel on the one compute stream. The H200 runs
+# set --xla_gpu_experimental_stream_annotation=true in XLA_FLAGS; without it XLA still read the
+# annotation (the cmp layout failed the same way), so the flag's role is not pinned down.
 BRANCH_STREAMS = _parse_streams(os.environ.get("NSA_BRANCH_STREAMS", ""))
 STREAMS_OFF_GPU = False  # tests: wrap in compute_on off a GPU too (the annotation is ignored there)
 # With streams set: put the branches' ops into one XLA scheduling group
@@ -81,10 +85,17 @@ STREAM_GROUP = os.environ.get("NSA_STREAM_GROUP", "") == "1"
 
 
 def _stream_group():
+  if STREAM_GROUP and not BRANCH_STREAMS and on_gpu():
+    log_once(logging.WARNING, "NSA_STREAM_GROUP=1 without NSA_BRANCH_STREAMS does nothing: the "
+             "group only matters for branches on their own streams")
   if not (STREAM_GROUP and BRANCH_STREAMS and (on_gpu() or STREAMS_OFF_GPU)):
     return contextlib.nullcontext()
   from jax.experimental.xla_metadata import set_xla_metadata
   log_once(logging.INFO, "NSA branches in one XLA scheduling group")
+  if on_gpu():
+    log_once(logging.WARNING, "NSA_STREAM_GROUP=1: on the H200 with jaxlib 0.11.2 XLA refused the "
+             "scheduling group ('Done instruction's start operand is not annotated with the same "
+             "id', benchmarks/results/streams_h200.md). If compilation fails, unset it")
   return set_xla_metadata(_scheduling_group_id="1")
 
 
@@ -96,6 +107,11 @@ def _on_stream(branch, fn, *args):
   from jax._src import core as jax_core
   from jax.experimental.compute_on import compute_on
   log_once(logging.INFO, f"NSA {branch} branch on GPU stream {stream} (compute_on)")
+  if branch != "win" and on_gpu():
+    log_once(logging.WARNING, f"NSA_BRANCH_STREAMS {branch}:{stream}: on the H200 with jaxlib "
+             "0.11.2 only win:N compiled; XLA refused cmp ('No ExecutionStreamId found for "
+             "call-start') and a compile with slc aborted after a refused one "
+             "(benchmarks/results/streams_h200.md). If compilation fails, drop this entry")
   return compute_on(fn, compute_type=f"gpu_stream:{stream}",
                     out_memory_spaces=jax_core.MemorySpace.Device)(*args)
 

@@ -123,7 +123,7 @@
 #          the default repeated last, each a fresh process. The values parse in jaxlib 0.11.2
 #          (checked on CPU); whether Pallas calls land in the graphs and overlap is what it
 #          measures. 2026-12-03 (139 s): no mode moved the forward (40.25-41.30 ms) or the
-#          backward (67.7-69.1 ms) beyond the default's own repeat.
+#          backward (67.7-69.1 ms) by more than ~1% against the default's two readings (timing only).
 # streams  branches on separate GPU streams (ops.BRANCH_STREAMS through jax's compute_on, with
 #          --xla_gpu_experimental_stream_annotation=true): benchmarks/stream_overlap_trial.py
 #          times the whole op forward and forward + backward per stream layout in one process

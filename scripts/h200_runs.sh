@@ -299,10 +299,12 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
       else echo "no checkpoint $st in $d/$r: not scored"; fi
     done
   done
+  # PK_RUNS=nsa then PK_RUNS=dense in one session: each grid under its own name (needle_gpu_<tag>_nsa)
+  local ntag=$tag${PK_RUNS:+_${runs// /_}}
   CUDA_VISIBLE_DEVICES=0 python3 -m experiments.needle_eval --mode=needle \
     --workdirs=$wds --labels=$labels --lengths=2048,4096,8192 \
-    --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_gpu_$tag.png > "$R/needle_gpu_$tag.log" 2>&1
-  tail -n 30 "$R/needle_gpu_$tag.log"
+    --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_gpu_$ntag.png > "$R/needle_gpu_$ntag.log" 2>&1
+  tail -n 30 "$R/needle_gpu_$ntag.log"
 }
 
 # Paper ablations at GPU scale (each ~8 min on 2 GPUs; nsa itself is reused from pair's record).

@@ -485,8 +485,17 @@ def test_whole_op_pallas_matches_reference():
     _close(a, r, 1e-4, "d" + name, seed)
 
 
-@pytest.mark.parametrize("streams,group", [({"win": 1}, False), ({"cmp": 2, "slc": 3, "win": 1}, False),
-                                           ({"win": 1, "slc": 2}, True)])
+# On the H200 (jax 0.11.2) XLA refused or aborted every layout but the window's at 64k
+# (benchmarks/results/streams_h200.md); an abort would take the pytest worker with it, so the GPU
+# runs only the window layout. The interpreter (CI) runs all three.
+_XLA_REFUSES = pytest.mark.skipif(ON_GPU, reason="XLA 0.11.2 refuses or aborts cmp / slc "
+                                  "streams and scheduling groups on the GPU (streams_h200.md)")
+
+
+@pytest.mark.parametrize("streams,group", [
+    ({"win": 1}, False),
+    pytest.param({"cmp": 2, "slc": 3, "win": 1}, False, marks=_XLA_REFUSES),
+    pytest.param({"win": 1, "slc": 2}, True, marks=_XLA_REFUSES)])
 def test_whole_op_on_branch_streams_equals_one_stream(streams, group, monkeypatch):
   """ops.BRANCH_STREAMS (NSA_BRANCH_STREAMS) wraps branches in compute_on("gpu_stream:N"): the
   lowering carries one stream annotation per chosen branch, and loss, block indices and every
@@ -504,6 +513,9 @@ def test_whole_op_on_branch_streams_equals_one_stream(streams, group, monkeypatc
                                  return_aux=True)
       return jnp.sum(o * w), aux["block_idx"]
     return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True))
+  monkeypatch.setattr(ops, "BRANCH_STREAMS", {})  # the baseline: one stream whatever the env says
+  monkeypatch.setattr(ops, "STREAM_GROUP", False)
+  assert "_xla_stream_annotation" not in runner().lower(*args).as_text()
   (val, idx), grads = runner()(*args)
   monkeypatch.setattr(ops, "BRANCH_STREAMS", streams)
   monkeypatch.setattr(ops, "STREAMS_OFF_GPU", True)
@@ -531,6 +543,8 @@ def test_branch_streams_parse(spec, want):
 def test_branch_streams_refuse_bad_entries(spec):
   with pytest.raises(ValueError, match="NSA_BRANCH_STREAMS entry .*branch:stream"):
     ops._parse_streams(spec)
+  with pytest.raises(ValueError, match="names branch 'win' twice"):
+    ops._parse_streams("win:1,cmp:2,win:3")
 
 
 # ----------------------------------------------------------------------------- CUDA lowering
