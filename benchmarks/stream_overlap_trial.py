@@ -36,10 +36,7 @@ def write(out, records, command):
   cols = ["layout", "pass", "T", "d_k", "d_v", "ms", "cudnn_ms", "speedup", "annotated_lowered",
           "annotated_ops", "max_abs_diff_vs_base", "base_layout", "error"]
   lines = [f"Command: `{command}`; XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`; "
-           f"{bc.hardware()}; {bc.utc_now()}", "", "| " + " | ".join(cols) + " |",
-           "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in cols) + " |"
-            for r in records]
+           f"{bc.hardware()}; {bc.utc_now()}", "", bench_nsa.table(records, cols)]
   with open(os.path.join(out, "streams.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   return lines
@@ -71,20 +68,10 @@ def main(argv=None):
   ct = jax.random.normal(jax.random.fold_in(key, 7), (a.batch, a.T, h, dv), jnp.bfloat16)
   fn = lambda *x: (ops.nsa_attention(*x, cfg, implementation="pallas"),)  # noqa: E731
 
-  def dense():
-    dd = max(dk, dv)
-    ks = jax.random.split(jax.random.fold_in(key, 11), 4)
-    dargs = [jax.random.normal(ks[0], (a.batch, a.T, h, dd), jnp.bfloat16),
-             jax.random.normal(ks[1], (a.batch, a.T, kh, dd), jnp.bfloat16),
-             jax.random.normal(ks[2], (a.batch, a.T, kh, dd), jnp.bfloat16)]
-    dct = jax.random.normal(ks[3], (a.batch, a.T, h, dd), jnp.bfloat16)
-    f = bench_nsa.dense_fn(dd)
-    fe = jax.jit(f).lower(*dargs).compile()
-    be = jax.jit(bench_nsa.with_grad(f)).lower(dargs, dct).compile()
-    return (bc.time_ms(fe, *dargs, iters=a.iters), bc.time_ms(be, dargs, dct, iters=a.iters))
-
   command = "python3 " + " ".join(sys.argv)
-  d_fwd, d_fb = dense()
+  dense = bench_nsa.bench_dense(bench_nsa.Bench(a.out, a.iters, float("inf")),
+                                jax.random.fold_in(key, 11), a.T, cfg)
+  d_fwd, d_fb = dense["fwd"], dense["fwd_bwd"]
   print(f"cuDNN dense: fwd {d_fwd:.3f} ms, fwd+bwd {d_fb:.3f} ms", flush=True)
   records, base, seen = [], None, set()
   for spec in layouts:
@@ -99,7 +86,7 @@ def main(argv=None):
       hlo = fexe.as_text() + bexe.as_text()
       out, grads = fexe(*args), bexe(args, ct)
     except Exception as e:  # a layout XLA refuses is a result too; the others still run
-      err = f"{type(e).__name__}: {str(e)[:300]}"
+      err = f"{type(e).__name__}: {str(e)[:300]}".replace("|", "/")  # a Markdown cell
       print(f"{label:>22}: FAILED {err}", flush=True)
       records.append(dict(op="nsa", impl="pallas", layout=label, error=err, T=a.T, batch=a.batch,
                           q_heads=h, kv_heads=kh, d_k=dk, d_v=dv, command=command,
