@@ -99,10 +99,21 @@ def _stream_group():
   return set_xla_metadata(_scheduling_group_id="1")
 
 
-def _on_stream(branch, fn, *args):
-  """fn(*args), on GPU stream BRANCH_STREAMS[branch] when one is set."""
+def _on_stream(branch, fn, *args, flat=True, why=""):
+  """fn(*args), on GPU stream BRANCH_STREAMS[branch] when one is set.
+
+  flat=False: fn traces to nested jits (jnp.pad, plain-JAX attention), which XLA 0.11.2 refused
+  inside a stream on the H200 ("No ExecutionStreamId found for call-start"; the cmp layout in
+  streams_h200.md, the window's plain-JAX path in gpu_tests_h200_compress_dd04846.log). On a GPU
+  such a call runs on the default stream, with a warning naming `why`; off a GPU (tests) it is
+  wrapped as usual, since the annotation is ignored there."""
   stream = BRANCH_STREAMS.get(branch)
   if stream is None or not (on_gpu() or STREAMS_OFF_GPU):
+    return fn(*args)
+  if not flat and on_gpu():
+    log_once(logging.WARNING, f"NSA_BRANCH_STREAMS {branch}:{stream} not applied to this call: "
+             f"{why}; XLA (jaxlib 0.11.2) refuses nested jits inside a stream ('No "
+             "ExecutionStreamId found for call-start'), so the branch runs on the default stream")
     return fn(*args)
   from jax._src import core as jax_core
   from jax.experimental.compute_on import compute_on
@@ -165,19 +176,34 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
   return impl
 
 
+def window_uses_cudnn(q, segment_ids=None, allow_cudnn=True) -> bool:
+  """Whether window_attention takes cuDNN's left window (a GPU, no segment ids, 16-bit inputs)."""
+  return (allow_cudnn and on_gpu() and segment_ids is None
+          and q.dtype in (jnp.bfloat16, jnp.float16))
+
+
+def _window_flat(q, v, segment_ids):
+  """(flat, why) for _on_stream: the window branch is one cuDNN call only when cuDNN applies and
+  d_k == d_v (otherwise jnp.pad, or the plain-JAX path, adds nested jits)."""
+  if not window_uses_cudnn(q, segment_ids):
+    return False, ("the window branch runs plain JAX here (segment ids or a dtype cuDNN does not "
+                   "take)")
+  if q.shape[-1] != v.shape[-1]:
+    return False, f"the window branch pads d_v={v.shape[-1]} to d_k={q.shape[-1]} for cuDNN"
+  return True, ""
+
+
 def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True):
   """Sliding-window branch: cuDNN's left window on a GPU when it applies, else plain JAX.
 
   cuDNN needs d_k == d_v: the smaller of the two is zero-padded (zero query/key columns leave the
   logits unchanged; zero value columns give zero outputs that are sliced off)."""
   from nsa_jax import xla
-  cudnn_ok = (allow_cudnn and on_gpu() and segment_ids is None
-              and q.dtype in (jnp.bfloat16, jnp.float16))
-  if cudnn_ok:
+  if window_uses_cudnn(q, segment_ids, allow_cudnn):
     dk, dv = q.shape[-1], v.shape[-1]
     dim = max(dk, dv)
     scale = dk ** -0.5 if scale is None else scale
-    pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
+    pad = lambda x: x if x.shape[-1] == dim else jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
     log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}"
              + (f" (head dims padded to {dim})" if dk != dv else ""))
     o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, is_causal=True,
@@ -337,8 +363,9 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
       aux["block_idx"] = idx
     if "win" in cfg.branches:
       with jax.named_scope("win"):
+        flat, why = _window_flat(q, v_win, segment_ids)
         outs["win"] = _on_stream("win", lambda q, k, v: window_attention(
-            q, k, v, cfg.window, segment_ids, scale), q, k_win, v_win)
+            q, k, v, cfg.window, segment_ids, scale), q, k_win, v_win, flat=flat, why=why)
   with jax.named_scope("combine"):
     o = reference.combine(outs, gates, cfg.branches).astype(q.dtype)
   if return_aux:

@@ -98,6 +98,32 @@ PICK_WARPS = int(os.environ.get("NSA_TOPN_PICK_WARPS", 4))
 PICK_LOOP = _env_flag("PICK_LOOP", True)
 
 
+# The scores kernel's tile: ROWS (query heads x tokens) a program, LONG_ROWS for rows of at least
+# LONG_ROWS_MIN_CHUNKS chunks at d_k == LONG_ROWS_DK with TWO_PASS (the merges were slower with
+# 128 rows, 2026-11-29); env NSA_TOPN_ROWS forces a size everywhere. H200 sweeps of 2026-12-03 (benchmarks/results/topn_rows_h200.md; one call,
+# 64k repeated in a second): 128 rows against 64 at 128/128: 64k 12.31 / 12.22 vs 13.06 / 13.10
+# ms, 32k 3.79 vs 4.01; elsewhere mixed or worse (16k 128/128 1.19 / 1.17 vs 1.23 / 1.11, 8k
+# training layer 64/64 0.66 vs 0.57; 192/128 64k 15.53 vs 15.78, 32k 4.54 vs 4.56), so 64 there.
+ROWS = 64
+LONG_ROWS = 128
+LONG_ROWS_MIN_CHUNKS = 32
+LONG_ROWS_DK = 128
+_ROWS_ENV = os.environ.get("NSA_TOPN_ROWS")
+
+
+def default_rows(row_chunks, dk):
+  """Tile rows of the scores kernel for rows of `row_chunks` chunks at head dim d_k."""
+  if _ROWS_ENV is not None:
+    return int(_ROWS_ENV)
+  long = row_chunks >= LONG_ROWS_MIN_CHUNKS and dk == LONG_ROWS_DK and uses_two_pass(row_chunks)
+  return LONG_ROWS if long else ROWS
+
+
+def _chunk_width(sel_chunk, r):
+  """Selection blocks a chunk (nsj): the dots need >= 16 columns and rows."""
+  return max(sel_chunk, 16, 16 // r)
+
+
 def uses_two_pass(row_chunks):
   """Whether a row of `row_chunks` chunks takes TWO_PASS: the flag where set, else the rule."""
   return row_chunks >= TWO_PASS_MIN_CHUNKS if TWO_PASS is None else TWO_PASS
@@ -440,10 +466,17 @@ def document_first_block(seg, sel_block):
 
 
 def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_init=1, num_local=2,
-                alignment="overlap", segment_ids=None, scale=None, interpret=False, rows=64,
+                alignment="overlap", segment_ids=None, scale=None, interpret=False, rows=None,
                 sel_chunk=16, num_warps=4, num_stages=2):
   """Top-n selection blocks [B, T, K, n] int32 from q [B,T,H,Dk], k_cmp [B,Nc,K,Dk], lse [B,T,H]
-  (the compression softmax's log-sum-exp). Not differentiable (inputs are stop_gradient-ed)."""
+  (the compression softmax's log-sum-exp). Not differentiable (inputs are stop_gradient-ed).
+  rows: the scores kernel's tile rows (None: default_rows, by the measured rule)."""
+  if rows is None:
+    if sel_block <= 0 or stride <= 0 or sel_block % stride:
+      rows = ROWS  # supports() below names the problem
+    else:
+      nsj0 = _chunk_width(sel_chunk, max(1, sel_block // stride))
+      rows = default_rows(ca.cdiv(ca.cdiv(q.shape[1], sel_block), nsj0), q.shape[-1])
   ok, why = supports(q.shape, k_cmp.shape, block, stride, sel_block, rows)
   if not ok:
     raise ValueError(f"select_topn does not support this call: {why}")
@@ -465,7 +498,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
   g = h // kh
   tq, gp, m = ca.tile_shape(g, rows)
   r = sel_block // stride
-  nsj = max(sel_chunk, 16, 16 // r)  # the dots need >= 16 columns and rows
+  nsj = _chunk_width(sel_chunk, r)
   bkc = r * nsj
   ns = ca.cdiv(t, sel_block)
   ncp = max(ca.cdiv(ns, nsj) * bkc, ca.cdiv(nc, bkc) * bkc)

@@ -6,7 +6,9 @@ Fresh random inputs every run; the seed is in every failure message.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 
 import jax
@@ -406,6 +408,47 @@ def test_topn_defaults_with_padded_heads_one_token_tiles_and_one_row_picks(g, kv
   assert_same_selection(want, got, scores, seed)
 
 
+@pytest.mark.parametrize("g,kv", [(16, 1), (4, 2), (1, 2)])
+def test_topn_128_row_tiles_match_reference(g, kv):
+  """The scores kernel with 128-row tiles (the default for long rows at d_k = 128: 8 tokens of
+  16 heads, 32 of 4, 128 of 1) against the reference, over several chunks."""
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 2)
+  b, t, dk, l, d, lp, n = 1, 600, 32, 16, 8, 16, 5
+  cfg = NSAConfig(num_heads=g * kv, num_kv_heads=kv, head_dim=dk, cmp_block=l, cmp_stride=d,
+                  sel_block=lp, num_selected=n, window=64)
+  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
+  kc = jax.random.normal(ks[1], (b, cfg.num_cmp_blocks(t), kv, dk))
+  _, lse, p = reference.compressed_attention(q, kc, kc, l, d)
+  scores = reference.selection_scores(p, kv, t, cfg)
+  want = reference.select_blocks(scores, cfg)
+  got = jax.jit(lambda q, kc, lse: select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
+                                               num_selected=n, rows=128,
+                                               interpret=INTERPRET))(q, kc, lse)
+  assert_same_selection(want, got, scores, seed)
+
+
+def test_topn_default_rows_rule(monkeypatch):
+  """128 rows only where measured faster (d_k = 128, rows of >= 32 chunks, TWO_PASS); 64 else,
+  and select_topn takes the rule's choice when no rows are given."""
+  rule = topn_module.default_rows
+  assert rule(64, 128) == rule(32, 128) == 128
+  assert rule(31, 128) == rule(64, 192) == rule(64, 64) == rule(8, 64) == 64
+  monkeypatch.setattr(topn_module, "TWO_PASS", False)
+  assert rule(64, 128) == 64
+  monkeypatch.setattr(topn_module, "TWO_PASS", None)
+  seen = []
+  real = topn_module.supports
+  monkeypatch.setattr(topn_module, "supports", lambda *a: seen.append(a[-1]) or real(*a))
+  for t, dk, want in ((32768, 128, 128), (16384, 128, 64), (32768, 192, 64)):
+    q = jax.ShapeDtypeStruct((1, t, 16, dk), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((1, t // 16 - 1, 1, dk), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, t, 16), jnp.float32)
+    jax.eval_shape(lambda q, kc, lse: select_topn(q, kc, lse, block=32, stride=16, sel_block=64,
+                                                  num_selected=16, interpret=True), q, kc, lse)
+    assert seen[-1] == want, (t, dk, seen)
+
+
 def assert_same_selection(want, got, scores, seed):
   """Block lists [B, T, K, n] equal the reference's, except where two blocks' scores tie to
   float32 rounding: the kernel sums Eq. 9's terms in another order than the reference, so scores
@@ -487,31 +530,52 @@ def test_whole_op_pallas_matches_reference():
 
 # On the H200 (jax 0.11.2) XLA refused or aborted every layout but the window's at 64k
 # (benchmarks/results/streams_h200.md); an abort would take the pytest worker with it, so the GPU
-# runs only the window layout. The interpreter (CI) runs all three.
+# runs only the window layouts. The interpreter (CI) runs all of them.
 _XLA_REFUSES = pytest.mark.skipif(ON_GPU, reason="XLA 0.11.2 refuses or aborts cmp / slc "
                                   "streams and scheduling groups on the GPU (streams_h200.md)")
 
 
-@pytest.mark.parametrize("streams,group", [
-    ({"win": 1}, False),
-    pytest.param({"cmp": 2, "slc": 3, "win": 1}, False, marks=_XLA_REFUSES),
-    pytest.param({"win": 1, "slc": 2}, True, marks=_XLA_REFUSES)])
-def test_whole_op_on_branch_streams_equals_one_stream(streams, group, monkeypatch):
+def _stream_case(ks, case):
+  """whole_op_case with segment ids in float32 ("seg_f32": on a GPU the window branch runs plain
+  JAX), or without segment ids in bfloat16 with d_k = d_v ("bf16_equal_dims": on a GPU it is
+  one cuDNN call, the only window call ops._on_stream puts on a stream there)."""
+  cfg, args = whole_op_case(ks)
+  if case == "seg_f32":
+    return cfg, args, _segments(ks[8], 1, 100), 1e-6
+  cfg = dataclasses.replace(cfg, head_dim_v=cfg.head_dim)
+  b, t, h, dk = args[0].shape
+  nc, kv = args[1].shape[1], args[1].shape[2]
+  shapes = [(b, t, h, dk), (b, nc, kv, dk), (b, nc, kv, dk), (b, t, kv, dk), (b, t, kv, dk),
+            (b, t, kv, dk), (b, t, kv, dk)]
+  args = [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(ks, shapes)]
+  args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))).astype(jnp.bfloat16))
+  # the one-stream and stream runs execute the same kernels; cuDNN's backward may add in
+  # another order between runs (bf16 outputs)
+  return cfg, args, None, 2e-2 if ON_GPU else 1e-6
+
+
+@pytest.mark.parametrize("streams,group,case", [
+    ({"win": 1}, False, "seg_f32"),
+    ({"win": 1}, False, "bf16_equal_dims"),
+    pytest.param({"cmp": 2, "slc": 3, "win": 1}, False, "seg_f32", marks=_XLA_REFUSES),
+    pytest.param({"win": 1, "slc": 2}, True, "seg_f32", marks=_XLA_REFUSES)])
+def test_whole_op_on_branch_streams_equals_one_stream(streams, group, case, monkeypatch, caplog):
   """ops.BRANCH_STREAMS (NSA_BRANCH_STREAMS) wraps branches in compute_on("gpu_stream:N"): the
   lowering carries one stream annotation per chosen branch, and loss, block indices and every
   gradient equal the one-stream path (the interpreter ignores the annotation, so this checks the
-  wrapping: arguments, outputs, gradients through compute_on, not the GPU's overlap)."""
+  wrapping: arguments, outputs, gradients through compute_on, not the GPU's overlap). On a GPU a
+  window call that is not one flat cuDNN call (segment ids here) stays on the default stream,
+  with a warning: XLA 0.11.2 refused its nested jits inside a stream."""
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 10)
-  cfg, args = whole_op_case(ks)
-  seg = _segments(ks[8], 1, 100)
+  cfg, args, seg, tol = _stream_case(ks, case)
   w = jax.random.normal(ks[9], (1, 100, cfg.num_heads, cfg.dim_v))
 
   def runner():  # a fresh function each time: jit caches traces per function
     def f(*a):
       o, aux = ops.nsa_attention(*a, cfg, segment_ids=seg, implementation="pallas",
                                  return_aux=True)
-      return jnp.sum(o * w), aux["block_idx"]
+      return jnp.sum(o.astype(jnp.float32) * w), aux["block_idx"]
     return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True))
   monkeypatch.setattr(ops, "BRANCH_STREAMS", {})  # the baseline: one stream whatever the env says
   monkeypatch.setattr(ops, "STREAM_GROUP", False)
@@ -520,17 +584,45 @@ def test_whole_op_on_branch_streams_equals_one_stream(streams, group, monkeypatc
   monkeypatch.setattr(ops, "BRANCH_STREAMS", streams)
   monkeypatch.setattr(ops, "STREAMS_OFF_GPU", True)
   monkeypatch.setattr(ops, "STREAM_GROUP", group)
-  lowered = runner().lower(*args)
+  ops.log_once.cache_clear()  # log_once: let this test see the warning
+  with caplog.at_level(logging.WARNING, logger="nsa_jax"):
+    lowered = runner().lower(*args)
   text = lowered.as_text()
   assert ('_scheduling_group_id = "1"' in text) == group
-  for stream in streams.values():
-    assert f'_xla_stream_annotation = "{stream}"' in text, f"stream {stream} not annotated"
+  win_flat = case == "bf16_equal_dims" or not ON_GPU
+  for branch, stream in streams.items():
+    want = branch != "win" or win_flat
+    assert (f'_xla_stream_annotation = "{stream}"' in text) == want, (
+        f"{branch} on stream {stream}: annotation {'missing' if want else 'present'}")
+  assert ("not applied to this call" in caplog.text) == (not win_flat)
   (sval, sidx), sgrads = lowered.compile()(*args)
   assert np.array_equal(idx, sidx)
-  _close(sval, val, 1e-6, "loss", seed)
+  _close(sval, val, tol, "loss", seed)
   for name, a, r in zip(("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"),
                         sgrads, grads):
-    _close(a, r, 1e-6, "d" + name, seed)
+    _close(a, r, tol, "d" + name, seed)
+
+
+def test_window_stream_only_for_one_flat_cudnn_call(monkeypatch, caplog):
+  """On a GPU (on_gpu patched) the window branch counts as flat only for bf16/fp16, no segment
+  ids and d_k == d_v; a call that is not flat runs fn directly (no compute_on), with a warning."""
+  monkeypatch.setattr(ops, "on_gpu", lambda: True)
+  q = jnp.zeros((1, 8, 2, 32), jnp.bfloat16)
+  v_eq, v_ne = jnp.zeros((1, 8, 1, 32), jnp.bfloat16), jnp.zeros((1, 8, 1, 16), jnp.bfloat16)
+  seg = jnp.zeros((1, 8), jnp.int32)
+  assert ops._window_flat(q, v_eq, None) == (True, "")
+  flat, why = ops._window_flat(q, v_eq, seg)
+  assert not flat and "plain JAX" in why
+  assert not ops._window_flat(q.astype(jnp.float32), v_eq, None)[0]
+  flat, why = ops._window_flat(q, v_ne, None)
+  assert not flat and "pads d_v=16 to d_k=32" in why
+  monkeypatch.setattr(ops, "BRANCH_STREAMS", {"win": 3})
+  ops.log_once.cache_clear()
+  calls = []
+  with caplog.at_level(logging.WARNING, logger="nsa_jax"):
+    out = ops._on_stream("win", lambda x: calls.append(x) or x + 1, 1, flat=False, why="because")
+  assert out == 2 and calls == [1]
+  assert "win:3 not applied to this call: because" in caplog.text
 
 
 @pytest.mark.parametrize("spec,want", [("", {}), ("win:1", {"win": 1}),
