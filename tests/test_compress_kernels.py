@@ -393,28 +393,22 @@ def test_topn_defaults_with_padded_heads_one_token_tiles_and_one_row_picks(g, kv
   heads (G = 3 -> 4 rows a token, G = 12 -> 16), holds one token (G = 64: tq = 1), and where
   the pick takes one row a program (PICK_ELEMS below a row's width), against the reference."""
   monkeypatch.setattr(topn_module, "PICK_ELEMS", elems)
-  seed = _seed()
-  ks = jax.random.split(jax.random.key(seed), 2)
-  b, t, dk, l, d, lp, n = 1, 300, 32, 16, 8, 16, 4
-  cfg = NSAConfig(num_heads=g * kv, num_kv_heads=kv, head_dim=dk, cmp_block=l, cmp_stride=d,
-                  sel_block=lp, num_selected=n, window=64)
-  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
-  kc = jax.random.normal(ks[1], (b, cfg.num_cmp_blocks(t), kv, dk))
-  _, lse, p = reference.compressed_attention(q, kc, kc, l, d)
-  scores = reference.selection_scores(p, kv, t, cfg)
-  want = reference.select_blocks(scores, cfg)
-  got = jax.jit(lambda q, kc, lse: select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
-                                               num_selected=n, interpret=INTERPRET))(q, kc, lse)
-  assert_same_selection(want, got, scores, seed)
+  _topn_against_reference(g, kv, t=300, n=4)
 
 
 @pytest.mark.parametrize("g,kv", [(16, 1), (4, 2), (1, 2)])
 def test_topn_128_row_tiles_match_reference(g, kv):
   """The scores kernel with 128-row tiles (the default for long rows at d_k = 128: 8 tokens of
   16 heads, 32 of 4, 128 of 1) against the reference, over several chunks."""
+  _topn_against_reference(g, kv, t=600, n=5, rows=128)
+
+
+def _topn_against_reference(g, kv, *, t, n, **topn_kw):
+  """select_topn (shipped flags, plus topn_kw) on fresh random inputs against the reference:
+  B = 1, d_k = 32, l = 16, d = 8, l' = 16."""
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 2)
-  b, t, dk, l, d, lp, n = 1, 600, 32, 16, 8, 16, 5
+  b, dk, l, d, lp = 1, 32, 16, 8, 16
   cfg = NSAConfig(num_heads=g * kv, num_kv_heads=kv, head_dim=dk, cmp_block=l, cmp_stride=d,
                   sel_block=lp, num_selected=n, window=64)
   q = jax.random.normal(ks[0], (b, t, g * kv, dk))
@@ -423,8 +417,8 @@ def test_topn_128_row_tiles_match_reference(g, kv):
   scores = reference.selection_scores(p, kv, t, cfg)
   want = reference.select_blocks(scores, cfg)
   got = jax.jit(lambda q, kc, lse: select_topn(q, kc, lse, block=l, stride=d, sel_block=lp,
-                                               num_selected=n, rows=128,
-                                               interpret=INTERPRET))(q, kc, lse)
+                                               num_selected=n, interpret=INTERPRET,
+                                               **topn_kw))(q, kc, lse)
   assert_same_selection(want, got, scores, seed)
 
 
