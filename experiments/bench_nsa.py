@@ -277,8 +277,10 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
     return out
   # (rows, chunk, warps, stages); the 2026-11-29 sweep found 32-block chunks and 128 rows slower
   # (with the merges in the kernel; the 128-row and 32-block rows are here again for TWO_PASS).
-  for rows, chunk, warps, stages in ((64, 16, 4, 2), (64, 16, 2, 2), (64, 16, 8, 2),
-                                     (64, 16, 4, 1), (64, 16, 4, 3), (32, 16, 2, 2),
+  # rows None: select_topn's own rule (select_topn.default_rows: 128 rows for long rows at
+  # d_k = 128, G = 16, else 64).
+  for rows, chunk, warps, stages in ((None, 16, 4, 2), (64, 16, 4, 2), (64, 16, 2, 2),
+                                     (64, 16, 8, 2), (64, 16, 4, 1), (64, 16, 4, 3), (32, 16, 2, 2),
                                      (128, 16, 4, 2), (128, 16, 8, 2), (64, 32, 4, 2),
                                      (128, 32, 8, 2), (128, 16, 4, 3), (256, 16, 8, 2),
                                      (128, 16, 2, 2)):
@@ -286,13 +288,16 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
         q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
         rows=rows, sel_chunk=chunk, num_warps=warps, num_stages=stages, interpret=INTERPRET),)
     r = bench.time_pair(fn, [q, kc, lse], None, with_bwd=False)
-    out.append((f"topn rows{rows} chunk{chunk} w{warps} s{stages}", r["fwd"], None))
+    out.append((f"topn rows{rows} chunk{chunk} w{warps} s{stages}" if rows else
+                "topn default rule", r["fwd"], None))
     print("SWEEP", out[-1], flush=True)
   return out
 
 
 # The top-n kernel's optional code paths timed by --sweep_parts topnvar: name -> flags of
-# pallas_kernels.select_topn set on top of the defaults.
+# pallas_kernels.select_topn set on top of the defaults. Each runs with the tile rows the rule
+# gives it (select_topn.default_rows: 128 only with TWO_PASS, so at 32k-64k 128/128 the rows
+# without TWO_PASS also differ in tile size from "default").
 TOPN_FLAG_SETS = {
     "default": {},
     "loop merge": {"CARRY_VEC": False, "RANK_MERGE": False, "TWO_PASS": False},

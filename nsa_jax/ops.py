@@ -120,8 +120,9 @@ def _on_stream(branch, fn, *args, flat=True, why=""):
   log_once(logging.INFO, f"NSA {branch} branch on GPU stream {stream} (compute_on)")
   if branch != "win" and on_gpu():
     log_once(logging.WARNING, f"NSA_BRANCH_STREAMS {branch}:{stream}: on the H200 with jaxlib "
-             "0.11.2 only win:N compiled; XLA refused cmp ('No ExecutionStreamId found for "
-             "call-start') and a compile with slc aborted after a refused one "
+             "0.11.2 only win:N compiled (a window call that is one flat cuDNN call); XLA "
+             "refused cmp ('No ExecutionStreamId found for call-start') and a compile with slc "
+             "aborted after a refused one "
              "(benchmarks/results/streams_h200.md). If compilation fails, drop this entry")
   return compute_on(fn, compute_type=f"gpu_stream:{stream}",
                     out_memory_spaces=jax_core.MemorySpace.Device)(*args)
@@ -203,7 +204,8 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
     dk, dv = q.shape[-1], v.shape[-1]
     dim = max(dk, dv)
     scale = dk ** -0.5 if scale is None else scale
-    pad = lambda x: x if x.shape[-1] == dim else jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
+    pad = lambda x: (x if x.shape[-1] == dim  # no jnp.pad (a nested jit) when nothing is padded
+                     else jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),)))
     log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}"
              + (f" (head dims padded to {dim})" if dk != dv else ""))
     o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, is_causal=True,

@@ -98,25 +98,53 @@ PICK_WARPS = int(os.environ.get("NSA_TOPN_PICK_WARPS", 4))
 PICK_LOOP = _env_flag("PICK_LOOP", True)
 
 
-# The scores kernel's tile: ROWS (query heads x tokens) a program, LONG_ROWS for rows of at least
-# LONG_ROWS_MIN_CHUNKS chunks at d_k == LONG_ROWS_DK with TWO_PASS (the merges were slower with
-# 128 rows, 2026-11-29); env NSA_TOPN_ROWS forces a size everywhere. H200 sweeps of 2026-12-03 (benchmarks/results/topn_rows_h200.md; one call,
-# 64k repeated in a second): 128 rows against 64 at 128/128: 64k 12.31 / 12.22 vs 13.06 / 13.10
-# ms, 32k 3.79 vs 4.01; elsewhere mixed or worse (16k 128/128 1.19 / 1.17 vs 1.23 / 1.11, 8k
-# training layer 64/64 0.66 vs 0.57; 192/128 64k 15.53 vs 15.78, 32k 4.54 vs 4.56), so 64 there.
+# The scores kernel's tile: ROWS (query heads x tokens) a program; LONG_ROWS where measured faster:
+# d_k == LONG_ROWS_DK, G == LONG_ROWS_G, rows of at least LONG_ROWS_MIN_CHUNKS chunks, TWO_PASS
+# (the merges were slower with 128 rows, 2026-11-29). Env NSA_TOPN_ROWS forces one size.
+# H200 sweeps of 2026-12-03 (benchmarks/results/topn_rows_h200.md, HEAD_FIRST on; 64k repeated
+# in a second call): 128 rows vs 64 at 128/128, G = 16: 64k 12.31 / 12.22 vs 13.06 / 13.10 ms,
+# 32k 3.79 vs 4.01. Not adopted: 16k 128/128 (1.19 / 1.17 vs 1.23 / 1.11: the calls disagree),
+# the 8k training layer at 64/64 (0.66 vs 0.57: slower), and 192/128, where 128 rows read a
+# little faster in one run each (64k 15.53 vs 15.78, 32k 4.54 vs 4.56, 16k 1.31 vs 1.39) but
+# were not repeated. Other group sizes were not timed.
 ROWS = 64
 LONG_ROWS = 128
 LONG_ROWS_MIN_CHUNKS = 32
 LONG_ROWS_DK = 128
-_ROWS_ENV = os.environ.get("NSA_TOPN_ROWS")
+LONG_ROWS_G = 16
 
 
-def default_rows(row_chunks, dk):
-  """Tile rows of the scores kernel for rows of `row_chunks` chunks at head dim d_k."""
-  if _ROWS_ENV is not None:
-    return int(_ROWS_ENV)
-  long = row_chunks >= LONG_ROWS_MIN_CHUNKS and dk == LONG_ROWS_DK and uses_two_pass(row_chunks)
+def _rows_env():
+  v = os.environ.get("NSA_TOPN_ROWS", "")
+  if not v:
+    return None
+  if not v.isdigit() or int(v) < 16 or int(v) & (int(v) - 1):
+    raise ValueError(f"NSA_TOPN_ROWS={v!r}: the top-n scores kernel's tile rows must be a power "
+                     "of two >= 16 (Triton tiles, and the 16-row matrix-unit minimum). Fix: e.g. "
+                     "NSA_TOPN_ROWS=64, or unset it for the measured rule")
+  return int(v)
+
+
+ROWS_ENV = _rows_env()
+
+
+def default_rows(row_chunks, dk, g):
+  """Tile rows of the scores kernel for rows of `row_chunks` chunks, head dim d_k, group size G."""
+  if ROWS_ENV is not None:
+    return ROWS_ENV
+  long = (row_chunks >= LONG_ROWS_MIN_CHUNKS and dk == LONG_ROWS_DK and g == LONG_ROWS_G
+          and uses_two_pass(row_chunks))
   return LONG_ROWS if long else ROWS
+
+
+def rows_for(q_shape, kv_heads, stride, sel_block, sel_chunk=16):
+  """default_rows for a call of select_topn on q [B, T, H, d_k] (what supports() and select_topn
+  use when no rows are given)."""
+  if stride <= 0 or sel_block <= 0 or sel_block % stride or kv_heads <= 0:
+    return ROWS  # supports() names the problem
+  nsj = _chunk_width(sel_chunk, max(1, sel_block // stride))
+  row_chunks = ca.cdiv(ca.cdiv(q_shape[1], sel_block), nsj)
+  return default_rows(row_chunks, q_shape[-1], q_shape[2] // kv_heads)
 
 
 def _chunk_width(sel_chunk, r):
@@ -439,11 +467,13 @@ def best_n_rounds(vals, j, *, n, npad, loop):
   return state[1], state[2]
 
 
-def supports(q_shape, kc_shape, block, stride, sel_block, rows=64):
-  """(ok, reason): whether the kernel handles these shapes and block sizes."""
+def supports(q_shape, kc_shape, block, stride, sel_block, rows=None):
+  """(ok, reason): whether the kernel handles these shapes and block sizes (rows: the tile rows,
+  None: the rule select_topn applies by default)."""
   b, t, h, dk = q_shape
   if kc_shape[0] != b or kc_shape[3] != dk or h % kc_shape[2]:
     return False, f"k_cmp {kc_shape} does not match q {q_shape}"
+  rows = rows_for(q_shape, kc_shape[2], stride, sel_block) if rows is None else rows
   if dk < 16 or dk % 16:
     return False, f"d_k={dk}: needs a multiple of 16"
   r = sel_block // stride
@@ -472,11 +502,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
   (the compression softmax's log-sum-exp). Not differentiable (inputs are stop_gradient-ed).
   rows: the scores kernel's tile rows (None: default_rows, by the measured rule)."""
   if rows is None:
-    if sel_block <= 0 or stride <= 0 or sel_block % stride:
-      rows = ROWS  # supports() below names the problem
-    else:
-      nsj0 = _chunk_width(sel_chunk, max(1, sel_block // stride))
-      rows = default_rows(ca.cdiv(ca.cdiv(q.shape[1], sel_block), nsj0), q.shape[-1])
+    rows = rows_for(q.shape, k_cmp.shape[2], stride, sel_block, sel_chunk)
   ok, why = supports(q.shape, k_cmp.shape, block, stride, sel_block, rows)
   if not ok:
     raise ValueError(f"select_topn does not support this call: {why}")

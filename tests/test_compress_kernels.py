@@ -396,19 +396,24 @@ def test_topn_defaults_with_padded_heads_one_token_tiles_and_one_row_picks(g, kv
   _topn_against_reference(g, kv, t=300, n=4)
 
 
-@pytest.mark.parametrize("g,kv", [(16, 1), (4, 2), (1, 2)])
-def test_topn_128_row_tiles_match_reference(g, kv):
-  """The scores kernel with 128-row tiles (the default for long rows at d_k = 128: 8 tokens of
-  16 heads, 32 of 4, 128 of 1) against the reference, over several chunks."""
-  _topn_against_reference(g, kv, t=600, n=5, rows=128)
+@pytest.mark.parametrize("g,kv,dk,sliced", [(16, 1, 32, False), (4, 2, 32, False),
+                                             (1, 2, 32, False), (16, 1, 32, True),
+                                             (4, 1, 32, True), (16, 1, 128, False)])
+def test_topn_128_row_tiles_match_reference(g, kv, dk, sliced, monkeypatch):
+  """The scores kernel with 128-row tiles (the default for long rows at d_k = 128, G = 16: 8
+  tokens of 16 heads; also 32 of 4, 128 of 1) against the reference, over several chunks; sliced:
+  the score buffer capped so that TWO_PASS walks several token slices, as at 32k-64k."""
+  if sliced:
+    monkeypatch.setattr(topn_module, "TWO_PASS_MAX_BYTES", 1 << 14)
+  _topn_against_reference(g, kv, t=600, n=5, dk=dk, rows=128)
 
 
-def _topn_against_reference(g, kv, *, t, n, **topn_kw):
+def _topn_against_reference(g, kv, *, t, n, dk=32, **topn_kw):
   """select_topn (shipped flags, plus topn_kw) on fresh random inputs against the reference:
-  B = 1, d_k = 32, l = 16, d = 8, l' = 16."""
+  B = 1, l = 16, d = 8, l' = 16."""
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 2)
-  b, dk, l, d, lp = 1, 32, 16, 8, 16
+  b, l, d, lp = 1, 16, 8, 16
   cfg = NSAConfig(num_heads=g * kv, num_kv_heads=kv, head_dim=dk, cmp_block=l, cmp_stride=d,
                   sel_block=lp, num_selected=n, window=64)
   q = jax.random.normal(ks[0], (b, t, g * kv, dk))
@@ -423,24 +428,40 @@ def _topn_against_reference(g, kv, *, t, n, **topn_kw):
 
 
 def test_topn_default_rows_rule(monkeypatch):
-  """128 rows only where measured faster (d_k = 128, rows of >= 32 chunks, TWO_PASS); 64 else,
-  and select_topn takes the rule's choice when no rows are given."""
-  rule = topn_module.default_rows
-  assert rule(64, 128) == rule(32, 128) == 128
-  assert rule(31, 128) == rule(64, 192) == rule(64, 64) == rule(8, 64) == 64
-  monkeypatch.setattr(topn_module, "TWO_PASS", False)
-  assert rule(64, 128) == 64
+  """128 rows only where measured faster (d_k = 128, G = 16, rows of >= 32 chunks, TWO_PASS);
+  64 else; NSA_TOPN_ROWS forces a size and refuses one the kernel cannot tile; select_topn and
+  supports() take the rule's choice when no rows are given, and the kernel's tile gets it."""
+  monkeypatch.setattr(topn_module, "ROWS_ENV", None)
   monkeypatch.setattr(topn_module, "TWO_PASS", None)
+  rule = topn_module.default_rows
+  assert rule(64, 128, 16) == rule(32, 128, 16) == 128
+  assert rule(31, 128, 16) == rule(64, 192, 16) == rule(64, 64, 16) == rule(64, 128, 4) == 64
+  monkeypatch.setattr(topn_module, "TWO_PASS", False)
+  assert rule(64, 128, 16) == 64
+  monkeypatch.setattr(topn_module, "TWO_PASS", None)
+  monkeypatch.setattr(topn_module, "ROWS_ENV", 32)
+  assert rule(64, 128, 16) == rule(8, 64, 4) == 32
+  for bad in ("8", "96", "x", "-64"):
+    monkeypatch.setenv("NSA_TOPN_ROWS", bad)
+    with pytest.raises(ValueError, match="NSA_TOPN_ROWS=.*power of two >= 16"):
+      topn_module._rows_env()
+  monkeypatch.setenv("NSA_TOPN_ROWS", "")
+  assert topn_module._rows_env() is None
+  monkeypatch.setattr(topn_module, "ROWS_ENV", None)
   seen = []
-  real = topn_module.supports
-  monkeypatch.setattr(topn_module, "supports", lambda *a: seen.append(a[-1]) or real(*a))
-  for t, dk, want in ((32768, 128, 128), (16384, 128, 64), (32768, 192, 64)):
-    q = jax.ShapeDtypeStruct((1, t, 16, dk), jnp.bfloat16)
+  real = topn_module.ca.tile_shape
+  monkeypatch.setattr(topn_module.ca, "tile_shape",
+                      lambda g, rows: seen.append(rows) or real(g, rows))
+  for t, dk, h, want in ((32768, 128, 16, 128), (16384, 128, 16, 64), (32768, 192, 16, 64),
+                         (32768, 128, 4, 64)):
+    q = jax.ShapeDtypeStruct((1, t, h, dk), jnp.bfloat16)
     kc = jax.ShapeDtypeStruct((1, t // 16 - 1, 1, dk), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((1, t, 16), jnp.float32)
+    lse = jax.ShapeDtypeStruct((1, t, h), jnp.float32)
+    seen.clear()
+    assert topn_module.supports(q.shape, kc.shape, 32, 16, 64) == (True, "ok")
     jax.eval_shape(lambda q, kc, lse: select_topn(q, kc, lse, block=32, stride=16, sel_block=64,
                                                   num_selected=16, interpret=True), q, kc, lse)
-    assert seen[-1] == want, (t, dk, seen)
+    assert seen and set(seen) == {want}, (t, dk, h, seen)
 
 
 def assert_same_selection(want, got, scores, seed):
@@ -617,6 +638,19 @@ def test_window_stream_only_for_one_flat_cudnn_call(monkeypatch, caplog):
     out = ops._on_stream("win", lambda x: calls.append(x) or x + 1, 1, flat=False, why="because")
   assert out == 2 and calls == [1]
   assert "win:3 not applied to this call: because" in caplog.text
+
+
+def test_window_call_site_passes_its_flatness_to_the_stream_wrapper(monkeypatch):
+  """nsa_attention hands _on_stream the window call's flatness (off a GPU: not flat, "plain
+  JAX"), so a GPU run can keep such a call off the stream."""
+  seen = {}
+  real = ops._on_stream
+  monkeypatch.setattr(ops, "_on_stream", lambda branch, fn, *a, **kw: (
+      seen.setdefault(branch, kw), real(branch, fn, *a, **kw))[1])
+  ks = jax.random.split(jax.random.key(_seed()), 10)
+  cfg, args = whole_op_case(ks)
+  jax.eval_shape(lambda *a: ops.nsa_attention(*a, cfg, implementation="pallas"), *args)
+  assert seen["win"]["flat"] is False and "plain JAX" in seen["win"]["why"], seen
 
 
 @pytest.mark.parametrize("spec,want", [("", {}), ("win:1", {"win": 1}),
