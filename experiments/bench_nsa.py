@@ -245,6 +245,15 @@ def bench_layer(bench, key, t, d_model=2560):
             dense_impl="DenseAttention/cudnn")
 
 
+# The top-n launches timed by --sweep_parts topn: (rows, chunk, warps, stages). The 2026-11-29
+# sweep found 32-block chunks and 128 rows slower (with the merges in the kernel; the 128-row and
+# 32-block launches are here again for TWO_PASS). rows None: select_topn's own rule
+# (select_topn.default_rows: 128 rows for long rows at d_k = 128, G = 16, else 64).
+TOPN_LAUNCHES = ((None, 16, 4, 2), (64, 16, 4, 2), (64, 16, 2, 2), (64, 16, 8, 2), (64, 16, 4, 1),
+                 (64, 16, 4, 3), (32, 16, 2, 2), (128, 16, 4, 2), (128, 16, 8, 2), (64, 32, 4, 2),
+                 (128, 32, 8, 2), (128, 16, 4, 3), (256, 16, 8, 2), (128, 16, 2, 2))
+
+
 def sweep(key, t, cfg, parts=("cmp", "topn")):
   """Tiling variants of the compression and top-n kernels at one shape: [(name, fwd, fwd_bwd)]."""
   from pallas_kernels.compress_attention import CmpTiling
@@ -275,15 +284,7 @@ def sweep(key, t, cfg, parts=("cmp", "topn")):
     out += topn_variants(q, kc, lse, cfg, bench)
   if "topn" not in parts:
     return out
-  # (rows, chunk, warps, stages); the 2026-11-29 sweep found 32-block chunks and 128 rows slower
-  # (with the merges in the kernel; the 128-row and 32-block rows are here again for TWO_PASS).
-  # rows None: select_topn's own rule (select_topn.default_rows: 128 rows for long rows at
-  # d_k = 128, G = 16, else 64).
-  for rows, chunk, warps, stages in ((None, 16, 4, 2), (64, 16, 4, 2), (64, 16, 2, 2),
-                                     (64, 16, 8, 2), (64, 16, 4, 1), (64, 16, 4, 3), (32, 16, 2, 2),
-                                     (128, 16, 4, 2), (128, 16, 8, 2), (64, 32, 4, 2),
-                                     (128, 32, 8, 2), (128, 16, 4, 3), (256, 16, 8, 2),
-                                     (128, 16, 2, 2)):
+  for rows, chunk, warps, stages in TOPN_LAUNCHES:
     fn = lambda q, kc, lse, rows=rows, chunk=chunk, warps=warps, stages=stages: (select_topn(
         q, kc, lse, block=l, stride=d, sel_block=cfg.sel_block, num_selected=cfg.num_selected,
         rows=rows, sel_chunk=chunk, num_warps=warps, num_stages=stages, interpret=INTERPRET),)

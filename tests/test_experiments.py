@@ -542,7 +542,7 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   assert sweep["T"] == 128 and sweep["hardware"] and sweep["command"]
   assert (sweep["d_k"], sweep["d_v"], sweep["batch"]) == (32, 32, 2)
   assert [r["variant"].split()[0] for r in sweep["rows"]] == ["topn"] * (
-      6 + len(bench_nsa.TOPN_FLAG_SETS))
+      len(bench_nsa.TOPN_LAUNCHES) + len(bench_nsa.TOPN_FLAG_SETS))
   assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] is None for r in sweep["rows"])
   # the code-path variants pick the same blocks as the first (no near-ties at this size)
   variants = [r for r in sweep["rows"] if "same_slots" in r]
