@@ -142,14 +142,19 @@ def rows_for(q_shape, kv_heads, stride, sel_block, sel_chunk=16):
   use when no rows are given)."""
   if stride <= 0 or sel_block <= 0 or sel_block % stride or kv_heads <= 0:
     return ROWS  # supports() names the problem
-  nsj = _chunk_width(sel_chunk, max(1, sel_block // stride))
-  row_chunks = ca.cdiv(ca.cdiv(q_shape[1], sel_block), nsj)
-  return default_rows(row_chunks, q_shape[-1], q_shape[2] // kv_heads)
+  nsj = _chunk_width(sel_chunk, sel_block // stride)
+  return default_rows(_row_chunks(q_shape[1], sel_block, nsj), q_shape[-1],
+                      q_shape[2] // kv_heads)
 
 
 def _chunk_width(sel_chunk, r):
   """Selection blocks a chunk (nsj): the dots need >= 16 columns and rows."""
   return max(sel_chunk, 16, 16 // r)
+
+
+def _row_chunks(t, sel_block, nsj):
+  """Chunks of nsj selection blocks in a row of T tokens (the kernel's chunk loop length)."""
+  return ca.cdiv(ca.cdiv(t, sel_block), nsj)
 
 
 def uses_two_pass(row_chunks):
@@ -538,7 +543,7 @@ def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_in
     first = jnp.zeros((b, t), jnp.int32)
   npad = ca.next_pow2(num_selected)
   scale = float(dk ** -0.5 if scale is None else scale)
-  row_chunks = ca.cdiv(ns, nsj)
+  row_chunks = _row_chunks(t, sel_block, nsj)
   carry_vec, rank_merge = chunk_paths(row_chunks, dk, num_selected)
   first_fill = FIRST_FILL and nsj == num_selected == npad and row_chunks <= FIRST_FILL_MAX_CHUNKS
   two_pass = uses_two_pass(row_chunks)

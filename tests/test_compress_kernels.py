@@ -6,7 +6,6 @@ Fresh random inputs every run; the seed is in every failure message.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -490,17 +489,17 @@ def assert_same_selection(want, got, scores, seed):
 
 # ----------------------------------------------------------------------------- whole op
 
-def whole_op_case(ks):
-  """A small whole-op case (T=100, 4/2 heads, 32/16 dims, l=16, d=8, l'=16, n=4, w=24): cfg and
-  the op's 8 inputs drawn from keys ks[0..7]."""
-  b, t, h, kv, dk, dv = 1, 100, 4, 2, 32, 16
+def whole_op_case(ks, dv=16, dtype=jnp.float32):
+  """A small whole-op case (T=100, 4/2 heads, d_k = 32, d_v = dv, l=16, d=8, l'=16, n=4, w=24):
+  cfg and the op's 8 inputs in dtype, drawn from keys ks[0..7]."""
+  b, t, h, kv, dk = 1, 100, 4, 2, 32
   cfg = NSAConfig(num_heads=h, num_kv_heads=kv, head_dim=dk, head_dim_v=dv, cmp_block=16,
                   cmp_stride=8, sel_block=16, num_selected=4, window=24)
   nc = cfg.num_cmp_blocks(t)
   shapes = [(b, t, h, dk), (b, nc, kv, dk), (b, nc, kv, dv), (b, t, kv, dk), (b, t, kv, dv),
             (b, t, kv, dk), (b, t, kv, dv)]
-  args = [jax.random.normal(k, s) for k, s in zip(ks, shapes)]
-  args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))))
+  args = [jax.random.normal(k, s, dtype) for k, s in zip(ks, shapes)]
+  args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))).astype(dtype))
   return cfg, args
 
 
@@ -554,16 +553,9 @@ def _stream_case(ks, case):
   """whole_op_case with segment ids in float32 ("seg_f32": on a GPU the window branch runs plain
   JAX), or without segment ids in bfloat16 with d_k = d_v ("bf16_equal_dims": on a GPU it is
   one cuDNN call, the only window call ops._on_stream puts on a stream there)."""
-  cfg, args = whole_op_case(ks)
   if case == "seg_f32":
-    return cfg, args, _segments(ks[8], 1, 100), 1e-6
-  cfg = dataclasses.replace(cfg, head_dim_v=cfg.head_dim)
-  b, t, h, dk = args[0].shape
-  nc, kv = args[1].shape[1], args[1].shape[2]
-  shapes = [(b, t, h, dk), (b, nc, kv, dk), (b, nc, kv, dk), (b, t, kv, dk), (b, t, kv, dk),
-            (b, t, kv, dk), (b, t, kv, dk)]
-  args = [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(ks, shapes)]
-  args.append(jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h, 3))).astype(jnp.bfloat16))
+    return (*whole_op_case(ks), _segments(ks[8], 1, 100), 1e-6)
+  cfg, args = whole_op_case(ks, dv=32, dtype=jnp.bfloat16)
   # the one-stream and stream runs execute the same kernels; cuDNN's backward may add in
   # another order between runs (bf16 outputs)
   return cfg, args, None, 2e-2 if ON_GPU else 1e-6
