@@ -29,6 +29,9 @@ def get_config(scale=None):
   c.data.source = "passkey"
   c.data.num_questions = 3         # 15 scored digits per sequence (see the module docstring)
   c.data.context_loss_weight = 0.1  # small LM loss on the filler: builds previous-token heads
+  # Rows asking only at the end (their answer's distance uniform over the row). 0: the recipe of
+  # every committed run before 2026-12-03; see experiments/passkey_distances.py for why > 0.
+  c.data.single_question_fraction = 0.0
   if scale == "gpu":
     return _gpu(c)
   c.model.n_kv_heads = 4           # one K/V per query head (NSA selects per KV group)

@@ -149,6 +149,63 @@ def test_extra_questions_and_context_weight(task):
     iterator(data.make_sources(data_cfg(source=task, num_questions=9))["train"], seq_len=300).batch(0)
 
 
+def _passkey(**kw):
+  return data.make_sources(data_cfg(source="passkey", num_questions=5, context_loss_weight=0.01,
+                                    **kw))["train"]
+
+
+def test_single_question_fraction_zero_keeps_every_row():
+  """The default draws nothing extra: rows and fingerprint are those of a config without the field."""
+  plain, zero = _passkey(), _passkey(single_question_fraction=0.0)
+  assert zero.fingerprint == plain.fingerprint and "single_question_fraction" not in zero.fingerprint
+  for step in range(3):
+    a, b = iterator(plain, seq_len=512).batch(step), iterator(zero, seq_len=512).batch(step)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  assert _passkey(single_question_fraction=0.5).fingerprint["single_question_fraction"] == 0.5
+  for bad in (-0.1, 1.5):
+    with pytest.raises(ValueError, match="single_question_fraction.*Fix"):
+      _passkey(single_question_fraction=bad)
+
+
+def test_single_question_rows_put_the_fact_at_a_uniform_distance():
+  """f = 1: every row asks once, at the end, and the answer's only earlier copy of the key is the
+  fact, anywhere in the row; f = 0.5: about half the rows do."""
+  length, rows = 1024, 300
+  one = _passkey(single_question_fraction=1.0)
+  batch = iterator(one, seq_len=length, global_batch=8).batch(SEED % 97)
+  for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"]):
+    text = bytes(np.append(inputs, targets[-1]).astype(np.uint8)).decode()
+    assert text.count("?") == 1 and (weights == 1.0).sum() == 5, f"seed {SEED}"
+  d = data.retrieval_distances(one, length, rows, seed=SEED)
+  assert d.size == rows and d.min() > 0 and d.max() < length
+  far = (d >= length // 2).mean()
+  assert 0.35 < far < 0.65, f"distances not uniform over the row: {far:.2f} beyond half (seed {SEED})"
+  assert (d >= 0.9 * length).any()
+  # with 5 questions the nearest copy is mostly the previous question: far answers are rare
+  five = data.retrieval_distances(_passkey(), length, rows, seed=SEED)
+  assert five.size == 5 * rows and (five >= length // 2).mean() < 0.1, f"seed {SEED}"
+  half = data.retrieval_distances(_passkey(single_question_fraction=0.5), length, rows, seed=SEED)
+  singles = (5 * rows - half.size) / 4  # each single-question row has 4 answers fewer
+  assert 0.4 * rows < singles < 0.6 * rows, f"{singles} single-question rows of {rows} (seed {SEED})"
+
+
+def test_retrieval_distances_measures_back_to_the_key():
+  """One row by hand: the answer's distance is its start minus the fact's digits' start."""
+  src = _passkey(single_question_fraction=1.0)
+  seq, weights = src.row(data._row_rng(SEED, "train", 0, 0), 301)
+  text = bytes(seq.astype(np.uint8))
+  key = text[text.index(b"The pass key is ") + 16:][:5]
+  answer = int(np.flatnonzero(weights == 1.0)[0]) + 1
+  assert text[answer:answer + 5] == key
+  assert data.retrieval_distances(src, 300, 1, seed=SEED).tolist() == [answer - text.index(key)]
+  with pytest.raises(ValueError, match="context_loss_weight"):
+    data.retrieval_distances(data.make_sources(data_cfg(source="passkey", context_loss_weight=1.0))
+                             ["train"], 300, 1)
+  with pytest.raises(ValueError, match="passkey"):
+    data.retrieval_distances(data.make_sources(data_cfg(source="mqar"))["train"], 300, 1)
+
+
 def test_mqar_values_follow_their_keys():
   src = data.make_sources(data_cfg(source="mqar"))
   batch = iterator(src["val"], seq_len=128, split="val").batch(0)

@@ -229,6 +229,27 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
     assert "USAGE" not in r.stderr and len(r.stderr.splitlines()) < 8, (args, r.stderr[-2000:])
 
 
+def test_passkey_distances_cli_writes_its_table(tmp_path):
+  """The data-distance tool: a table per eval depth, JSON beside it; non-passkey data refused."""
+  out = tmp_path / "pd"
+  r = subprocess.run([sys.executable, "-m", "experiments.passkey_distances",
+                      "--config=configs/sweep_needle.py", "--rows=40",
+                      "--config.data.single_question_fraction=1.0", f"--out={out}"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=240)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rec = json.loads((tmp_path / "pd.json").read_text())
+  assert rec["answers"] == 40 and rec["seq_len"] == 256
+  depths = {d["depth"]: d for d in rec["depths"]}
+  assert depths[0.0]["eval_distance"] > depths[0.5]["eval_distance"] > depths[1.0]["eval_distance"] > 0
+  assert all(0 <= d["train_fraction_at_least"] <= d["train_fraction_at_least_90pct"] <= 1
+             for d in rec["depths"])
+  assert "| needle_eval depth |" in (tmp_path / "pd.md").read_text()
+  bad = subprocess.run([sys.executable, "-m", "experiments.passkey_distances",
+                        "--config=configs/tiny_cpu.py", "--rows=2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=240)
+  assert bad.returncode == 1 and "passkey" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_cli_reuses_a_record_from_another_sweep_instead_of_training(sweep_file, tmp_path):
   module = ablate.load_sweep(sweep_file)
   config = ablate.resolve_runs(module, module.get_config())["nsa"][1]

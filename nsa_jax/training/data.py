@@ -8,7 +8,8 @@ Sources (config.data.source):
   "tokens": a flat uint16/uint32 token file (np.memmap), held-out tail or a separate val_path.
   "passkey" / "needle": retrieval of 1 / num_needles key-value facts hidden in filler text
             (optional num_questions: questions per sequence, default 1; optional
-            context_loss_weight: loss weight of the non-answer tokens, default 0).
+            context_loss_weight: loss weight of the non-answer tokens, default 0; optional
+            single_question_fraction: rows that ask only at the end, default 0).
   "mqar":   multi-query associative recall: key-value pairs, a long gap, then queried keys.
 Because a batch depends only on its step, the iterator state is just the next step (plus a
 fingerprint of the source), and a resumed run sees exactly the batches it would have seen.
@@ -172,17 +173,28 @@ class NeedleSource:
   digits instead of 5. The default 1 is the original task, byte for byte.
   context_weight > 0 also puts that loss weight on every other target (filler, facts, questions):
   a language-model signal besides the answers. The default 0 scores the answers only.
+  single_question_fraction f: each row, with probability f, asks only the final question. With
+  extra questions every question repeats the key, so an answer copies from the nearest earlier
+  question, and the facts take the earliest of the random cuts: at 4k tokens and 5 questions no
+  answer's nearest earlier copy of its key lies more than 3.5k tokens back (measured, see
+  retrieval_distances), while needle_eval's depth 0 asks from ~4k back. A single-question row puts
+  its fact at a uniform place, so its one answer's distance is uniform over the row. The default 0
+  draws nothing extra: rows stay byte for byte as before.
   """
 
   def __init__(self, num_needles: int, fingerprint: dict, num_questions: int = 1,
-               context_weight: float = 0.0):
+               context_weight: float = 0.0, single_question_fraction: float = 0.0):
     if num_questions < 1:
       raise ValueError(f"config.data.num_questions={num_questions}: must be >= 1")
     if context_weight < 0:
       raise ValueError(f"config.data.context_loss_weight={context_weight}: must be >= 0")
+    if not 0.0 <= single_question_fraction <= 1.0:
+      raise ValueError(f"config.data.single_question_fraction={single_question_fraction}: must be "
+                       "a fraction in [0, 1]. Fix: e.g. 0.5 (half the rows ask only at the end)")
     self.num_needles = num_needles
     self.num_questions = num_questions
     self.context_weight = context_weight
+    self.single_question_fraction = single_question_fraction
     self.fingerprint = fingerprint
 
   def _question(self, keys, vals, q):
@@ -208,6 +220,9 @@ class NeedleSource:
       raise ValueError(f"seq_len too short for {self.num_needles} needle(s) and "
                        f"{self.num_questions} question(s): need at least {length - room} tokens. "
                        "Fix: raise config.data.seq_len or lower config.data.num_questions")
+    # Drawn only when asked for, so that rows at the default stay as they were.
+    if self.single_question_fraction and extra and rng.random() < self.single_question_fraction:
+      room, extra = room + len(question) * extra, 0
     filler = b"".join(_FILLER[i] for i in rng.integers(0, len(_FILLER), room // 10 + 1))[:room]
     cuts = np.sort(rng.integers(0, room + 1, len(facts) + extra))
     # The facts take the earliest cuts, so every question comes after all the facts.
@@ -224,6 +239,25 @@ class NeedleSource:
     for end in ends[len(facts):]:  # an extra question's digits end at byte `end` (exclusive)
       weights[end - 6:end - 1] = 1.0  # target j predicts byte j + 1
     return seq, weights
+
+
+def retrieval_distances(source: NeedleSource, length: int, rows: int, seed: int = 0) -> np.ndarray:
+  """Tokens from each scored answer back to the nearest earlier copy of its digits, over `rows`
+  training rows of `length` tokens (rows 0.. of step 0 at data seed `seed`): how far the data
+  asks a model to retrieve. An answer is found by its loss weight of 1, so context_weight must
+  not be 1 as well."""
+  if not isinstance(source, NeedleSource):
+    raise ValueError(f"retrieval_distances: a passkey / needle source, not {type(source).__name__}")
+  if source.context_weight == 1.0:
+    raise ValueError("retrieval_distances: context_loss_weight is 1, so the answers cannot be told "
+                     "from the rest by their weight. Fix: any other context_loss_weight")
+  out = []
+  for r in range(rows):
+    seq, weights = source.row(_row_rng(seed, "train", 0, r), length + 1)
+    text = bytes(seq.astype(np.uint8))
+    for start in np.flatnonzero(weights == 1.0)[::5] + 1:  # target j is byte j + 1
+      out.append(start - text.rfind(text[start:start + 5], 0, start))
+  return np.asarray(out, np.int64)
 
 
 class MQARSource:
@@ -265,12 +299,15 @@ def make_sources(cfg) -> dict:
     # checkpoints it guards, stay as they were.
     nq = int(cfg.get("num_questions", 1))
     cw = float(cfg.get("context_loss_weight", 0.0))
+    sq = float(cfg.get("single_question_fraction", 0.0))
     fp = dict(source=cfg.source, num_needles=n)
     if nq != 1:
       fp["num_questions"] = nq
     if cw:
       fp["context_loss_weight"] = cw
-    return {s: NeedleSource(n, fp, nq, cw) for s in SPLITS}
+    if sq:
+      fp["single_question_fraction"] = sq
+    return {s: NeedleSource(n, fp, nq, cw, sq) for s in SPLITS}
   if cfg.source == "mqar":
     fp = dict(source="mqar", num_kv_pairs=cfg.num_kv_pairs, num_queries=cfg.num_queries)
     return {s: MQARSource(cfg.num_kv_pairs, cfg.num_queries, fp) for s in SPLITS}
