@@ -23,7 +23,8 @@
 #          (default "nsa dense"); on a one-GPU machine they run one after another. PK_EVAL_STEPS:
 #          4k-stage checkpoints scored beside the last (e.g. 600,800); PK_ARGS2: more overrides for
 #          the 4k stage (e.g. --config.optim.learning_rate=5e-4), PK_ARGS1 for the first stage
-#          (e.g. seeds), with PK_TAG naming the variant.
+#          (e.g. seeds), with PK_TAG naming the variant. PK_STEPS3 / PK_ARGS3: a third 4k stage
+#          warm-started from the second (e.g. the far-answer rows of single_question_fraction late).
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
 #          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
@@ -245,15 +246,26 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   # one-GPU kind) one after another on GPU 0. PK_ARGS2 needs PK_TAG, a name for the variant in
   # the run's tag, so that its results do not overwrite those of the plain recipe. PK_ARGS1: the
   # same for stage 1 (e.g. "--config.train.seed=1 --config.data.seed=1" with PK_ARGS2 holding
-  # them too: a second seed of the whole recipe).
-  local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400}
+  # them too: a second seed of the whole recipe). PK_STEPS3 (default none): a third stage of that
+  # many steps at 4k, warm-started from the 4k stage's last checkpoint, with PK_ARGS3 as its
+  # overrides (PK_ARGS2 is not inherited: repeat seeds or rates there), e.g. the far-answer rows
+  # only late: PK_ARGS3="--config.data.single_question_fraction=0.5 ...". Its last checkpoint is
+  # scored as <model>_s3 beside the 4k stage's.
+  local len1=${PK_LEN1:-1024} steps1=${PK_STEPS1:-1500} steps2=${PK_STEPS2:-400} steps3=${PK_STEPS3:-}
   local runs=${PK_RUNS:-nsa dense} evals=${PK_EVAL_STEPS:-} ngpu r gpu st nruns
   local every2=200  # the 4k stage's checkpoint and eval period (as configs/sweep_needle.py:gpu)
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   nruns=$(wc -w <<< "$runs")
   if (( 32768 % len1 )); then echo "PK_LEN1=$len1 must divide 32768 (tokens per step)"; return 2; fi
-  if [ -n "${PK_ARGS1:-}${PK_ARGS2:-}" ] && [ -z "${PK_TAG:-}" ]; then
-    echo "PK_ARGS1 / PK_ARGS2 is set: name the variant with PK_TAG (e.g. PK_TAG=lr5e-4)"; return 2
+  if [ -n "${PK_ARGS1:-}${PK_ARGS2:-}${PK_ARGS3:-}${steps3}" ] && [ -z "${PK_TAG:-}" ]; then
+    echo "PK_ARGS1 / PK_ARGS2 / PK_ARGS3 / PK_STEPS3 is set: name the variant with PK_TAG (e.g. PK_TAG=lr5e-4)"
+    return 2
+  fi
+  if [ -n "${PK_ARGS3:-}" ] && [ -z "$steps3" ]; then
+    echo "PK_ARGS3 is set but PK_STEPS3 is not: PK_ARGS3 needs PK_STEPS3 (the third stage's steps)"; return 2
+  fi
+  if [ -n "$steps3" ] && { ! [[ $steps3 =~ ^[0-9]+$ ]] || (( steps3 < 1 )); }; then
+    echo "PK_STEPS3=$steps3 must be a positive number of steps"; return 2
   fi
   for st in ${evals//,/ }; do
     if (( st % every2 || st >= steps2 )); then
@@ -263,7 +275,8 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   done
   local t="timeout -k 60 -s TERM $((240 * steps1 / 1500)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
   local t2="timeout -k 60 -s TERM $((120 + steps2 * 3 / 10)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
-  local tag=pk2_$len1${PK_N1:+_n$PK_N1}${PK_STEPS1:+_s$PK_STEPS1}${PK_STEPS2:+_t$PK_STEPS2}${PK_TAG:+_$PK_TAG}
+  local t3="timeout -k 60 -s TERM $((120 + ${steps3:-0} * 3 / 10)) python3 -m experiments.train --config=configs/sweep_needle.py:gpu"
+  local tag=pk2_$len1${PK_N1:+_n$PK_N1}${PK_STEPS1:+_s$PK_STEPS1}${PK_STEPS2:+_t$PK_STEPS2}${steps3:+_u$steps3}${PK_TAG:+_$PK_TAG}
   local d=$T/$tag
   # the same answer : context loss ratio as at 4k (25 : 0.01 x ~4000 = 0.04 x ~1000 = 0.02 x ~2000)
   local s1="--config.data.seq_len=$len1 --config.data.global_batch_size=$((32768 / len1))
@@ -274,6 +287,8 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   local s2="--config.train.num_steps=$steps2 --config.train.eval_every=$every2
     --config.checkpoint.every_steps=$every2 --config.checkpoint.max_to_keep=$((steps2 / every2 + 1))
     ${PK_ARGS2:-}"
+  local s3="--config.train.num_steps=${steps3:-0} --config.train.eval_every=$every2
+    --config.checkpoint.every_steps=$every2 ${PK_ARGS3:-}"
   _pk_run() {  # _pk_run <model> <gpu>: both stages of one model
     local extra1="" extra=""
     if [ "$1" = nsa ]; then extra1=${PK_N1:+--config.model.nsa.num_selected=$PK_N1}
@@ -283,6 +298,11 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
     CUDA_VISIBLE_DEVICES=$2 $t2 $s2 $extra --workdir=$d/$1 --config.checkpoint.init_from=$d/${1}_s1 \
       > "$R/${tag}_${1}.log" 2>&1
     grep -h "^done:\|stopped" "$R/${tag}_${1}.log"
+    if [ -n "$steps3" ]; then
+      CUDA_VISIBLE_DEVICES=$2 $t3 $s3 $extra --workdir=$d/${1}_s3 --config.checkpoint.init_from=$d/$1 \
+        > "$R/${tag}_${1}_s3.log" 2>&1
+      grep -h "^done:\|stopped" "$R/${tag}_${1}_s3.log"
+    fi
   }
   gpu=0
   for r in $runs; do
@@ -294,6 +314,11 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   for r in $runs; do
     keep "$d/${r}_s1" "${tag}_${r}_s1"; keep "$d/$r" "${tag}_$r"
     wds+="${wds:+,}$d/$r"; labels+="${labels:+,}$r"
+    if [ -n "$steps3" ]; then
+      keep "$d/${r}_s3" "${tag}_${r}_s3"
+      if [ -d "$d/${r}_s3/checkpoints" ]; then wds+=",$d/${r}_s3"; labels+=",${r}_s3"
+      else echo "no third-stage checkpoint in $d/${r}_s3: not scored"; fi
+    fi
     for st in ${evals//,/ }; do  # a run cut by its timeout may not have reached the step
       if [ -d "$d/$r/checkpoints/$st" ]; then wds+=",$d/$r@$st"; labels+=",$r@$st"
       else echo "no checkpoint $st in $d/$r: not scored"; fi

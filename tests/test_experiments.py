@@ -505,7 +505,11 @@ def test_passkey2_refuses_bad_settings_before_training(tmp_path):
   for env, want in [({"PK_ARGS2": "--config.optim.learning_rate=5e-4"}, "with PK_TAG"),
                     ({"PK_ARGS1": "--config.train.seed=1"}, "with PK_TAG"),
                     ({"PK_EVAL_STEPS": "300"}, "300 is not a saved 4k-stage step"),
-                    ({"PK_STEPS2": "800", "PK_EVAL_STEPS": "800"}, "800 is not a saved")]:
+                    ({"PK_STEPS2": "800", "PK_EVAL_STEPS": "800"}, "800 is not a saved"),
+                    ({"PK_STEPS3": "400"}, "with PK_TAG"),
+                    ({"PK_ARGS3": "--config.data.single_question_fraction=0.5", "PK_TAG": "t"},
+                     "PK_ARGS3 needs PK_STEPS3"),
+                    ({"PK_STEPS3": "x", "PK_TAG": "t"}, "must be a positive number")]:
     out = subprocess.run(["bash", "scripts/h200_runs.sh", "passkey2"], cwd=work, text=True,
                          capture_output=True, timeout=60,
                          env={**os.environ, "OUT": str(tmp_path / "out"), "PACK_AT": "60", **env})
