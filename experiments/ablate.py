@@ -41,8 +41,8 @@ MATCH_PARAMS = "MATCH_PARAMS"
 _UI_FIELDS = ("train.progress_bar", "train.tensorboard", "train.plot")  # do not change the run
 # How the same math is traced (added after runs were recorded; left out so their hashes hold).
 _COMPUTE_FIELDS = ("model.layer_loop",)
-_UNSET_FIELDS = ("checkpoint.init_from",)  # left out of the hash while empty (added later: keeps the
-                                           # hashes of the runs recorded before them)
+# Left out of the hash while empty or 0 (added later: keeps the hashes of the runs recorded before).
+_UNSET_FIELDS = ("checkpoint.init_from", "data.single_question_fraction")
 
 _CONFIG = None
 _RUN = None

@@ -1,4 +1,4 @@
-"""How far a passkey / needle config's training data asks a model to retrieve, beside the
+"""How far a passkey config's training data asks a model to retrieve, beside the
 distances that needle_eval's depths ask for.
 
   python -m experiments.passkey_distances --config=configs/sweep_needle.py:gpu \
@@ -70,9 +70,12 @@ def main(argv):
   del argv
   from nsa_jax.training import data as data_lib
   cfg = _CONFIG.value
-  if cfg.data.source not in ("passkey", "needle"):
-    raise ValueError(f"config.data.source={cfg.data.source!r}: this tool reads passkey / needle "
-                     "data. Fix: --config=configs/sweep_needle.py[:gpu]")
+  if cfg.data.source != "passkey":
+    raise ValueError(f"config.data.source={cfg.data.source!r}: this tool reads passkey data (the "
+                     "distances it compares with are needle_eval's passkey examples). Fix: "
+                     "--config=configs/sweep_needle.py[:gpu]")
+  if _ROWS.value < 1:
+    raise ValueError(f"--rows={_ROWS.value}: must be >= 1. Fix: e.g. --rows=2000")
   length = cfg.data.seq_len
   dist = data_lib.retrieval_distances(data_lib.make_sources(cfg.data)["train"], length,
                                       _ROWS.value, cfg.data.seed)
@@ -85,7 +88,7 @@ def main(argv):
     with open(_OUT.value + ".md", "w") as f:
       f.write(text)
     with open(_OUT.value + ".json", "w") as f:
-      json.dump(dict(s, command=command, seq_len=length, fingerprint=cfg.data.to_dict()), f, indent=1)
+      json.dump(dict(s, command=command, seq_len=length, data_config=cfg.data.to_dict()), f, indent=1)
   return 0
 
 

@@ -110,6 +110,12 @@ def test_config_hash_ignores_ui_fields_only():
   assert ablate.config_hash(a) == ablate.config_hash(c)
   c.checkpoint.init_from = "/some/run"
   assert ablate.config_hash(a) != ablate.config_hash(c)
+  # data.single_question_fraction (added later) counts only when not 0
+  e = tiny_config(seed=1)
+  e.data.single_question_fraction = 0.0
+  assert ablate.config_hash(a) == ablate.config_hash(e)
+  e.data.single_question_fraction = 0.5
+  assert ablate.config_hash(a) != ablate.config_hash(e)
   # model.layer_loop only says how the same math is traced (added after runs were recorded)
   d = tiny_config(seed=1)
   d.model.layer_loop = "python"
@@ -240,14 +246,21 @@ def test_passkey_distances_cli_writes_its_table(tmp_path):
   rec = json.loads((tmp_path / "pd.json").read_text())
   assert rec["answers"] == 40 and rec["seq_len"] == 256
   depths = {d["depth"]: d for d in rec["depths"]}
-  assert depths[0.0]["eval_distance"] > depths[0.5]["eval_distance"] > depths[1.0]["eval_distance"] > 0
+  # needle_eval's example: the answer starts 5 tokens before the end, the key after the fact's prefix
+  for depth, d in depths.items():
+    tokens, key, cut = needle_eval.passkey_example(256, depth, np.random.default_rng(SEED))
+    text = bytes(tokens.astype(np.uint8)).decode()
+    assert d["eval_distance"] == text.rindex(key) - text.index(key), depth
+  assert depths[0.0]["eval_distance"] == 236 and depths[1.0]["eval_distance"] == 59
   assert all(0 <= d["train_fraction_at_least"] <= d["train_fraction_at_least_90pct"] <= 1
              for d in rec["depths"])
+  assert depths[1.0]["train_fraction_at_least"] > 0.9  # f = 1: nearly every answer is >= 59 back
   assert "| needle_eval depth |" in (tmp_path / "pd.md").read_text()
-  bad = subprocess.run([sys.executable, "-m", "experiments.passkey_distances",
-                        "--config=configs/tiny_cpu.py", "--rows=2"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=240)
-  assert bad.returncode == 1 and "passkey" in bad.stderr and "Traceback" not in bad.stderr
+  for args, want in [(["--config=configs/tiny_cpu.py", "--rows=2"], "passkey"),
+                     (["--config=configs/sweep_needle.py", "--rows=0"], "--rows=0")]:
+    bad = subprocess.run([sys.executable, "-m", "experiments.passkey_distances", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 1 and want in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
 def test_cli_reuses_a_record_from_another_sweep_instead_of_training(sweep_file, tmp_path):

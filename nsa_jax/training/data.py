@@ -175,9 +175,10 @@ class NeedleSource:
   a language-model signal besides the answers. The default 0 scores the answers only.
   single_question_fraction f: each row, with probability f, asks only the final question. With
   extra questions every question repeats the key, so an answer copies from the nearest earlier
-  question, and the facts take the earliest of the random cuts: at 4k tokens and 5 questions no
-  answer's nearest earlier copy of its key lies more than 3.5k tokens back (measured, see
-  retrieval_distances), while needle_eval's depth 0 asks from ~4k back. A single-question row puts
+  question, and the facts take the earliest of the random cuts: at 4k tokens and 5 questions an
+  answer's nearest earlier copy of its key lies at most the filler's room + ~59 = 3,900 tokens
+  back, and in practice far less (3,300 the farthest of 10,000 sampled, median 545; see
+  retrieval_distances), while needle_eval's depths 0 / 1% ask from 4,076 / 4,036. A single-question row puts
   its fact at a uniform place, so its one answer's distance is uniform over the row. The default 0
   draws nothing extra: rows stay byte for byte as before.
   """
@@ -191,6 +192,10 @@ class NeedleSource:
     if not 0.0 <= single_question_fraction <= 1.0:
       raise ValueError(f"config.data.single_question_fraction={single_question_fraction}: must be "
                        "a fraction in [0, 1]. Fix: e.g. 0.5 (half the rows ask only at the end)")
+    if single_question_fraction and num_questions == 1:
+      raise ValueError(f"config.data.single_question_fraction={single_question_fraction} with "
+                       "num_questions=1: every row already asks only at the end, so it would change "
+                       "nothing. Fix: num_questions > 1, or leave the fraction at 0")
     self.num_needles = num_needles
     self.num_questions = num_questions
     self.context_weight = context_weight
@@ -245,7 +250,7 @@ def retrieval_distances(source: NeedleSource, length: int, rows: int, seed: int 
   """Tokens from each scored answer back to the nearest earlier copy of its digits, over `rows`
   training rows of `length` tokens (rows 0.. of step 0 at data seed `seed`): how far the data
   asks a model to retrieve. An answer is found by its loss weight of 1, so context_weight must
-  not be 1 as well."""
+  not be 1 as well. (Needle rows: two facts sharing a value, ~6e-5 a row, would read short.)"""
   if not isinstance(source, NeedleSource):
     raise ValueError(f"retrieval_distances: a passkey / needle source, not {type(source).__name__}")
   if source.context_weight == 1.0:
