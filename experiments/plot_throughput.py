@@ -6,7 +6,8 @@
       --out docs/figures/throughput_gpu.png
 
 Each --pair is LABEL=NSA_WORKDIR,DENSE_WORKDIR: two `experiments.train` work directories (their
-metrics.jsonl) run at the same tokens per step. A run's throughput is the median of its logged
+metrics.jsonl) run at the same tokens per step, or two metrics files themselves (paths ending in
+.jsonl, as `h200_runs.sh` packs the 8k pairs: `<model>_metrics.jsonl`). A run's throughput is the median of its logged
 train/tokens_per_s windows (robust to the first window's warm-up and the evaluation step). Prints
 the Markdown table the chart shows.
 """
@@ -19,11 +20,18 @@ import os
 import statistics
 
 
+def metrics_path(run: str) -> str:
+  """A run's metrics file: RUN itself when it ends in .jsonl, else RUN/metrics.jsonl."""
+  return run if run.endswith(".jsonl") else os.path.join(run, "metrics.jsonl")
+
+
 def tokens_per_s(workdir: str) -> tuple[float, int]:
-  """(median train/tokens_per_s over the logged windows, number of windows) of a work directory."""
-  path = os.path.join(workdir, "metrics.jsonl")
+  """(median train/tokens_per_s over the logged windows, number of windows) of a work directory
+  or a metrics .jsonl file."""
+  path = metrics_path(workdir)
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{path}: no metrics.jsonl (pass an experiments.train work directory)")
+    raise FileNotFoundError(f"{path}: no metrics file (pass an experiments.train work directory "
+                            "or its metrics .jsonl)")
   with open(path) as f:
     vals = [r["train/tokens_per_s"] for r in map(json.loads, filter(str.strip, f))
             if "train/tokens_per_s" in r]
@@ -33,7 +41,10 @@ def tokens_per_s(workdir: str) -> tuple[float, int]:
 
 
 def attention_kinds(workdir: str) -> set[str] | None:
-  """The attention kinds a run's layers used (from its config.json), or None if it has none."""
+  """The attention kinds a run's layers used (from its config.json), or None if it has none (a
+  bare metrics file has none)."""
+  if workdir.endswith(".jsonl"):
+    return None
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return None

@@ -840,6 +840,11 @@ def test_plot_throughput_median_ratio_and_errors(tmp_path):
   assert "0.762x" in pt.main(["--pair", f"8k={n},{d}", "--out", str(out)])
   with pytest.raises(ValueError, match="the first run .* has no NSA layer"):
     pt.main(["--pair", f"8k={d},{n}", "--out", str(out)])
+  # metrics files given directly (the packed 8k pairs): same medians; a missing file is named
+  table = pt.main(["--pair", f"8k={n}/metrics.jsonl,{d}/metrics.jsonl", "--out", str(out)])
+  assert "| 8k | 305 | 400 | 0.762x | 4, 3 |" in table
+  with pytest.raises(FileNotFoundError, match="gone.jsonl"):
+    pt.main(["--pair", f"x={n},{tmp_path / 'gone.jsonl'}", "--out", str(out)])
 
 
 def test_plot_ablations_chart_table_and_errors(tmp_path):
