@@ -182,7 +182,8 @@ def plot_needle(grids: list[dict], labels: list[str], out: str, trained_on: list
     title = f"{label}: passkey accuracy"
     if tl:
       title += f"\n(trained on {tl})"
-    ax.set(title=title, xlabel="context length (tokens)", ylabel="needle depth" if n == 0 else "")
+    ax.set_title(title, fontsize=9)  # neighbouring panels' two-line titles overlapped at 12 pt
+    ax.set(xlabel="context length (tokens)", ylabel="needle depth" if n == 0 else "")
   fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="exact 5-digit accuracy")
   _save(fig, out)
 
