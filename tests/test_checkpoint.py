@@ -1,6 +1,10 @@
 """Checkpointer: sharded round trip, keep-last-N, no overwrite, clear errors for bad checkpoints."""
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nsa_jax.training.checkpointing import Checkpointer, CheckpointError, abstract_like
+from nsa_jax.training.checkpointing import (Checkpointer, CheckpointError, abstract_like,
+                                            state_checksums)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SEED = int.from_bytes(os.urandom(3), "little")
 META = {"model": {"d_model": 16, "nsa": {"window": 8, "branches": ["cmp", "slc", "win"]}}}
@@ -138,3 +145,89 @@ def test_a_step_that_was_never_saved_is_named_as_missing(tmp_path):
   with pytest.raises(CheckpointError, match="no checkpoint step 5"):
     ckpt.read_meta(5)
   ckpt.close()
+
+
+def test_arrays_that_decode_but_differ_are_reported_as_corrupt(tmp_path):
+  """Damage that still reads back as finite numbers (here: step 2's array files replaced by those
+  of another save of the same shapes, as a mixed-up copy would) loaded silently before the
+  checksums; now it is named, nothing is deleted, and step 1 still restores."""
+  state, other = make_state(SEED), make_state(SEED + 1)
+  ckpt = Checkpointer(str(tmp_path / "run"), max_to_keep=5)
+  save(ckpt, 1, state)
+  save(ckpt, 2, state)
+  ckpt.close()
+  donor = Checkpointer(str(tmp_path / "donor"))
+  save(donor, 2, other)
+  donor.close()
+  shutil.rmtree(tmp_path / "run" / "2" / "state")
+  shutil.copytree(tmp_path / "donor" / "2" / "state", tmp_path / "run" / "2" / "state")
+  ckpt = Checkpointer(str(tmp_path / "run"), max_to_keep=5)
+  with pytest.raises(CheckpointError, match=r"is corrupt: \d+ state arrays read back differ") as err:
+    ckpt.restore(2, abstract_like(state, shardings(state)), META)
+  assert "checksum mismatch" in str(err.value) and "resume from step 1" in str(err.value)
+  assert ckpt.all_steps() == [1, 2], "nothing deleted"
+  restored, _ = ckpt.restore(1, abstract_like(state, shardings(state)), META)
+  np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
+  ckpt.close()
+
+
+def test_checkpoints_without_checksums_still_restore(tmp_path):
+  """Steps written before the checksums existed (meta without "checksums") are read unchecked."""
+  import orbax.checkpoint as ocp
+  state = make_state(SEED)
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.manager.save(4, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"step": 4}),
+      meta=ocp.args.JsonSave(META)))
+  ckpt.wait()
+  assert "checksums" not in ckpt.read_meta(4)
+  restored, _ = ckpt.restore(4, abstract_like(state, shardings(state)), META)
+  np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
+  ckpt.close()
+
+
+def test_checksum_sees_one_ulp_a_swap_and_every_dtype():
+  """One element moved by one ulp, two elements swapped, or a changed key changes the checksum;
+  equal arrays give equal sums for bf16, float32, int32, bool and typed keys."""
+  rng = np.random.default_rng(SEED)
+  x = jnp.asarray(rng.standard_normal((5, 7)), jnp.float32)
+  base = state_checksums({"x": x})["['x']"]
+  assert state_checksums({"x": jnp.array(x)})["['x']"] == base
+  i, j = rng.integers(0, 5), rng.integers(0, 7)
+  bumped = x.at[i, j].set(jnp.nextafter(x[i, j], jnp.inf))
+  swapped = x.at[0, 0].set(x[1, 1]).at[1, 1].set(x[0, 0])
+  assert state_checksums({"x": bumped})["['x']"] != base
+  assert state_checksums({"x": swapped})["['x']"] != base
+  leaves = {"bf16": x.astype(jnp.bfloat16), "i32": jnp.arange(9, dtype=jnp.int32),
+            "b": x > 0, "key": jax.random.key(SEED), "scalar": jnp.float32(3.5)}
+  sums = state_checksums(leaves)
+  assert sums == state_checksums(jax.tree.map(jnp.array, leaves))
+  assert sums["['key']"] != state_checksums({"key": jax.random.key(SEED + 1)})["['key']"]
+  assert sums["['b']"] != state_checksums({"b": ~(x > 0)})["['b']"]
+
+
+def _sharded_checksums():
+  """Checksums of one array laid out on 4 devices in three ways (run in a subprocess)."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 12)), jnp.bfloat16)
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  out = []
+  for spec in (P(), P("a", "b"), P(("a", "b"), None)):
+    y = jax.device_put(x, NamedSharding(mesh, spec))
+    assert len(y.addressable_shards) == 4
+    out.append(state_checksums({"x": y})["['x']"])
+  return out
+
+
+def test_checksum_does_not_depend_on_the_sharding():
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  proc = subprocess.run([sys.executable, __file__, "sharded"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  sums = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(sums) == 3 and len(set(sums)) == 1, sums
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "sharded":
+    print(json.dumps(_sharded_checksums()))

@@ -1,7 +1,9 @@
 """Orbax checkpoints of the train state, the data-iterator state and run metadata.
 
 One step directory holds three items: "state" (sharded arrays, StandardSave), "data" (the
-iterator state, JSON) and "meta" (the model config, JSON, checked before any array is read).
+iterator state, JSON) and "meta" (the model config, JSON, checked before any array is read, and
+a checksum of every state array, checked after the arrays are read: orbax keeps none, so damage
+that still decodes to finite numbers would otherwise load silently).
 Restores go straight into the sharded layout described by an abstract target. Failures are
 raised as CheckpointError naming the step directory; nothing is ever deleted or overwritten here
 except by orbax's keep-last-N policy after a newer save has finished.
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax import lax
 
 ITEMS = ("state", "data", "meta")
 
@@ -57,6 +60,47 @@ def nonfinite_leaves(tree) -> list[str]:
   return [name for (name, _), good in zip(named, ok) if not good]
 
 
+_ODD_MULT, _ODD_ADD = np.uint32(2654435761), np.uint32(0x9E3779B9)
+
+
+def _bits_u32(x):
+  """x's bit patterns as uint32 (8-byte types gain a trailing axis of 2; keys give their data)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = x.dtype.itemsize
+  if size >= 4:
+    return lax.bitcast_convert_type(x, jnp.uint32)
+  return lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
+
+
+def _checksum_u32(x):
+  """sum_i bits_i * w_i mod 2^32 with an odd weight w_i per flat position i: any change of one
+  element changes it, as does moving values between positions; integer sums are exact, so the
+  value does not depend on the sharding or the reduction order."""
+  bits = _bits_u32(x)
+  idx = jnp.zeros(bits.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(bits.ndim)):
+    idx = idx + lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * np.uint32(stride % 2**32)
+    stride *= bits.shape[axis]
+  weight = (idx * _ODD_MULT + _ODD_ADD) | np.uint32(1)
+  return jnp.sum(bits * weight, dtype=jnp.uint32)
+
+
+def state_checksums(tree) -> dict[str, int]:
+  """{leaf path: uint32 checksum of its bits} for every array leaf of tree (one jitted pass over
+  the global arrays; works on sharded arrays from any process)."""
+  named = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+           if hasattr(x, "dtype")]
+  if not named:
+    return {}
+  sums = jax.jit(lambda xs: jnp.stack([_checksum_u32(x) for x in xs]))([x for _, x in named])
+  host = np.asarray(sums.addressable_data(0))  # replicated: every process holds all of it
+  return {name: int(v) for (name, _), v in zip(named, host)}
+
+
 class Checkpointer:
   """Thin wrapper over ocp.CheckpointManager with the checks training needs."""
 
@@ -76,10 +120,12 @@ class Checkpointer:
     return os.path.join(self.directory, str(step))
 
   def save(self, step: int, state, data_state: dict, meta: dict):
-    """Starts an (async) save of step; raises if that step already exists (no overwrite)."""
+    """Starts an (async) save of step; raises if that step already exists (no overwrite). The
+    state's checksums go into meta (see state_checksums)."""
     if step in self.manager.all_steps():
       raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}; "
                             "refusing to overwrite it")
+    meta = {**meta, "checksums": state_checksums(state)}
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(_jsonable(data_state)),
@@ -102,6 +148,21 @@ class Checkpointer:
           f"checkpoint {self.step_dir(step)} is corrupt: {len(bad)} parameter arrays hold NaN or "
           f"inf after reading (first: {bad[0]}), and training never saves a non-finite state. It "
           f"was left untouched. Fix: {self._move_away_hint(step)}.")
+
+  def check_checksums(self, step: int, state, saved: dict | None):
+    """The restored arrays must be bit for bit the saved ones; checkpoints written before the
+    checksums existed (no "checksums" in meta) are read without this check."""
+    if saved is None:
+      return
+    now = state_checksums(state)
+    differ = [name for name in saved if now.get(name) != saved[name]]
+    extra = [name for name in now if name not in saved]
+    if differ or extra:
+      first = (differ or extra)[0]
+      raise CheckpointError(
+          f"checkpoint {self.step_dir(step)} is corrupt: {len(differ) + len(extra)} state arrays "
+          f"read back differ from what was saved (checksum mismatch; first: {first}). It was left "
+          f"untouched. Fix: {self._move_away_hint(step)}.")
 
   def read_meta(self, step: int) -> dict:
     self.require_step(step)
@@ -132,6 +193,7 @@ class Checkpointer:
       raise CheckpointError(self._broken(step, "its arrays", e)) from e
     if isinstance(out["state"], dict) and "params" in out["state"]:
       self.check_finite(step, out["state"]["params"])
+    self.check_checksums(step, out["state"], meta.get("checksums"))
     return out["state"], out["data"]
 
   def _move_away_hint(self, step) -> str:
