@@ -89,6 +89,11 @@ def _checksum_u32(x):
   return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 
+@jax.jit
+def _checksums(leaves):  # module level, so every save of the same state reuses one compile
+  return jnp.stack([_checksum_u32(x) for x in leaves])
+
+
 def state_checksums(tree) -> dict[str, int]:
   """{leaf path: uint32 checksum of its bits} for every array leaf of tree (one jitted pass over
   the global arrays; works on sharded arrays from any process)."""
@@ -96,7 +101,7 @@ def state_checksums(tree) -> dict[str, int]:
            if hasattr(x, "dtype")]
   if not named:
     return {}
-  sums = jax.jit(lambda xs: jnp.stack([_checksum_u32(x) for x in xs]))([x for _, x in named])
+  sums = _checksums([x for _, x in named])
   host = np.asarray(sums.addressable_data(0))  # replicated: every process holds all of it
   return {name: int(v) for (name, _), v in zip(named, host)}
 
