@@ -207,14 +207,16 @@ def test_checksum_sees_one_ulp_a_swap_and_every_dtype():
 
 
 def _sharded_checksums():
-  """Checksums of one array laid out on 4 devices in three ways (run in a subprocess)."""
+  """Checksums of one array laid out on 4 devices in three ways, on Auto and Explicit meshes, and
+  unsharded (run in a subprocess)."""
   x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 12)), jnp.bfloat16)
-  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  out = []
-  for spec in (P(), P("a", "b"), P(("a", "b"), None)):
-    y = jax.device_put(x, NamedSharding(mesh, spec))
-    assert len(y.addressable_shards) == 4
-    out.append(state_checksums({"x": y})["['x']"])
+  out = [state_checksums({"x": x})["['x']"]]
+  for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(kind,) * 2)
+    for spec in (P(), P("a", "b"), P(("a", "b"), None)):
+      y = jax.device_put(x, NamedSharding(mesh, spec))
+      assert len(y.addressable_shards) == 4
+      out.append(state_checksums({"x": y})["['x']"])
   return out
 
 
@@ -225,7 +227,7 @@ def test_checksum_does_not_depend_on_the_sharding():
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   sums = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert len(sums) == 3 and len(set(sums)) == 1, sums
+  assert len(sums) == 7 and len(set(sums)) == 1, sums
 
 
 if __name__ == "__main__":
