@@ -159,14 +159,12 @@ class Checkpointer:
     checksums existed (no "checksums" in meta) are read without this check."""
     if saved is None:
       return
-    now = state_checksums(state)
-    differ = [name for name in saved if now.get(name) != saved[name]]
-    extra = [name for name in now if name not in saved]
-    if differ or extra:
-      first = (differ or extra)[0]
+    now = state_checksums(state)  # a leaf saved as a Python scalar may come back as an array:
+    differ = [name for name in saved if now.get(name) != saved[name]]  # only saved sums count
+    if differ:
       raise CheckpointError(
-          f"checkpoint {self.step_dir(step)} is corrupt: {len(differ) + len(extra)} state arrays "
-          f"read back differ from what was saved (checksum mismatch; first: {first}). It was left "
+          f"checkpoint {self.step_dir(step)} is corrupt: {len(differ)} state arrays read back "
+          f"differ from what was saved (checksum mismatch; first: {differ[0]}). It was left "
           f"untouched. Fix: {self._move_away_hint(step)}.")
 
   def read_meta(self, step: int) -> dict:
