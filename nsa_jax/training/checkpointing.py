@@ -47,17 +47,27 @@ def _jsonable(x):
   return json.loads(json.dumps(x, default=str))
 
 
-def nonfinite_leaves(tree) -> list[str]:
-  """Paths of the floating-point leaves of tree that hold a NaN or an infinity (one jitted pass;
-  works on sharded global arrays from any process)."""
+def _per_leaf(tree, keep, reduce) -> list[tuple[str, object]]:
+  """[(leaf path, host value)] of reduce, a module-level jit mapping a list of arrays to one
+  stacked array (one entry per array), over the leaves of tree that keep accepts. One jitted pass
+  over the global arrays, so it works on sharded arrays from any process."""
   named = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-           if jnp.issubdtype(x.dtype, jnp.floating)]
+           if keep(x)]
   if not named:
     return []
-  flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(
-      [x for _, x in named])
-  ok = np.asarray(flags.addressable_data(0))  # replicated: every process holds all of it
-  return [name for (name, _), good in zip(named, ok) if not good]
+  host = np.asarray(reduce([x for _, x in named]).addressable_data(0))  # replicated output
+  return [(name, v) for (name, _), v in zip(named, host)]
+
+
+@jax.jit
+def _all_finite(leaves):  # module level, so every call on the same state reuses one compile
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def nonfinite_leaves(tree) -> list[str]:
+  """Paths of the floating-point leaves of tree that hold a NaN or an infinity."""
+  floating = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+  return [name for name, good in _per_leaf(tree, floating, _all_finite) if not good]
 
 
 _ODD_MULT, _ODD_ADD = np.uint32(2654435761), np.uint32(0x9E3779B9)
@@ -95,15 +105,8 @@ def _checksums(leaves):  # module level, so every save of the same state reuses 
 
 
 def state_checksums(tree) -> dict[str, int]:
-  """{leaf path: uint32 checksum of its bits} for every array leaf of tree (one jitted pass over
-  the global arrays; works on sharded arrays from any process)."""
-  named = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-           if hasattr(x, "dtype")]
-  if not named:
-    return {}
-  sums = _checksums([x for _, x in named])
-  host = np.asarray(sums.addressable_data(0))  # replicated: every process holds all of it
-  return {name: int(v) for (name, _), v in zip(named, host)}
+  """{leaf path: uint32 checksum of its bits} for every array leaf of tree."""
+  return {name: int(v) for name, v in _per_leaf(tree, lambda x: hasattr(x, "dtype"), _checksums)}
 
 
 class Checkpointer:
