@@ -9,8 +9,11 @@
       --bucket=64 --batches=8 --out=docs/figures/position_loss.png
   python -m experiments.needle_eval --mode=blocks --workdirs=runs/ablate/needle:nsa_passkey \
       --lengths=128,256 --samples=16 --out=docs/figures/needle_blocks.json
-      (NSA models: per cell, the blocks the key spans and how often each layer selects them all
-      at the answer queries; JSON and a printed table, no picture)
+      (NSA models: per cell, the blocks the key spans, how often each layer selects them all at
+      the answer queries, whether the window or forced blocks reach the key anyway, and over
+      the keys only a chosen block reaches, the accuracy when the selection held the key at the
+      first answer query against when it missed it: is a miss the selector's or the attention's?
+      JSON, a printed table and a PNG beside the JSON)
 
 A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl), either with an
 optional @STEP for that saved checkpoint instead of the newest (e.g. runs/pk/nsa@800; the label
@@ -48,8 +51,9 @@ def define_flags():
   global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES
   global _VAL_SEED, _OUT
   _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position", "blocks"],
-                            "what to evaluate (blocks: per needle cell, how often each NSA layer's "
-                            "selection holds every block the key spans at the answer queries)")
+                            "what to evaluate (blocks: per needle cell, how often the NSA layers' "
+                            "selection holds every block the key spans at the answer queries, and "
+                            "the accuracy when it does against when it does not)")
   _WORKDIRS = flags.DEFINE_list("workdirs", None, "workdirs or SWEEP_OUT_DIR:RUN, each with an optional @STEP (that checkpoint, not the newest), comma-separated")
   _LABELS = flags.DEFINE_list("labels", [], "labels for the plot (default: run names)")
   _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512"], "needle: context lengths")
@@ -60,7 +64,8 @@ def define_flags():
   _BATCHES = flags.DEFINE_integer("batches", 8, "position: validation batches")
   _VAL_SEED = flags.DEFINE_integer("val_seed", -1, "position: data seed of the validation windows "
                                    "(-1: each run's own; set it to compare runs on the same text)")
-  _OUT = flags.DEFINE_string("out", None, "PNG path (a .json with the numbers is written beside it)")
+  _OUT = flags.DEFINE_string("out", None, "PNG path (a .json with the numbers is written beside "
+                             "it; blocks mode: either name, both are written)")
 
 ANSWER_DIGITS = 5
 
@@ -143,27 +148,117 @@ def key_coverage(block_idx: np.ndarray, blocks: list[int], queries: list[int]) -
   return float(np.mean(hit))
 
 
-def block_grid(model, sel_block, lengths, depths, samples, seed) -> dict:
+def key_reach(cut: int, query: int, sel_block: int, window: int, num_init: int,
+              num_local: int) -> str:
+  """How the query at position `query` sees the key's digits (fact at token `cut`) without any
+  choice by score: "window" (every digit inside its sliding window, keys (query - window,
+  query]), "forced" (each digit in the window or in one of its forced blocks: the first num_init
+  blocks and the num_local blocks ending at the query's own), or else "selection" (at least one
+  digit is reachable only through a block chosen by its score)."""
+  first = cut + len(FACT_PREFIX)
+  digits = range(first, first + ANSWER_DIGITS)
+  cur = query // sel_block
+  if all(query - p < window for p in digits):
+    return "window"
+  if all(query - p < window or p // sel_block < num_init or cur - num_local < p // sel_block <= cur
+         for p in digits):
+    return "forced"
+  return "selection"
+
+
+def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int, correct: bool,
+                   nsa) -> dict:
+  """One passkey example of `length` input tokens with the fact at `cut`: block_idx_by_layer holds
+  each NSA layer's [T, K, n] choices for this sequence, nsa the layers' NSAConfig. held_first: some
+  layer's selection (any KV group) holds every key block at the query that predicts the first
+  digit, where the key must be found."""
+  blocks = key_blocks(cut, nsa.sel_block)
+  answers = list(range(length - ANSWER_DIGITS, length))  # inputs predicting the digits
+  held = [key_coverage(idx, blocks, answers[:1]) == 1.0 for idx in block_idx_by_layer]
+  return dict(correct=bool(correct), held_first=any(held), held_first_by_layer=held,
+              coverage_by_layer=[key_coverage(idx, blocks, answers) for idx in block_idx_by_layer],
+              reach=key_reach(cut, answers[0], nsa.sel_block, nsa.window, nsa.num_init_blocks,
+                              nsa.num_local_blocks),
+              distance=answers[0] - (cut + len(FACT_PREFIX)), key_blocks=blocks)
+
+
+def held_vs_correct(records: list[dict]) -> dict:
+  """Over the examples whose key only a chosen block can reach (reach "selection"): how often the
+  answer is right when the selection held the key at the first answer query, and when it did not.
+  Separates a selector that misses the key from attention that fails after finding it."""
+  sel = [r for r in records if r["reach"] == "selection"]
+  count = lambda held, ok: sum(r["held_first"] == held and r["correct"] == ok for r in sel)
+  out = {"examples": len(sel), "held_correct": count(True, True), "held_wrong": count(True, False),
+         "missed_correct": count(False, True), "missed_wrong": count(False, False)}
+  for name in ("held", "missed"):
+    n = out[f"{name}_correct"] + out[f"{name}_wrong"]
+    out[f"p_correct_if_{name}"] = out[f"{name}_correct"] / n if n else None
+  return out
+
+
+def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
   """Per cell: exact accuracy, share of examples whose key straddles a selection-block boundary,
-  and per NSA layer the mean key_coverage over the answer queries."""
-  import jax.numpy as jnp
-  from experiments.trained_model import forward_with_aux
-  cells = []
+  per NSA layer the mean key_coverage over the answer queries, the share held at the first answer
+  query, how the key is reachable (window / forced / selection), and held_vs_correct; plus the
+  same contingency over every cell. blocks_fn(tokens) -> (logits, [block_idx or None per layer])
+  (trained_model.jit_logits_and_blocks), nsa the model's NSAConfig."""
+  cells, everything = [], []
   for length in lengths:
     for i, depth in enumerate(depths):
       rows = passkey_examples(length, i, depth, samples, seed)
       tokens = np.stack([r[0] for r in rows])
-      logits, auxes = forward_with_aux(model, jnp.asarray(tokens[:, :-1]))
+      logits, idx_layers = blocks_fn(tokens[:, :-1])
       ok, _ = score_answers(np.asarray(logits), tokens)
-      spans = [key_blocks(r[2], sel_block) for r in rows]
-      answers = list(range(length - ANSWER_DIGITS, length))  # inputs predicting the digits
-      cover = [float(np.mean([key_coverage(np.asarray(aux["block_idx"])[s], spans[s], answers)
-                              for s in range(samples)]))
-               for aux in auxes if aux is not None and "block_idx" in aux]
-      cells.append(dict(length=length, depth=depth, exact=float(ok.mean()),
-                        straddling=float(np.mean([len(b) > 1 for b in spans])),
-                        key_blocks=spans[0], coverage_by_layer=cover))
-  return {"cells": cells, "samples": samples, "seed": seed, "sel_block": sel_block}
+      idx_layers = [np.asarray(x) for x in idx_layers if x is not None]
+      recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, ok[s], nsa)
+              for s in range(samples)]
+      everything += recs
+      cells.append(dict(
+          length=length, depth=depth, exact=float(ok.mean()),
+          straddling=float(np.mean([len(r["key_blocks"]) > 1 for r in recs])),
+          key_blocks=recs[0]["key_blocks"],
+          coverage_by_layer=[float(np.mean([r["coverage_by_layer"][j] for r in recs]))
+                             for j in range(len(idx_layers))],
+          held_first=float(np.mean([r["held_first"] for r in recs])),
+          reach={k: float(np.mean([r["reach"] == k for r in recs]))
+                 for k in ("window", "forced", "selection")},
+          held_vs_correct=held_vs_correct(recs)))
+  return {"cells": cells, "held_vs_correct": held_vs_correct(everything), "samples": samples,
+          "seed": seed, "sel_block": nsa.sel_block, "window": nsa.window}
+
+
+def plot_blocks(grids: list[dict], labels: list[str], out: str):
+  """Per model two heatmaps (depth x length): exact accuracy, and the share of examples whose
+  selection held the key at the first answer query; cells the window or forced blocks reach
+  without a choice are marked w / f."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(len(grids), 2, figsize=(8.4, 3.6 * len(grids)), squeeze=False)
+  for row, (grid, label) in zip(axes, zip(grids, labels)):
+    lengths = sorted({c["length"] for c in grid["cells"]})
+    depths = sorted({c["depth"] for c in grid["cells"]})
+    cell = {(c["depth"], c["length"]): c for c in grid["cells"]}
+    hv = grid["held_vs_correct"]
+    fmt = lambda p: "-" if p is None else f"{100 * p:.0f}%"
+    titles = (f"{label}: passkey accuracy",
+              f"{label}: key held by selection (first answer query)\n"
+              f"right when held {fmt(hv['p_correct_if_held'])}, when missed "
+              f"{fmt(hv['p_correct_if_missed'])} (n = {hv['examples']})")
+    for col, (ax, field, title) in enumerate(zip(row, ("exact", "held_first"), titles)):
+      acc = np.array([[cell[d, n][field] for n in lengths] for d in depths])
+      im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+      for (i, j), v in np.ndenumerate(acc):
+        reach = cell[depths[i], lengths[j]]["reach"]
+        mark = "w" if reach["window"] >= 0.5 else "f" if reach["forced"] >= 0.5 else ""
+        ax.text(j, i, f"{100 * v:.0f}{mark}", ha="center", va="center", fontsize=8)
+      ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
+      ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+      ax.set_title(title, fontsize=8)
+      ax.set(xlabel="context length (tokens)", ylabel="" if col else "needle depth")
+  fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8,
+               label="share of examples (w / f: key in window / forced blocks)")
+  _save(fig, out)
 
 
 def plot_needle(grids: list[dict], labels: list[str], out: str, trained_on: list[str | None]):
@@ -278,22 +373,34 @@ def main(argv):
         print(f"  depth {d:4.2f}: " + "  ".join(f"{100 * v:5.1f}" for v in row))
     plot_needle(grids, labels, _OUT.value, trained)
   elif _MODE.value == "blocks":
+    from experiments.trained_model import jit_logits_and_blocks
     lengths = [int(x) for x in _LENGTHS.value]
     depths = [float(x) for x in _DEPTHS.value]
+    grids = []
     for (workdir, _, step), label in zip(specs, labels):
       model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths), step=step)
       if "nsa" not in model_cfg.attention_kinds:
         raise ValueError(f"{workdir}: --mode=blocks needs a model with NSA layers (this one: "
                          f"{model_cfg.attention_kinds}). Fix: pass an NSA run's workdir")
-      grid = block_grid(model, model_cfg.nsa.sel_block, lengths, depths, _SAMPLES.value,
-                        _SEED.value)
-      results[label] = dict(grid, workdir=workdir, num_selected=model_cfg.nsa.num_selected)
-      print(f"{label}: n={model_cfg.nsa.num_selected}, l'={model_cfg.nsa.sel_block}; per cell: "
-            "exact, straddling share, key blocks (first example), coverage by layer")
+      grid = block_grid(jit_logits_and_blocks(model), model_cfg.nsa, lengths, depths,
+                        _SAMPLES.value, _SEED.value)
+      results[label] = dict(grid, workdir=workdir, step=step,
+                            num_selected=model_cfg.nsa.num_selected)
+      grids.append(grid)
+      print(f"{label}: n={model_cfg.nsa.num_selected}, l'={model_cfg.nsa.sel_block}, "
+            f"w={model_cfg.nsa.window}; per cell: exact, key held at the first answer query, "
+            "reach (w/f/s shares), straddling share, key blocks (first example), coverage by layer")
       for c in grid["cells"]:
-        print(f"  {c['length']:5d} {c['depth']:4.2f}: exact {c['exact']:.3f} straddling "
-              f"{c['straddling']:.2f} blocks {c['key_blocks']} coverage "
-              + " ".join(f"{v:.2f}" for v in c["coverage_by_layer"]))
+        r = c["reach"]
+        print(f"  {c['length']:5d} {c['depth']:4.2f}: exact {c['exact']:.3f} held "
+              f"{c['held_first']:.2f} reach {r['window']:.2f}/{r['forced']:.2f}/"
+              f"{r['selection']:.2f} straddling {c['straddling']:.2f} blocks {c['key_blocks']} "
+              "coverage " + " ".join(f"{v:.2f}" for v in c["coverage_by_layer"]))
+      hv = grid["held_vs_correct"]
+      print(f"  keys only a chosen block reaches: {hv['examples']} examples; right "
+            f"{hv['held_correct']} / wrong {hv['held_wrong']} where the selection held the key, "
+            f"right {hv['missed_correct']} / wrong {hv['missed_wrong']} where it missed it")
+    plot_blocks(grids, labels, os.path.splitext(_OUT.value)[0] + ".png")
   else:
     curves = []
     for (workdir, _, step), label in zip(specs, labels):

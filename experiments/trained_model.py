@@ -103,6 +103,19 @@ def jit_logits(model):
   return lambda tokens: run(state, tokens)
 
 
+def jit_logits_and_blocks(model):
+  """tokens [B, T] -> (float32 logits [B, T, V], per layer the NSA block indices [B, T, K, n] or
+  None for a layer without them), jitted; the other aux outputs are dropped inside the jit."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state, tokens):
+    logits, auxes = nnx.merge(graphdef, state)(tokens, return_aux=True)
+    return logits, [a.get("block_idx") if a is not None else None for a in auxes]
+
+  return lambda tokens: run(state, tokens)
+
+
 def val_batches(config, num_batches: int) -> list[dict]:
   """The run's own validation batches (same source, seed and length as its training)."""
   from nsa_jax.training import data as data_lib

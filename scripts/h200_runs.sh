@@ -25,6 +25,8 @@
 #          the 4k stage (e.g. --config.optim.learning_rate=5e-4), PK_ARGS1 for the first stage
 #          (e.g. seeds), with PK_TAG naming the variant. PK_STEPS3 / PK_ARGS3: a third 4k stage
 #          warm-started from the second (e.g. the far-answer rows of single_question_fraction late).
+#          Then, for NSA's last stage, needle_eval --mode=blocks at 2k and 4k (PK_BLOCKS=0 skips
+#          it; at most 150 s): does the selection hold the key where the answer fails?
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
 #          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
@@ -330,6 +332,19 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
     --workdirs=$wds --labels=$labels --lengths=2048,4096,8192 \
     --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_gpu_$ntag.png > "$R/needle_gpu_$ntag.log" 2>&1
   tail -n 30 "$R/needle_gpu_$ntag.log"
+  # NSA's last stage: did its selection hold the key where the answer failed? (capped at 150 s)
+  local bwd="" blabel=""
+  if [[ " $runs " == *" nsa "* ]]; then
+    if [ -n "$steps3" ] && [ -d "$d/nsa_s3/checkpoints" ]; then bwd=$d/nsa_s3 blabel=nsa_s3
+    else bwd=$d/nsa blabel=nsa; fi
+  fi
+  if [ "${PK_BLOCKS:-1}" != 0 ] && [ -n "$bwd" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 -m experiments.needle_eval --mode=blocks \
+      --workdirs=$bwd --labels=$blabel --lengths=2048,4096 \
+      --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_blocks_gpu_$ntag.json \
+      > "$R/needle_blocks_gpu_$ntag.log" 2>&1 || echo "needle_eval --mode=blocks failed or timed out (log: needle_blocks_gpu_$ntag.log)"
+    grep -h "keys only a chosen block" "$R/needle_blocks_gpu_$ntag.log" || true
+  fi
 }
 
 # Paper ablations at GPU scale (each ~8 min on 2 GPUs; nsa itself is reused from pair's record).

@@ -725,6 +725,74 @@ def test_needle_key_blocks_and_coverage():
   assert needle_eval.key_coverage(idx, [1], [5, 6, 7]) == 1.0
 
 
+def test_needle_key_reach_and_held_vs_correct():
+  from types import SimpleNamespace
+  nsa = SimpleNamespace(sel_block=32, window=16, num_init_blocks=1, num_local_blocks=2)
+  reach = lambda cut, q: needle_eval.key_reach(cut, q, nsa.sel_block, nsa.window, 1, 2)
+  # digits at cut + 16 .. cut + 20
+  assert reach(100, 130) == "window"      # digits 116-120: all within (114, 130]
+  assert reach(100, 135) == "forced"      # 116-119 leave the window; block 3 is the query's own
+  assert reach(0, 500) == "forced"        # digits 16-20 sit in the initial block
+  assert reach(100, 300) == "selection"   # block 3, query block 9: neither local nor initial
+  assert reach(40, 300) == "selection"    # digits 56-60 straddle blocks 1 and 2
+  # example_record on hand-made choices: 2 layers, 1 KV group; key at 116-120 (block 3)
+  length = 224  # first answer query 219, block 6
+  idx_a = np.full((length, 1, 3), -1, np.int32)
+  idx_b = idx_a.copy()
+  idx_b[length - 5, 0] = [0, 3, 4]        # layer 1 holds block 3 at the first answer query only
+  rec = needle_eval.example_record([idx_a, idx_b], 100, length, True, nsa)
+  assert rec["held_first"] and rec["held_first_by_layer"] == [False, True]
+  assert rec["coverage_by_layer"] == [0.0, pytest.approx(0.2)]
+  assert rec["reach"] == "selection" and rec["key_blocks"] == [3] and rec["distance"] == 219 - 116
+  miss = needle_eval.example_record([idx_a, idx_a], 100, length, False, nsa)
+  assert not miss["held_first"]
+  near = needle_eval.example_record([idx_a], 190, length, False, nsa)  # digits 206-210: window
+  assert near["reach"] == "window"
+  hv = needle_eval.held_vs_correct([rec, rec, miss, near,
+                                    dict(miss, correct=True)])
+  assert hv == {"examples": 4, "held_correct": 2, "held_wrong": 0, "missed_correct": 1,
+                "missed_wrong": 1, "p_correct_if_held": 1.0, "p_correct_if_missed": 0.5}
+  assert needle_eval.held_vs_correct([near])["p_correct_if_held"] is None
+
+
+def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
+  """--mode=blocks end to end: its accuracy equals --mode=needle's on the same cells, every count
+  adds up, and the JSON and PNG are written."""
+  workdir, _, _ = trained
+  out = tmp_path / "blocks.json"
+  cmd = [sys.executable, "-m", "experiments.needle_eval", "--mode=blocks", f"--workdirs={workdir}",
+         "--labels=m", "--lengths=128,192", "--depths=0,0.5,1", "--samples=4", f"--out={out}"]
+  res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "keys only a chosen block reaches" in res.stdout
+  grid = json.load(open(out))["m"]
+  assert os.path.getsize(tmp_path / "blocks.png") > 5_000
+  model, _, model_cfg = trained_model.load_model(workdir, max_seq_len=192)
+  want = needle_eval.needle_grid(trained_model.jit_logits(model), [128, 192], [0, 0.5, 1], 4,
+                                 1234)
+  got = {(c["length"], c["depth"]): c for c in grid["cells"]}
+  for j, n in enumerate([128, 192]):
+    for i, d in enumerate([0, 0.5, 1]):
+      c = got[n, d]
+      assert c["exact"] == pytest.approx(want["exact"][i][j])
+      assert sum(c["reach"].values()) == pytest.approx(1.0)
+      assert len(c["coverage_by_layer"]) == 1 and 0 <= c["held_first"] <= 1
+      hv = c["held_vs_correct"]
+      assert hv["examples"] == round(4 * c["reach"]["selection"])
+  total = grid["held_vs_correct"]
+  assert total["examples"] == sum(c["held_vs_correct"]["examples"] for c in grid["cells"])
+  assert total["examples"] == sum(total[k] for k in ("held_correct", "held_wrong",
+                                                     "missed_correct", "missed_wrong"))
+  # depth 0 puts the key in the initial block; depth 1 in a local block (l' = 32, w = 32)
+  assert got[192, 0]["reach"]["forced"] == 1.0 and got[192, 1]["reach"]["selection"] == 0.0
+  # the jitted block indices equal the eager aux path's
+  tokens = needle_eval.passkey_batch(192, 1, 0.5, 2, SEED)[:, :-1]
+  _, idx = trained_model.jit_logits_and_blocks(model)(tokens)
+  _, auxes = trained_model.forward_with_aux(model, tokens)
+  assert idx[0] is None
+  np.testing.assert_array_equal(np.asarray(idx[1]), np.asarray(auxes[1]["block_idx"]))
+
+
 def test_bench_kernels_registry_labels(monkeypatch):
   """bench_kernels --plan registry labels each record with the branch backend="auto" takes (the
   timing itself needs a GPU and is replaced here)."""
