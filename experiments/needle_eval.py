@@ -167,15 +167,18 @@ def key_reach(cut: int, query: int, sel_block: int, window: int, num_init: int,
 
 
 def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int, correct: bool,
-                   nsa) -> dict:
+                   nsa, slc_gate_by_layer: list[np.ndarray] | None = None) -> dict:
   """One passkey example of `length` input tokens with the fact at `cut`: block_idx_by_layer holds
   each NSA layer's [T, K, n] choices for this sequence, nsa the layers' NSAConfig. held_first: some
   layer's selection (any KV group) holds every key block at the query that predicts the first
-  digit, where the key must be found."""
+  digit, where the key must be found. slc_gate_by_layer: each layer's selection-branch gate
+  [T, H] (optional), recorded as its head mean at that query."""
   blocks = key_blocks(cut, nsa.sel_block)
   answers = list(range(length - ANSWER_DIGITS, length))  # inputs predicting the digits
   held = [key_coverage(idx, blocks, answers[:1]) == 1.0 for idx in block_idx_by_layer]
+  gates = [float(np.mean(g[answers[0]])) for g in (slc_gate_by_layer or [])]
   return dict(correct=bool(correct), held_first=any(held), held_first_by_layer=held,
+              slc_gate_first_by_layer=gates,
               coverage_by_layer=[key_coverage(idx, blocks, answers) for idx in block_idx_by_layer],
               reach=key_reach(cut, answers[0], nsa.sel_block, nsa.window, nsa.num_init_blocks,
                               nsa.num_local_blocks),
@@ -193,6 +196,13 @@ def held_vs_correct(records: list[dict]) -> dict:
   for name in ("held", "missed"):
     n = out[f"{name}_correct"] + out[f"{name}_wrong"]
     out[f"p_correct_if_{name}"] = out[f"{name}_correct"] / n if n else None
+  # the selection gate at the first answer query, per layer, where the key was held: right vs
+  # wrong answers (does the gate turn the selection branch down where the answer fails?)
+  for ok in (True, False):
+    g = [r["slc_gate_first_by_layer"] for r in sel
+         if r["held_first"] and r["correct"] == ok and r.get("slc_gate_first_by_layer")]
+    out[f"slc_gate_held_{'correct' if ok else 'wrong'}"] = (
+        np.mean(g, axis=0).round(4).tolist() if g else None)
   return out
 
 
@@ -200,18 +210,22 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
   """Per cell: exact accuracy, share of examples whose key straddles a selection-block boundary,
   per NSA layer the mean key_coverage over the answer queries, the share held at the first answer
   query, how the key is reachable (window / forced / selection), and held_vs_correct; plus the
-  same contingency over every cell. blocks_fn(tokens) -> (logits, [block_idx or None per layer])
-  (trained_model.jit_logits_and_blocks), nsa the model's NSAConfig."""
+  same contingency over every cell. blocks_fn(tokens) -> (logits, per layer None or {"block_idx",
+  "gates"}) (trained_model.jit_logits_and_blocks), nsa the model's NSAConfig."""
+  from nsa_jax.reference import BRANCH_ORDER
   cells, everything = [], []
   for length in lengths:
     for i, depth in enumerate(depths):
       rows = passkey_examples(length, i, depth, samples, seed)
       tokens = np.stack([r[0] for r in rows])
-      logits, idx_layers = blocks_fn(tokens[:, :-1])
+      logits, auxes = blocks_fn(tokens[:, :-1])
       ok, _ = score_answers(np.asarray(logits), tokens)
-      idx_layers = [np.asarray(x) for x in idx_layers if x is not None]
-      recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, ok[s], nsa)
-              for s in range(samples)]
+      auxes = [a for a in auxes if a is not None]
+      idx_layers = [np.asarray(a["block_idx"]) for a in auxes]
+      gate_layers = ([np.asarray(a["gates"][..., BRANCH_ORDER.index("slc")], np.float32)
+                      for a in auxes] if "slc" in nsa.branches else [])
+      recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, ok[s], nsa,
+                             [g[s] for g in gate_layers]) for s in range(samples)]
       everything += recs
       cells.append(dict(
           length=length, depth=depth, exact=float(ok.mean()),
@@ -399,7 +413,9 @@ def main(argv):
       hv = grid["held_vs_correct"]
       print(f"  keys only a chosen block reaches: {hv['examples']} examples; right "
             f"{hv['held_correct']} / wrong {hv['held_wrong']} where the selection held the key, "
-            f"right {hv['missed_correct']} / wrong {hv['missed_wrong']} where it missed it")
+            f"right {hv['missed_correct']} / wrong {hv['missed_wrong']} where it missed it; "
+            f"selection gate by layer where held: right {hv['slc_gate_held_correct']}, wrong "
+            f"{hv['slc_gate_held_wrong']}")
     plot_blocks(grids, labels, os.path.splitext(_OUT.value)[0] + ".png")
   else:
     curves = []

@@ -104,14 +104,16 @@ def jit_logits(model):
 
 
 def jit_logits_and_blocks(model):
-  """tokens [B, T] -> (float32 logits [B, T, V], per layer the NSA block indices [B, T, K, n] or
-  None for a layer without them), jitted; the other aux outputs are dropped inside the jit."""
+  """tokens [B, T] -> (float32 logits [B, T, V], per layer None (no block indices) or
+  {"block_idx": [B, T, K, n], "gates": [B, T, H, 3]}), jitted; the other aux outputs (the branch
+  outputs) are dropped inside the jit."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
   def run(state, tokens):
     logits, auxes = nnx.merge(graphdef, state)(tokens, return_aux=True)
-    return logits, [a.get("block_idx") if a is not None else None for a in auxes]
+    return logits, [{k: a[k] for k in ("block_idx", "gates")}
+                    if a is not None and "block_idx" in a else None for a in auxes]
 
   return lambda tokens: run(state, tokens)
 

@@ -740,18 +740,22 @@ def test_needle_key_reach_and_held_vs_correct():
   idx_a = np.full((length, 1, 3), -1, np.int32)
   idx_b = idx_a.copy()
   idx_b[length - 5, 0] = [0, 3, 4]        # layer 1 holds block 3 at the first answer query only
-  rec = needle_eval.example_record([idx_a, idx_b], 100, length, True, nsa)
+  gate = np.zeros((length, 4))
+  gate[length - 5] = [0.1, 0.2, 0.3, 0.4]  # the first answer query's heads
+  rec = needle_eval.example_record([idx_a, idx_b], 100, length, True, nsa, [gate, gate / 2])
   assert rec["held_first"] and rec["held_first_by_layer"] == [False, True]
+  assert rec["slc_gate_first_by_layer"] == [pytest.approx(0.25), pytest.approx(0.125)]
   assert rec["coverage_by_layer"] == [0.0, pytest.approx(0.2)]
   assert rec["reach"] == "selection" and rec["key_blocks"] == [3] and rec["distance"] == 219 - 116
   miss = needle_eval.example_record([idx_a, idx_a], 100, length, False, nsa)
   assert not miss["held_first"]
   near = needle_eval.example_record([idx_a], 190, length, False, nsa)  # digits 206-210: window
   assert near["reach"] == "window"
-  hv = needle_eval.held_vs_correct([rec, rec, miss, near,
-                                    dict(miss, correct=True)])
-  assert hv == {"examples": 4, "held_correct": 2, "held_wrong": 0, "missed_correct": 1,
-                "missed_wrong": 1, "p_correct_if_held": 1.0, "p_correct_if_missed": 0.5}
+  wrong = dict(rec, correct=False, slc_gate_first_by_layer=[0.05, 0.15])
+  hv = needle_eval.held_vs_correct([rec, rec, miss, near, dict(miss, correct=True), wrong])
+  assert hv == {"examples": 5, "held_correct": 2, "held_wrong": 1, "missed_correct": 1,
+                "missed_wrong": 1, "p_correct_if_held": 2 / 3, "p_correct_if_missed": 0.5,
+                "slc_gate_held_correct": [0.25, 0.125], "slc_gate_held_wrong": [0.05, 0.15]}
   assert needle_eval.held_vs_correct([near])["p_correct_if_held"] is None
 
 
@@ -790,7 +794,29 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
   _, idx = trained_model.jit_logits_and_blocks(model)(tokens)
   _, auxes = trained_model.forward_with_aux(model, tokens)
   assert idx[0] is None
-  np.testing.assert_array_equal(np.asarray(idx[1]), np.asarray(auxes[1]["block_idx"]))
+  np.testing.assert_array_equal(np.asarray(idx[1]["block_idx"]), np.asarray(auxes[1]["block_idx"]))
+  np.testing.assert_allclose(np.asarray(idx[1]["gates"]), np.asarray(auxes[1]["gates"]), atol=1e-5)
+  # the gate recorded is the selection branch's channel (BRANCH_ORDER = cmp, slc, win) at the
+  # query predicting the first digit: the real model's choices with gates set per channel/position
+  real = trained_model.jit_logits_and_blocks(model)
+
+  def fake(tokens):
+    logits, auxes = real(tokens)
+    g = np.zeros(auxes[1]["gates"].shape, np.float32)
+    g[..., 0], g[..., 2] = 0.9, 0.7
+    g[:, 192 - 5, :, 1] = 0.3  # the first answer query of a 192-token input
+    idx = np.array(auxes[1]["block_idx"])
+    for row, toks in enumerate(np.asarray(tokens)):  # hold the key there in half of the rows
+      cut = bytes(toks.astype(np.uint8)).find(needle_eval.FACT_PREFIX.encode())
+      if row % 2 == 0:
+        blocks = needle_eval.key_blocks(cut, model_cfg.nsa.sel_block)
+        idx[row, 192 - 5, :, :len(blocks)] = blocks
+    return logits, [None, dict(block_idx=idx, gates=g)]
+
+  fgrid = needle_eval.block_grid(fake, model_cfg.nsa, [192], [0.25, 0.5], 4, 1234)
+  seen = [c["held_vs_correct"][key] for c in fgrid["cells"]
+          for key in ("slc_gate_held_correct", "slc_gate_held_wrong")]
+  assert any(seen) and all(g in (None, [pytest.approx(0.3)]) for g in seen), seen
 
 
 def test_bench_kernels_registry_labels(monkeypatch):
