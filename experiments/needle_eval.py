@@ -9,11 +9,13 @@
       --bucket=64 --batches=8 --out=docs/figures/position_loss.png
   python -m experiments.needle_eval --mode=blocks --workdirs=runs/ablate/needle:nsa_passkey \
       --lengths=128,256 --samples=16 --out=docs/figures/needle_blocks.json
-      (NSA models: per cell, the blocks the key spans, how often each layer selects them all at
-      the answer queries, whether the window or forced blocks reach the key anyway, and over
-      the keys only a chosen block reaches, the accuracy when the selection held the key at the
-      first answer query against when it missed it: is a miss the selector's or the attention's?
-      JSON, a printed table and a PNG beside the JSON)
+      (NSA models: per cell, the blocks the key spans and how often each layer selects them all
+      at the answer queries; then digit by digit, at the query that predicts each digit: does
+      the window or a forced block reach it anyway, did the selection hold its block, and for
+      the digits only a chosen block reaches, how often the digit is right when held against
+      when missed, with the selection gate and the branch's attention mass on the digit for
+      right and wrong digits: is a miss the selector's, or after it? JSON, a printed table and a
+      PNG beside the JSON)
 
 A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl), either with an
 optional @STEP for that saved checkpoint instead of the newest (e.g. runs/pk/nsa@800; the label
@@ -148,70 +150,105 @@ def key_coverage(block_idx: np.ndarray, blocks: list[int], queries: list[int]) -
   return float(np.mean(hit))
 
 
-def key_reach(cut: int, query: int, sel_block: int, window: int, num_init: int,
-              num_local: int) -> str:
-  """How the query at position `query` sees the key's digits (fact at token `cut`) without any
-  choice by score: "window" (every digit inside its sliding window, keys (query - window,
-  query]), "forced" (each digit in the window or in one of its forced blocks: the first num_init
-  blocks and the num_local blocks ending at the query's own), or else "selection" (at least one
-  digit is reachable only through a block chosen by its score)."""
-  first = cut + len(FACT_PREFIX)
-  digits = range(first, first + ANSWER_DIGITS)
-  cur = query // sel_block
-  if all(query - p < window for p in digits):
+def position_reach(pos: int, query: int, sel_block: int, window: int, num_init: int,
+                   num_local: int) -> str:
+  """How the query at `query` sees the token at `pos` without any choice by score: "window"
+  (inside its sliding window, keys (query - window, query]), "forced" (in one of its forced
+  blocks: the first num_init blocks and the num_local blocks ending at the query's own), or else
+  "selection" (only through a block chosen by its score)."""
+  if query - pos < window:
     return "window"
-  if all(query - p < window or p // sel_block < num_init or cur - num_local < p // sel_block <= cur
-         for p in digits):
+  cur = query // sel_block
+  if pos // sel_block < num_init or cur - num_local < pos // sel_block <= cur:
     return "forced"
   return "selection"
 
 
-def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int, correct: bool,
-                   nsa, slc_gate_by_layer: list[np.ndarray] | None = None) -> dict:
-  """One passkey example of `length` input tokens with the fact at `cut`: block_idx_by_layer holds
-  each NSA layer's [T, K, n] choices for this sequence, nsa the layers' NSAConfig. held_first: some
-  layer's selection (any KV group) holds every key block at the query that predicts the first
-  digit, where the key must be found. slc_gate_by_layer: each layer's selection-branch gate
-  [T, H] (optional), recorded as its head mean at that query."""
+def selected_key_mass(q_t: np.ndarray, k: np.ndarray, idx_t: np.ndarray, t: int, sel_block: int,
+                      targets: list[int], scale: float) -> np.ndarray:
+  """Per query head, the selection branch's softmax mass on the key positions `targets` at query t:
+  q_t [H, d_k] (after RoPE), k [T, K, d_k] the selection keys, idx_t [K, n] the query's blocks
+  (-1 empty); head h reads KV group h // (H / K), keys of its blocks up to t (Eq. 12 with the
+  causal mask). float64; [H]."""
+  heads, groups = q_t.shape[0], k.shape[1]
+  out = np.zeros(heads)
+  for h in range(heads):
+    g = h // (heads // groups)
+    keys = sorted({j for b in idx_t[g] if b >= 0
+                   for j in range(b * sel_block, min((b + 1) * sel_block, t + 1))})
+    if not keys:  # no block selected: no mass anywhere
+      continue
+    logits = k[keys, g].astype(np.float64) @ q_t[h].astype(np.float64) * scale
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    out[h] = p[np.isin(keys, targets)].sum()
+  return out
+
+
+def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int,
+                   digits_right: np.ndarray, nsa,
+                   slc_gate_by_layer: list[np.ndarray] | None = None,
+                   qk_by_layer: list[tuple[np.ndarray, np.ndarray]] | None = None) -> dict:
+  """One passkey example of `length` input tokens with the fact at `cut`, scored digit by digit
+  (digits_right [5] bool, teacher-forced). block_idx_by_layer: each NSA layer's [T, K, n] choices
+  for this sequence; nsa: the layers' NSAConfig. Per answer digit i, at the query that predicts it
+  (input length - 5 + i), with the digit's own position in the fact as the target:
+    reach   position_reach of that digit;
+    held    some layer's selection (any KV group) holds the digit's block (held_by_layer: each);
+    gate    each layer's selection-branch gate there, head mean (slc_gate_by_layer [T, H]);
+    mass    each layer's largest head softmax mass on the digit inside its selected blocks
+            (qk_by_layer: (q [T, H, d_k], selection keys [T, K, d_k]) after RoPE).
+  Plus, per layer, the share of the answer queries whose selection holds every key block."""
   blocks = key_blocks(cut, nsa.sel_block)
   answers = list(range(length - ANSWER_DIGITS, length))  # inputs predicting the digits
-  held = [key_coverage(idx, blocks, answers[:1]) == 1.0 for idx in block_idx_by_layer]
-  gates = [float(np.mean(g[answers[0]])) for g in (slc_gate_by_layer or [])]
-  return dict(correct=bool(correct), held_first=any(held), held_first_by_layer=held,
-              slc_gate_first_by_layer=gates,
+  first = cut + len(FACT_PREFIX)
+  digits = []
+  for i, t in enumerate(answers):
+    pos = first + i
+    held = [bool(np.any(idx[t] == pos // nsa.sel_block)) for idx in block_idx_by_layer]
+    digits.append(dict(
+        right=bool(digits_right[i]), held=any(held), held_by_layer=held,
+        reach=position_reach(pos, t, nsa.sel_block, nsa.window, nsa.num_init_blocks,
+                             nsa.num_local_blocks),
+        gate_by_layer=[float(np.mean(g[t])) for g in (slc_gate_by_layer or [])],
+        mass_by_layer=[float(selected_key_mass(q[t], k, idx[t], t, nsa.sel_block, [pos],
+                                               q.shape[-1] ** -0.5).max())
+                       for (q, k), idx in zip(qk_by_layer or [], block_idx_by_layer)]))
+  return dict(correct=bool(np.all(digits_right)), digits=digits, key_blocks=blocks,
               coverage_by_layer=[key_coverage(idx, blocks, answers) for idx in block_idx_by_layer],
-              reach=key_reach(cut, answers[0], nsa.sel_block, nsa.window, nsa.num_init_blocks,
-                              nsa.num_local_blocks),
-              distance=answers[0] - (cut + len(FACT_PREFIX)), key_blocks=blocks)
+              distance=answers[0] - first)
 
 
 def held_vs_correct(records: list[dict]) -> dict:
-  """Over the examples whose key only a chosen block can reach (reach "selection"): how often the
-  answer is right when the selection held the key at the first answer query, and when it did not.
-  Separates a selector that misses the key from attention that fails after finding it."""
-  sel = [r for r in records if r["reach"] == "selection"]
-  count = lambda held, ok: sum(r["held_first"] == held and r["correct"] == ok for r in sel)
-  out = {"examples": len(sel), "held_correct": count(True, True), "held_wrong": count(True, False),
-         "missed_correct": count(False, True), "missed_wrong": count(False, False)}
+  """Over the answer digits that only a chosen block reaches (reach "selection"): how often the
+  digit is predicted right when the selection held its block and when it did not, and where held,
+  per layer, the mean selection gate and the mean largest head mass on the digit for right against
+  wrong digits. Separates a selector that misses the key from attention (or what follows it)
+  that fails after finding it."""
+  sel = [d for r in records for d in r["digits"] if d["reach"] == "selection"]
+  count = lambda held, ok: sum(d["held"] == held and d["right"] == ok for d in sel)
+  out = {"digits": len(sel), "held_right": count(True, True), "held_wrong": count(True, False),
+         "missed_right": count(False, True), "missed_wrong": count(False, False)}
   for name in ("held", "missed"):
-    n = out[f"{name}_correct"] + out[f"{name}_wrong"]
-    out[f"p_correct_if_{name}"] = out[f"{name}_correct"] / n if n else None
-  # the selection gate at the first answer query, per layer, where the key was held: right vs
-  # wrong answers (does the gate turn the selection branch down where the answer fails?)
-  for ok in (True, False):
-    g = [r["slc_gate_first_by_layer"] for r in sel
-         if r["held_first"] and r["correct"] == ok and r.get("slc_gate_first_by_layer")]
-    out[f"slc_gate_held_{'correct' if ok else 'wrong'}"] = (
-        np.mean(g, axis=0).round(4).tolist() if g else None)
+    n = out[f"{name}_right"] + out[f"{name}_wrong"]
+    out[f"p_right_if_{name}"] = out[f"{name}_right"] / n if n else None
+  for what in ("gate", "mass"):
+    for ok in (True, False):
+      v = [d[f"{what}_by_layer"] for d in sel if d["held"] and d["right"] == ok
+           and d[f"{what}_by_layer"]]
+      out[f"slc_{what}_held_{'right' if ok else 'wrong'}"] = (
+          np.mean(v, axis=0).round(4).tolist() if v else None)
   return out
 
 
 def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
-  """Per cell: exact accuracy, share of examples whose key straddles a selection-block boundary,
-  per NSA layer the mean key_coverage over the answer queries, the share held at the first answer
-  query, how the key is reachable (window / forced / selection), and held_vs_correct; plus the
-  same contingency over every cell. blocks_fn(tokens) -> (logits, per layer None or {"block_idx",
-  "gates"}) (trained_model.jit_logits_and_blocks), nsa the model's NSAConfig."""
+  """Per cell: exact accuracy, digit accuracy, share of examples whose key straddles a
+  selection-block boundary, per NSA layer the mean key_coverage over the answer queries, the
+  answer digits' reach shares (window / forced / selection), the share of the selection-reach
+  digits whose block the selection held (None without such digits), over those held the mean of
+  the largest layer's head mass on the digit (held_mass), and held_vs_correct; plus
+  held_vs_correct over every cell. blocks_fn(tokens) -> (logits, per layer None or {"block_idx",
+  "gates", "q", "k_slc"}) (trained_model.jit_logits_and_blocks), nsa the model's NSAConfig."""
   from nsa_jax.reference import BRANCH_ORDER
   cells, everything = [], []
   for length in lengths:
@@ -219,36 +256,54 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
       rows = passkey_examples(length, i, depth, samples, seed)
       tokens = np.stack([r[0] for r in rows])
       logits, auxes = blocks_fn(tokens[:, :-1])
-      ok, _ = score_answers(np.asarray(logits), tokens)
+      logits = np.asarray(logits)
+      ok, _ = score_answers(logits, tokens)
+      right = np.argmax(logits[:, -ANSWER_DIGITS:], -1) == tokens[:, -ANSWER_DIGITS:]
       auxes = [a for a in auxes if a is not None]
       idx_layers = [np.asarray(a["block_idx"]) for a in auxes]
       gate_layers = ([np.asarray(a["gates"][..., BRANCH_ORDER.index("slc")], np.float32)
                       for a in auxes] if "slc" in nsa.branches else [])
-      recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, ok[s], nsa,
-                             [g[s] for g in gate_layers]) for s in range(samples)]
+      qk_layers = [(np.asarray(a["q"], np.float32), np.asarray(a["k_slc"], np.float32))
+                   for a in auxes if "q" in a]
+      recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, right[s], nsa,
+                             [g[s] for g in gate_layers], [(q[s], k[s]) for q, k in qk_layers])
+              for s in range(samples)]
       everything += recs
+      events = [d for r in recs for d in r["digits"]]
+      sel = [d for d in events if d["reach"] == "selection"]
       cells.append(dict(
-          length=length, depth=depth, exact=float(ok.mean()),
+          length=length, depth=depth, exact=float(ok.mean()), digit_acc=float(right.mean()),
           straddling=float(np.mean([len(r["key_blocks"]) > 1 for r in recs])),
           key_blocks=recs[0]["key_blocks"],
           coverage_by_layer=[float(np.mean([r["coverage_by_layer"][j] for r in recs]))
                              for j in range(len(idx_layers))],
-          held_first=float(np.mean([r["held_first"] for r in recs])),
-          reach={k: float(np.mean([r["reach"] == k for r in recs]))
+          reach={k: float(np.mean([d["reach"] == k for d in events]))
                  for k in ("window", "forced", "selection")},
+          held=float(np.mean([d["held"] for d in sel])) if sel else None,
+          held_mass=(float(np.mean([max(d["mass_by_layer"]) for d in sel if d["held"]]))
+                     if any(d["held"] and d["mass_by_layer"] for d in sel) else None),
           held_vs_correct=held_vs_correct(recs)))
   return {"cells": cells, "held_vs_correct": held_vs_correct(everything), "samples": samples,
           "seed": seed, "sel_block": nsa.sel_block, "window": nsa.window}
 
 
+def _mass_text(hv: dict, ok: str) -> str:
+  m = hv[f"slc_mass_held_{ok}"]
+  return "-" if m is None else f"{max(m):.2f}"
+
+
 def plot_blocks(grids: list[dict], labels: list[str], out: str):
-  """Per model two heatmaps (depth x length): exact accuracy, and the share of examples whose
-  selection held the key at the first answer query; cells the window or forced blocks reach
-  without a choice are marked w / f."""
+  """Per model three heatmaps (depth x length): exact accuracy; the share of the answer digits
+  reachable only through a chosen block whose block the selection held at the digit's query; and
+  over those held, the selection branch's attention mass on the digit (largest head and layer,
+  mean) (grey: no such digit). Cells whose digits the window or the forced blocks mostly reach
+  are marked w / f."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(len(grids), 2, figsize=(8.4, 3.6 * len(grids)), squeeze=False)
+  cmap = matplotlib.colormaps["RdYlGn"].copy()
+  cmap.set_bad("lightgray")
+  fig, axes = plt.subplots(len(grids), 3, figsize=(14.5, 3.8 * len(grids)), squeeze=False)
   for row, (grid, label) in zip(axes, zip(grids, labels)):
     lengths = sorted({c["length"] for c in grid["cells"]})
     depths = sorted({c["depth"] for c in grid["cells"]})
@@ -256,22 +311,28 @@ def plot_blocks(grids: list[dict], labels: list[str], out: str):
     hv = grid["held_vs_correct"]
     fmt = lambda p: "-" if p is None else f"{100 * p:.0f}%"
     titles = (f"{label}: passkey accuracy",
-              f"{label}: key held by selection (first answer query)\n"
-              f"right when held {fmt(hv['p_correct_if_held'])}, when missed "
-              f"{fmt(hv['p_correct_if_missed'])} (n = {hv['examples']})")
-    for col, (ax, field, title) in enumerate(zip(row, ("exact", "held_first"), titles)):
-      acc = np.array([[cell[d, n][field] for n in lengths] for d in depths])
-      im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+              f"{label}: digit's block selected\n"
+              f"right {fmt(hv['p_right_if_held'])} if so, {fmt(hv['p_right_if_missed'])} if "
+              f"not (n = {hv['digits']})",
+              f"{label}: selection attention on the digit\n"
+              f"(where selected; right {_mass_text(hv, 'right')}, wrong "
+              f"{_mass_text(hv, 'wrong')})")
+    for col, (ax, field, title) in enumerate(zip(row, ("exact", "held", "held_mass"), titles)):
+      acc = np.array([[np.nan if cell[d, n][field] is None else cell[d, n][field]
+                       for n in lengths] for d in depths])
+      im = ax.imshow(np.ma.masked_invalid(acc), vmin=0, vmax=1, cmap=cmap, aspect="auto",
+                     origin="upper")
       for (i, j), v in np.ndenumerate(acc):
         reach = cell[depths[i], lengths[j]]["reach"]
         mark = "w" if reach["window"] >= 0.5 else "f" if reach["forced"] >= 0.5 else ""
-        ax.text(j, i, f"{100 * v:.0f}{mark}", ha="center", va="center", fontsize=8)
+        ax.text(j, i, ("-" if np.isnan(v) else f"{100 * v:.0f}") + mark, ha="center",
+                va="center", fontsize=8)
       ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
       ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
       ax.set_title(title, fontsize=8)
       ax.set(xlabel="context length (tokens)", ylabel="" if col else "needle depth")
   fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8,
-               label="share of examples (w / f: key in window / forced blocks)")
+               label="share (w / f: digits mostly in window / forced blocks)")
   _save(fig, out)
 
 
@@ -402,20 +463,23 @@ def main(argv):
                             num_selected=model_cfg.nsa.num_selected)
       grids.append(grid)
       print(f"{label}: n={model_cfg.nsa.num_selected}, l'={model_cfg.nsa.sel_block}, "
-            f"w={model_cfg.nsa.window}; per cell: exact, key held at the first answer query, "
-            "reach (w/f/s shares), straddling share, key blocks (first example), coverage by layer")
+            f"w={model_cfg.nsa.window}; per cell: exact, digit accuracy, held (selection-reach "
+            "digits whose block was selected), digit reach (w/f/s shares), straddling share, "
+            "key blocks (first example), coverage by layer")
       for c in grid["cells"]:
         r = c["reach"]
-        print(f"  {c['length']:5d} {c['depth']:4.2f}: exact {c['exact']:.3f} held "
-              f"{c['held_first']:.2f} reach {r['window']:.2f}/{r['forced']:.2f}/"
+        held = "  -  " if c["held"] is None else f"{c['held']:.2f}"
+        print(f"  {c['length']:5d} {c['depth']:4.2f}: exact {c['exact']:.3f} digits "
+              f"{c['digit_acc']:.3f} held {held} reach {r['window']:.2f}/{r['forced']:.2f}/"
               f"{r['selection']:.2f} straddling {c['straddling']:.2f} blocks {c['key_blocks']} "
               "coverage " + " ".join(f"{v:.2f}" for v in c["coverage_by_layer"]))
       hv = grid["held_vs_correct"]
-      print(f"  keys only a chosen block reaches: {hv['examples']} examples; right "
-            f"{hv['held_correct']} / wrong {hv['held_wrong']} where the selection held the key, "
-            f"right {hv['missed_correct']} / wrong {hv['missed_wrong']} where it missed it; "
-            f"selection gate by layer where held: right {hv['slc_gate_held_correct']}, wrong "
-            f"{hv['slc_gate_held_wrong']}")
+      print(f"  digits only a chosen block reaches: {hv['digits']}; right {hv['held_right']} / "
+            f"wrong {hv['held_wrong']} where the selection held the digit's block, right "
+            f"{hv['missed_right']} / wrong {hv['missed_wrong']} where it missed it; where held, "
+            f"by layer: selection gate right {hv['slc_gate_held_right']} / wrong "
+            f"{hv['slc_gate_held_wrong']}, largest head mass on the digit right "
+            f"{hv['slc_mass_held_right']} / wrong {hv['slc_mass_held_wrong']}")
     plot_blocks(grids, labels, os.path.splitext(_OUT.value)[0] + ".png")
   else:
     curves = []

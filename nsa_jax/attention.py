@@ -211,6 +211,7 @@ class NSAAttention(nnx.Module):
     result = (y,)
     if return_aux:
       aux["gates"] = gates
+      aux["q"], aux["k_slc"] = q, k_s  # after RoPE, as the selection branch sees them
       result += (aux,)
     if return_selector_loss:
       result += (sel_loss,)

@@ -41,7 +41,7 @@ class Block(nnx.Module):
       y, *extra = self.attn(h, segment_ids=segment_ids, positions=positions,
                             return_aux=return_aux, return_selector_loss=return_selector_loss)
       if return_aux:
-        aux = {k: extra[0][k] for k in ("block_idx", "gates") if k in extra[0]}
+        aux = {k: extra[0][k] for k in ("block_idx", "gates", "q", "k_slc") if k in extra[0]}
       if return_selector_loss:
         sel = extra[-1]
     else:
@@ -67,7 +67,9 @@ class TransformerLM(nnx.Module):
   """tokens [B, T] int -> logits [B, T, vocab] float32.
 
   With return_aux=True also returns one entry per layer: for NSA layers a dict with the selected
-  blocks "block_idx" [B, T, K, n] and the gates "gates" [B, T, H, 3]; None for dense layers.
+  blocks "block_idx" [B, T, K, n], the gates "gates" [B, T, H, 3], and the queries "q" [B, T, H,
+  d_k] and selection keys "k_slc" [B, T, K, d_k] after RoPE (for diagnostics; unused outputs cost
+  nothing under jit); None for dense layers.
   With return_selector_loss=True also returns the "aux" selector's loss per token [B, T], the
   mean over NSA layers (zeros when no layer uses selector="aux").
   """

@@ -343,7 +343,7 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
       --workdirs=$bwd --labels=$blabel --lengths=2048,4096 \
       --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_blocks_gpu_$ntag.json \
       > "$R/needle_blocks_gpu_$ntag.log" 2>&1 || echo "needle_eval --mode=blocks failed or timed out (log: needle_blocks_gpu_$ntag.log)"
-    grep -h "keys only a chosen block" "$R/needle_blocks_gpu_$ntag.log" || true
+    grep -h "digits only a chosen block" "$R/needle_blocks_gpu_$ntag.log" || true
   fi
 }
 

@@ -725,38 +725,83 @@ def test_needle_key_blocks_and_coverage():
   assert needle_eval.key_coverage(idx, [1], [5, 6, 7]) == 1.0
 
 
-def test_needle_key_reach_and_held_vs_correct():
+def test_needle_digit_reach_records_and_held_vs_correct():
   from types import SimpleNamespace
   nsa = SimpleNamespace(sel_block=32, window=16, num_init_blocks=1, num_local_blocks=2)
-  reach = lambda cut, q: needle_eval.key_reach(cut, q, nsa.sel_block, nsa.window, 1, 2)
-  # digits at cut + 16 .. cut + 20
-  assert reach(100, 130) == "window"      # digits 116-120: all within (114, 130]
-  assert reach(100, 135) == "forced"      # 116-119 leave the window; block 3 is the query's own
-  assert reach(0, 500) == "forced"        # digits 16-20 sit in the initial block
-  assert reach(100, 300) == "selection"   # block 3, query block 9: neither local nor initial
-  assert reach(40, 300) == "selection"    # digits 56-60 straddle blocks 1 and 2
-  # example_record on hand-made choices: 2 layers, 1 KV group; key at 116-120 (block 3)
-  length = 224  # first answer query 219, block 6
+  reach = lambda p, q: needle_eval.position_reach(p, q, nsa.sel_block, nsa.window, 1, 2)
+  assert reach(116, 130) == "window"      # within (114, 130]
+  assert reach(114, 130) == "forced"      # just left the window; block 3 precedes the query's 4
+  assert reach(80, 130) == "selection"    # block 2: two blocks back, not local
+  assert reach(170, 190) == "forced"      # the query's own block 5, outside the window
+  assert reach(16, 500) == "forced"       # the initial block
+  assert reach(116, 300) == "selection"   # block 3, query block 9: neither local nor initial
+  # example_record on hand-made choices: 2 layers, 1 KV group; the fact at 100 puts the digits at
+  # 116-120 (block 3); their queries are 219-223 (block 6), so each digit needs a chosen block
+  length = 224
   idx_a = np.full((length, 1, 3), -1, np.int32)
   idx_b = idx_a.copy()
-  idx_b[length - 5, 0] = [0, 3, 4]        # layer 1 holds block 3 at the first answer query only
+  idx_b[219, 0] = [0, 3, 4]               # layer 1 holds block 3 at the first digit's query
+  idx_b[220:222, 0] = [3, -1, -1]         # ... and at the second's and third's
   gate = np.zeros((length, 4))
-  gate[length - 5] = [0.1, 0.2, 0.3, 0.4]  # the first answer query's heads
-  rec = needle_eval.example_record([idx_a, idx_b], 100, length, True, nsa, [gate, gate / 2])
-  assert rec["held_first"] and rec["held_first_by_layer"] == [False, True]
-  assert rec["slc_gate_first_by_layer"] == [pytest.approx(0.25), pytest.approx(0.125)]
-  assert rec["coverage_by_layer"] == [0.0, pytest.approx(0.2)]
-  assert rec["reach"] == "selection" and rec["key_blocks"] == [3] and rec["distance"] == 219 - 116
-  miss = needle_eval.example_record([idx_a, idx_a], 100, length, False, nsa)
-  assert not miss["held_first"]
-  near = needle_eval.example_record([idx_a], 190, length, False, nsa)  # digits 206-210: window
-  assert near["reach"] == "window"
-  wrong = dict(rec, correct=False, slc_gate_first_by_layer=[0.05, 0.15])
-  hv = needle_eval.held_vs_correct([rec, rec, miss, near, dict(miss, correct=True), wrong])
-  assert hv == {"examples": 5, "held_correct": 2, "held_wrong": 1, "missed_correct": 1,
-                "missed_wrong": 1, "p_correct_if_held": 2 / 3, "p_correct_if_missed": 0.5,
-                "slc_gate_held_correct": [0.25, 0.125], "slc_gate_held_wrong": [0.05, 0.15]}
-  assert needle_eval.held_vs_correct([near])["p_correct_if_held"] is None
+  gate[219] = [0.1, 0.2, 0.3, 0.4]
+  right = np.array([True, True, False, True, False])
+  # q and keys: at query 219 head 1 matches digit 0 (116), at 220 head 3 digit 1 (117); at 221
+  # head 2 matches digit 1 too, not digit 2 (118), which that query must copy
+  q = np.zeros((length, 4, 8))
+  k = np.zeros((length, 1, 8))
+  q[219, 1, 0] = k[116, 0, 0] = 20.0
+  q[221, 2, 1] = q[220, 3, 1] = k[117, 0, 1] = 20.0
+  rec = needle_eval.example_record([idx_a, idx_b], 100, length, right, nsa, [gate, gate / 2],
+                                   [(q, k), (q, k)])
+  d = rec["digits"]
+  assert not rec["correct"] and [x["right"] for x in d] == right.tolist()
+  assert [x["reach"] for x in d] == ["selection"] * 5
+  assert [x["held"] for x in d] == [True, True, True, False, False]
+  assert d[0]["held_by_layer"] == [False, True]
+  assert d[0]["gate_by_layer"] == [pytest.approx(0.25), pytest.approx(0.125)]
+  assert d[1]["gate_by_layer"] == [0.0, 0.0]
+  assert d[0]["mass_by_layer"][0] == 0.0  # layer 0 selected nothing
+  assert d[0]["mass_by_layer"][1] == pytest.approx(1.0, abs=1e-6)
+  assert d[1]["mass_by_layer"][1] == pytest.approx(1.0, abs=1e-6)
+  assert d[2]["mass_by_layer"][1] < 0.05  # its head found the neighbouring digit
+  assert rec["coverage_by_layer"] == [0.0, pytest.approx(0.6)]
+  assert rec["key_blocks"] == [3] and rec["distance"] == 219 - 116
+  # a fact whose digits straddle blocks 3 and 4 (first digit at 125): per digit, its own block
+  idx_c = idx_a.copy()
+  idx_c[219:224, 0] = [0, 3, -1]
+  rec_c = needle_eval.example_record([idx_c], 109, length, np.ones(5, bool), nsa)
+  assert rec_c["key_blocks"] == [3, 4]
+  assert [x["held"] for x in rec_c["digits"]] == [True, True, True, False, False]
+  assert rec_c["coverage_by_layer"] == [0.0]  # no query holds both
+  near = needle_eval.example_record([idx_a], 190, length, np.zeros(5, bool), nsa)  # 206-210
+  assert {x["reach"] for x in near["digits"]} == {"window"}
+  hv = needle_eval.held_vs_correct([rec, near])
+  assert hv == {"digits": 5, "held_right": 2, "held_wrong": 1, "missed_right": 1,
+                "missed_wrong": 1, "p_right_if_held": 2 / 3, "p_right_if_missed": 0.5,
+                "slc_gate_held_right": [0.125, 0.0625], "slc_gate_held_wrong": [0.0, 0.0],
+                "slc_mass_held_right": [0.0, 1.0], "slc_mass_held_wrong": [0.0,
+                                                                           pytest.approx(0.0, abs=0.05)]}
+  assert needle_eval.held_vs_correct([near])["p_right_if_held"] is None
+
+
+def test_selected_key_mass_equals_a_masked_softmax_over_all_keys():
+  rng = np.random.default_rng(SEED)
+  t_len, heads, groups, dk, lsel = 40, 4, 2, 8, 8
+  q = rng.normal(size=(heads, dk))
+  k = rng.normal(size=(t_len, groups, dk))
+  t = 37  # block 4, causal inside it
+  idx_t = np.array([[0, 2, 4, -1], [4, 1, 1, 3]])  # group 1 names block 1 twice
+  targets = [3, 17, 20, 36, 38]  # 38 is after t: never visible
+  got = needle_eval.selected_key_mass(q, k, idx_t, t, lsel, targets, 0.3)
+  for h in range(heads):
+    g = h // 2
+    visible = np.isin(np.arange(t_len) // lsel, idx_t[g][idx_t[g] >= 0]) & (np.arange(t_len) <= t)
+    logits = np.where(visible, k[:, g] @ q[h] * 0.3, -np.inf)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    assert got[h] == pytest.approx(p[targets].sum(), rel=1e-12, abs=1e-15), h
+  assert needle_eval.selected_key_mass(q, k, idx_t, t, lsel, list(range(t_len)), 0.3) == (
+      pytest.approx(np.ones(heads)))
 
 
 def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
@@ -768,7 +813,7 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
          "--labels=m", "--lengths=128,192", "--depths=0,0.5,1", "--samples=4", f"--out={out}"]
   res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]
-  assert "keys only a chosen block reaches" in res.stdout
+  assert "digits only a chosen block reaches" in res.stdout
   grid = json.load(open(out))["m"]
   assert os.path.getsize(tmp_path / "blocks.png") > 5_000
   model, _, model_cfg = trained_model.load_model(workdir, max_seq_len=192)
@@ -779,14 +824,21 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
     for i, d in enumerate([0, 0.5, 1]):
       c = got[n, d]
       assert c["exact"] == pytest.approx(want["exact"][i][j])
+      assert c["digit_acc"] == pytest.approx(want["digits"][i][j])
       assert sum(c["reach"].values()) == pytest.approx(1.0)
-      assert len(c["coverage_by_layer"]) == 1 and 0 <= c["held_first"] <= 1
+      assert len(c["coverage_by_layer"]) == 1
       hv = c["held_vs_correct"]
-      assert hv["examples"] == round(4 * c["reach"]["selection"])
+      assert hv["digits"] == round(4 * 5 * c["reach"]["selection"])
+      assert (c["held"] is None) == (hv["digits"] == 0)
+      if hv["digits"]:
+        assert c["held"] == pytest.approx((hv["held_right"] + hv["held_wrong"]) / hv["digits"])
+      held = hv["held_right"] + hv["held_wrong"]
+      assert (c["held_mass"] is None) == (held == 0)
+      assert c["held_mass"] is None or 0 <= c["held_mass"] <= 1 + 1e-6
   total = grid["held_vs_correct"]
-  assert total["examples"] == sum(c["held_vs_correct"]["examples"] for c in grid["cells"])
-  assert total["examples"] == sum(total[k] for k in ("held_correct", "held_wrong",
-                                                     "missed_correct", "missed_wrong"))
+  assert total["digits"] == sum(c["held_vs_correct"]["digits"] for c in grid["cells"])
+  assert total["digits"] == sum(total[k] for k in ("held_right", "held_wrong", "missed_right",
+                                                   "missed_wrong"))
   # depth 0 puts the key in the initial block; depth 1 in a local block (l' = 32, w = 32)
   assert got[192, 0]["reach"]["forced"] == 1.0 and got[192, 1]["reach"]["selection"] == 0.0
   # the jitted block indices equal the eager aux path's
@@ -796,6 +848,10 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
   assert idx[0] is None
   np.testing.assert_array_equal(np.asarray(idx[1]["block_idx"]), np.asarray(auxes[1]["block_idx"]))
   np.testing.assert_allclose(np.asarray(idx[1]["gates"]), np.asarray(auxes[1]["gates"]), atol=1e-5)
+  for c in grid["cells"]:
+    for ok in ("right", "wrong"):
+      m = c["held_vs_correct"][f"slc_mass_held_{ok}"]
+      assert m is None or (len(m) == 1 and 0 <= m[0] <= 1 + 1e-6), (ok, m)
   # the gate recorded is the selection branch's channel (BRANCH_ORDER = cmp, slc, win) at the
   # query predicting the first digit: the real model's choices with gates set per channel/position
   real = trained_model.jit_logits_and_blocks(model)
@@ -806,16 +862,20 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
     g[..., 0], g[..., 2] = 0.9, 0.7
     g[:, 192 - 5, :, 1] = 0.3  # the first answer query of a 192-token input
     idx = np.array(auxes[1]["block_idx"])
+    idx[:, 192 - 4:] = -1  # the later digits' queries hold nothing: only the first digit counts
     for row, toks in enumerate(np.asarray(tokens)):  # hold the key there in half of the rows
       cut = bytes(toks.astype(np.uint8)).find(needle_eval.FACT_PREFIX.encode())
       if row % 2 == 0:
         blocks = needle_eval.key_blocks(cut, model_cfg.nsa.sel_block)
         idx[row, 192 - 5, :, :len(blocks)] = blocks
+      else:  # and miss it in the others: the gates there must not count
+        idx[row, 192 - 5] = -1
+        g[row, 192 - 5, :, 1] = 0.9
     return logits, [None, dict(block_idx=idx, gates=g)]
 
   fgrid = needle_eval.block_grid(fake, model_cfg.nsa, [192], [0.25, 0.5], 4, 1234)
   seen = [c["held_vs_correct"][key] for c in fgrid["cells"]
-          for key in ("slc_gate_held_correct", "slc_gate_held_wrong")]
+          for key in ("slc_gate_held_right", "slc_gate_held_wrong")]
   assert any(seen) and all(g in (None, [pytest.approx(0.3)]) for g in seen), seen
 
 
