@@ -171,17 +171,18 @@ def selected_key_mass(q_t: np.ndarray, k: np.ndarray, idx_t: np.ndarray, t: int,
   (-1 empty); head h reads KV group h // (H / K), keys of its blocks up to t (Eq. 12 with the
   causal mask). float64; [H]."""
   heads, groups = q_t.shape[0], k.shape[1]
+  per_group = heads // groups
   out = np.zeros(heads)
-  for h in range(heads):
-    g = h // (heads // groups)
-    keys = sorted({j for b in idx_t[g] if b >= 0
-                   for j in range(b * sel_block, min((b + 1) * sel_block, t + 1))})
-    if not keys:  # no block selected: no mass anywhere
+  for g in range(groups):
+    blocks = np.unique(idx_t[g][idx_t[g] >= 0])
+    keys = np.arange(t + 1)[np.isin(np.arange(t + 1) // sel_block, blocks)]
+    if not len(keys):  # no block selected: no mass anywhere
       continue
-    logits = k[keys, g].astype(np.float64) @ q_t[h].astype(np.float64) * scale
-    p = np.exp(logits - logits.max())
-    p /= p.sum()
-    out[h] = p[np.isin(keys, targets)].sum()
+    logits = (q_t[g * per_group:(g + 1) * per_group].astype(np.float64)
+              @ k[keys, g].astype(np.float64).T) * scale  # [heads of g, keys]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out[g * per_group:(g + 1) * per_group] = p[:, np.isin(keys, targets)].sum(-1)
   return out
 
 
