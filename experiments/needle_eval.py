@@ -151,15 +151,18 @@ def key_coverage(block_idx: np.ndarray, blocks: list[int], queries: list[int]) -
 
 
 def position_reach(pos: int, query: int, sel_block: int, window: int, num_init: int,
-                   num_local: int) -> str:
+                   num_local: int, num_selected: int | None = None) -> str:
   """How the query at `query` sees the token at `pos` without any choice by score: "window"
-  (inside its sliding window, keys (query - window, query]), "forced" (in one of its forced
-  blocks: the first num_init blocks and the num_local blocks ending at the query's own), or else
-  "selection" (only through a block chosen by its score)."""
+  (inside its sliding window, keys (query - window, query]; window 0: no window branch),
+  "forced" (in one of its forced blocks: the first num_init blocks and the num_local blocks
+  ending at the query's own; or every visible block, when there are no more of them than
+  num_selected, so top-n keeps them all), or else "selection" (only through a block chosen by
+  its score)."""
   if query - pos < window:
     return "window"
   cur = query // sel_block
-  if pos // sel_block < num_init or cur - num_local < pos // sel_block <= cur:
+  if (pos // sel_block < num_init or cur - num_local < pos // sel_block <= cur
+      or (num_selected is not None and cur + 1 <= num_selected)):
     return "forced"
   return "selection"
 
@@ -209,8 +212,8 @@ def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int,
     held = [bool(np.any(idx[t] == pos // nsa.sel_block)) for idx in block_idx_by_layer]
     digits.append(dict(
         right=bool(digits_right[i]), held=any(held), held_by_layer=held,
-        reach=position_reach(pos, t, nsa.sel_block, nsa.window, nsa.num_init_blocks,
-                             nsa.num_local_blocks),
+        reach=position_reach(pos, t, nsa.sel_block, nsa.window if "win" in nsa.branches else 0,
+                             nsa.num_init_blocks, nsa.num_local_blocks, nsa.num_selected),
         gate_by_layer=[float(np.mean(g[t])) for g in (slc_gate_by_layer or [])],
         mass_by_layer=[float(selected_key_mass(q[t], k, idx[t], t, nsa.sel_block, [pos],
                                                q.shape[-1] ** -0.5).max())
@@ -222,10 +225,11 @@ def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int,
 
 def held_vs_correct(records: list[dict]) -> dict:
   """Over the answer digits that only a chosen block reaches (reach "selection"): how often the
-  digit is predicted right when the selection held its block and when it did not, and where held,
-  per layer, the mean selection gate and the mean largest head mass on the digit for right against
-  wrong digits. Separates a selector that misses the key from attention (or what follows it)
-  that fails after finding it."""
+  digit is predicted right when the selection held its block (in some layer) and when it did not,
+  and per layer, over the digits whose block that layer held, the mean selection gate and the
+  mean largest head mass on the digit, for right against wrong digits (None for a layer that held
+  none). Separates a selector that misses the key from attention (or what follows it) that fails
+  after finding it."""
   sel = [d for r in records for d in r["digits"] if d["reach"] == "selection"]
   count = lambda held, ok: sum(d["held"] == held and d["right"] == ok for d in sel)
   out = {"digits": len(sel), "held_right": count(True, True), "held_wrong": count(True, False),
@@ -235,10 +239,13 @@ def held_vs_correct(records: list[dict]) -> dict:
     out[f"p_right_if_{name}"] = out[f"{name}_right"] / n if n else None
   for what in ("gate", "mass"):
     for ok in (True, False):
-      v = [d[f"{what}_by_layer"] for d in sel if d["held"] and d["right"] == ok
-           and d[f"{what}_by_layer"]]
+      layers = max((len(d[f"{what}_by_layer"]) for d in sel), default=0)
+      per_layer = [[d[f"{what}_by_layer"][j] for d in sel
+                    if d["right"] == ok and d[f"{what}_by_layer"] and d["held_by_layer"][j]]
+                   for j in range(layers)]
       out[f"slc_{what}_held_{'right' if ok else 'wrong'}"] = (
-          np.mean(v, axis=0).round(4).tolist() if v else None)
+          [round(float(np.mean(v)), 4) if v else None for v in per_layer]
+          if any(per_layer) else None)
   return out
 
 
@@ -247,7 +254,8 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
   selection-block boundary, per NSA layer the mean key_coverage over the answer queries, the
   answer digits' reach shares (window / forced / selection), the share of the selection-reach
   digits whose block the selection held (None without such digits), over those held the mean of
-  the largest layer's head mass on the digit (held_mass), and held_vs_correct; plus
+  the largest head mass on the digit among the layers that held it (held_mass), and
+  held_vs_correct; plus
   held_vs_correct over every cell. blocks_fn(tokens) -> (logits, per layer None or {"block_idx",
   "gates", "q", "k_slc"}) (trained_model.jit_logits_and_blocks), nsa the model's NSAConfig."""
   from nsa_jax.reference import BRANCH_ORDER
@@ -264,8 +272,8 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
       idx_layers = [np.asarray(a["block_idx"]) for a in auxes]
       gate_layers = ([np.asarray(a["gates"][..., BRANCH_ORDER.index("slc")], np.float32)
                       for a in auxes] if "slc" in nsa.branches else [])
-      qk_layers = [(np.asarray(a["q"], np.float32), np.asarray(a["k_slc"], np.float32))
-                   for a in auxes if "q" in a]
+      qk_layers = ([(np.asarray(a["q"], np.float32), np.asarray(a["k_slc"], np.float32))
+                    for a in auxes] if all("q" in a for a in auxes) else [])
       recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, right[s], nsa,
                              [g[s] for g in gate_layers], [(q[s], k[s]) for q, k in qk_layers])
               for s in range(samples)]
@@ -281,7 +289,8 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
           reach={k: float(np.mean([d["reach"] == k for d in events]))
                  for k in ("window", "forced", "selection")},
           held=float(np.mean([d["held"] for d in sel])) if sel else None,
-          held_mass=(float(np.mean([max(d["mass_by_layer"]) for d in sel if d["held"]]))
+          held_mass=(float(np.mean([max(m for m, h in zip(d["mass_by_layer"], d["held_by_layer"])
+                                        if h) for d in sel if d["held"]]))
                      if any(d["held"] and d["mass_by_layer"] for d in sel) else None),
           held_vs_correct=held_vs_correct(recs)))
   return {"cells": cells, "held_vs_correct": held_vs_correct(everything), "samples": samples,
@@ -289,8 +298,8 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
 
 
 def _mass_text(hv: dict, ok: str) -> str:
-  m = hv[f"slc_mass_held_{ok}"]
-  return "-" if m is None else f"{max(m):.2f}"
+  m = [v for v in (hv[f"slc_mass_held_{ok}"] or []) if v is not None]
+  return f"{max(m):.2f}" if m else "-"
 
 
 def plot_blocks(grids: list[dict], labels: list[str], out: str):
@@ -458,6 +467,9 @@ def main(argv):
       if "nsa" not in model_cfg.attention_kinds:
         raise ValueError(f"{workdir}: --mode=blocks needs a model with NSA layers (this one: "
                          f"{model_cfg.attention_kinds}). Fix: pass an NSA run's workdir")
+      if "slc" not in model_cfg.nsa.branches:
+        raise ValueError(f"{workdir}: --mode=blocks needs the selection branch (this model's "
+                         f"NSA branches: {model_cfg.nsa.branches}). Fix: pass a run with 'slc'")
       grid = block_grid(jit_logits_and_blocks(model), model_cfg.nsa, lengths, depths,
                         _SAMPLES.value, _SEED.value)
       results[label] = dict(grid, workdir=workdir, step=step,

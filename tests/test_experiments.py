@@ -727,14 +727,19 @@ def test_needle_key_blocks_and_coverage():
 
 def test_needle_digit_reach_records_and_held_vs_correct():
   from types import SimpleNamespace
-  nsa = SimpleNamespace(sel_block=32, window=16, num_init_blocks=1, num_local_blocks=2)
-  reach = lambda p, q: needle_eval.position_reach(p, q, nsa.sel_block, nsa.window, 1, 2)
+  nsa = SimpleNamespace(sel_block=32, window=16, num_init_blocks=1, num_local_blocks=2,
+                        num_selected=4, branches=("cmp", "slc", "win"))
+  reach = lambda p, q: needle_eval.position_reach(p, q, nsa.sel_block, nsa.window, 1, 2, 4)
   assert reach(116, 130) == "window"      # within (114, 130]
   assert reach(114, 130) == "forced"      # just left the window; block 3 precedes the query's 4
   assert reach(80, 130) == "selection"    # block 2: two blocks back, not local
   assert reach(170, 190) == "forced"      # the query's own block 5, outside the window
   assert reach(16, 500) == "forced"       # the initial block
   assert reach(116, 300) == "selection"   # block 3, query block 9: neither local nor initial
+  assert reach(40, 500) == "selection"    # block 1 is not an initial block
+  assert reach(40, 127) == "forced"       # 4 visible blocks, n = 4: top-n keeps them all
+  assert needle_eval.position_reach(40, 127, 32, 16, 1, 2, 3) == "selection"
+  assert needle_eval.position_reach(120, 127, 32, 0, 1, 2, 3) == "forced"  # no window branch
   # example_record on hand-made choices: 2 layers, 1 KV group; the fact at 100 puts the digits at
   # 116-120 (block 3); their queries are 219-223 (block 6), so each digit needs a chosen block
   length = 224
@@ -778,9 +783,10 @@ def test_needle_digit_reach_records_and_held_vs_correct():
   hv = needle_eval.held_vs_correct([rec, near])
   assert hv == {"digits": 5, "held_right": 2, "held_wrong": 1, "missed_right": 1,
                 "missed_wrong": 1, "p_right_if_held": 2 / 3, "p_right_if_missed": 0.5,
-                "slc_gate_held_right": [0.125, 0.0625], "slc_gate_held_wrong": [0.0, 0.0],
-                "slc_mass_held_right": [0.0, 1.0], "slc_mass_held_wrong": [0.0,
-                                                                           pytest.approx(0.0, abs=0.05)]}
+                # per layer, only the digits whose block that layer held (layer 0: none)
+                "slc_gate_held_right": [None, 0.0625], "slc_gate_held_wrong": [None, 0.0],
+                "slc_mass_held_right": [None, 1.0], "slc_mass_held_wrong": [None,
+                                                                            pytest.approx(0.0, abs=0.05)]}
   assert needle_eval.held_vs_correct([near])["p_right_if_held"] is None
 
 
@@ -871,12 +877,17 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
       else:  # and miss it in the others: the gates there must not count
         idx[row, 192 - 5] = -1
         g[row, 192 - 5, :, 1] = 0.9
-    return logits, [None, dict(block_idx=idx, gates=g)]
+    return logits, [None, dict(auxes[1], block_idx=idx, gates=g)]
 
   fgrid = needle_eval.block_grid(fake, model_cfg.nsa, [192], [0.25, 0.5], 4, 1234)
   seen = [c["held_vs_correct"][key] for c in fgrid["cells"]
           for key in ("slc_gate_held_right", "slc_gate_held_wrong")]
   assert any(seen) and all(g in (None, [pytest.approx(0.3)]) for g in seen), seen
+  # the real q and selection keys give each held digit a mass in [0, 1]; its cell's held_mass too
+  masses = [m for c in fgrid["cells"] for key in ("slc_mass_held_right", "slc_mass_held_wrong")
+            for m in (c["held_vs_correct"][key] or [])]
+  assert masses and all(0 <= m <= 1 + 1e-6 for m in masses), masses
+  assert all(c["held_mass"] is not None for c in fgrid["cells"] if c["held"])
 
 
 def test_bench_kernels_registry_labels(monkeypatch):

@@ -82,6 +82,26 @@ def test_layer_aux_reports_blocks_and_gates():
   assert float(aux["gates"].min()) > 0.0 and float(aux["gates"].max()) < 1.0
 
 
+def test_layer_aux_q_and_selection_keys_rebuild_the_selection_branch():
+  """The q and selection keys the aux output carries (the needle diagnosis reads attention mass
+  from them) are the ones the selection branch attends with: its softmax weights over the
+  selected keys, applied to the selection values, give the branch's output."""
+  from experiments.needle_eval import selected_key_mass
+  cfg = small_nsa(sel_block=8, num_selected=4)
+  layer = NSAAttention(16, cfg, rngs=nnx.Rngs(3))
+  x = jax.random.normal(fresh_key(16), (1, 40, 16))
+  _, aux = layer(x, implementation="reference", return_aux=True)
+  v = np.asarray(layer._project(x.astype(layer.dtype))[2]["slc"][1])[0]  # [T, K, d_v]
+  q, k, idx = (np.asarray(aux[n])[0] for n in ("q", "k_slc", "block_idx"))
+  want = np.asarray(aux["outputs"]["slc"])[0]  # [T, H, d_v]
+  for t in (5, 22, 39):
+    w = np.stack([selected_key_mass(q[t], k, idx[t], t, cfg.sel_block, [j], cfg.head_dim ** -0.5)
+                  for j in range(40)])  # [keys, H]
+    for h in range(cfg.num_heads):
+      got = w[:, h] @ v[:, h // (cfg.num_heads // cfg.num_kv_heads)]
+      np.testing.assert_allclose(got, want[t, h], rtol=1e-4, atol=1e-5)
+
+
 def test_bad_layer_input_is_reported():
   layer = NSAAttention(16, small_nsa(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="expects x"):
