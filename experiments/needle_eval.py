@@ -14,8 +14,9 @@
       the window or a forced block reach it anyway, did the selection hold its block, and for
       the digits only a chosen block reaches, how often the digit is right when held against
       when missed, with the selection gate and the branch's attention mass on the digit for
-      right and wrong digits: is a miss the selector's, or after it? JSON, a printed table and a
-      PNG beside the JSON)
+      right and wrong digits: is a miss the selector's, or after it? A dense run gets the
+      attention part alone: its best head's causal mass on each digit, right vs wrong. JSON, a
+      printed table and a PNG of the NSA runs beside the JSON)
 
 A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl), either with an
 optional @STEP for that saved checkpoint instead of the newest (e.g. runs/pk/nsa@800; the label
@@ -268,7 +269,7 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
       logits = np.asarray(logits)
       ok, _ = score_answers(logits, tokens)
       right = np.argmax(logits[:, -ANSWER_DIGITS:], -1) == tokens[:, -ANSWER_DIGITS:]
-      auxes = [a for a in auxes if a is not None]
+      auxes = [a for a in auxes if a is not None and "block_idx" in a]  # the NSA layers
       idx_layers = [np.asarray(a["block_idx"]) for a in auxes]
       gate_layers = ([np.asarray(a["gates"][..., BRANCH_ORDER.index("slc")], np.float32)
                       for a in auxes] if "slc" in nsa.branches else [])
@@ -295,6 +296,43 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
           held_vs_correct=held_vs_correct(recs)))
   return {"cells": cells, "held_vs_correct": held_vs_correct(everything), "samples": samples,
           "seed": seed, "sel_block": nsa.sel_block, "window": nsa.window}
+
+
+def dense_grid(fn, lengths, depths, samples, seed) -> dict:
+  """The dense counterpart of block_grid's attention reading: per cell, exact and digit accuracy,
+  and per attention layer (dense layers of the model) the mean over right and over wrong digits
+  of the largest head softmax mass on the digit at the query that predicts it, under full causal
+  attention. fn: trained_model.jit_logits_and_blocks of the model."""
+  cells = []
+  total = {True: [], False: []}
+  for length in lengths:
+    for i, depth in enumerate(depths):
+      rows = passkey_examples(length, i, depth, samples, seed)
+      tokens = np.stack([r[0] for r in rows])
+      logits, auxes = fn(tokens[:, :-1])
+      logits = np.asarray(logits)
+      ok, _ = score_answers(logits, tokens)
+      right = np.argmax(logits[:, -ANSWER_DIGITS:], -1) == tokens[:, -ANSWER_DIGITS:]
+      qk = [(np.asarray(a["q"], np.float32), np.asarray(a["k"], np.float32))
+            for a in auxes if a is not None and "k" in a]
+      by = {True: [], False: []}
+      for s in range(samples):
+        first = rows[s][2] + len(FACT_PREFIX)
+        for d in range(ANSWER_DIGITS):
+          t = length - ANSWER_DIGITS + d
+          by[bool(right[s, d])].append([float(selected_key_mass(
+              q[s, t], k[s], np.zeros((k.shape[2], 1), int), t, t + 1, [first + d],
+              q.shape[-1] ** -0.5).max()) for q, k in qk])
+      for key in by:
+        total[key] += by[key]
+      mean = lambda v: np.mean(v, axis=0).round(4).tolist() if v else None
+      cells.append(dict(length=length, depth=depth, exact=float(ok.mean()),
+                        digit_acc=float(right.mean()), mass_right=mean(by[True]),
+                        mass_wrong=mean(by[False])))
+  mean = lambda v: np.mean(v, axis=0).round(4).tolist() if v else None
+  return {"cells": cells, "mass_right": mean(total[True]), "mass_wrong": mean(total[False]),
+          "digits_right": len(total[True]), "digits_wrong": len(total[False]),
+          "samples": samples, "seed": seed}
 
 
 def _mass_text(hv: dict, ok: str) -> str:
@@ -464,9 +502,18 @@ def main(argv):
     grids = []
     for (workdir, _, step), label in zip(specs, labels):
       model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths), step=step)
-      if "nsa" not in model_cfg.attention_kinds:
-        raise ValueError(f"{workdir}: --mode=blocks needs a model with NSA layers (this one: "
-                         f"{model_cfg.attention_kinds}). Fix: pass an NSA run's workdir")
+      if "nsa" not in model_cfg.attention_kinds:  # a dense twin: its attention on the digits
+        grid = dense_grid(jit_logits_and_blocks(model), lengths, depths, _SAMPLES.value,
+                          _SEED.value)
+        results[label] = dict(grid, workdir=workdir, step=step, attention="dense")
+        print(f"{label} (dense): per cell exact, digit accuracy, best head's mass on the digit by "
+              "layer for right / wrong digits")
+        for c in grid["cells"]:
+          print(f"  {c['length']:5d} {c['depth']:4.2f}: exact {c['exact']:.3f} digits "
+                f"{c['digit_acc']:.3f} mass right {c['mass_right']} wrong {c['mass_wrong']}")
+        print(f"  all digits: {grid['digits_right']} right, mass {grid['mass_right']}; "
+              f"{grid['digits_wrong']} wrong, mass {grid['mass_wrong']}")
+        continue
       if "slc" not in model_cfg.nsa.branches:
         raise ValueError(f"{workdir}: --mode=blocks needs the selection branch (this model's "
                          f"NSA branches: {model_cfg.nsa.branches}). Fix: pass a run with 'slc'")
@@ -493,7 +540,9 @@ def main(argv):
             f"by layer: selection gate right {hv['slc_gate_held_right']} / wrong "
             f"{hv['slc_gate_held_wrong']}, largest head mass on the digit right "
             f"{hv['slc_mass_held_right']} / wrong {hv['slc_mass_held_wrong']}")
-    plot_blocks(grids, labels, os.path.splitext(_OUT.value)[0] + ".png")
+    if grids:
+      plot_blocks(grids, [l for l in labels if results[l].get("attention") != "dense"],
+                  os.path.splitext(_OUT.value)[0] + ".png")
   else:
     curves = []
     for (workdir, _, step), label in zip(specs, labels):

@@ -247,7 +247,9 @@ class DenseAttention(nnx.Module):
                              self.dtype)
     return q.reshape(b, t, self.h, self.dk), k, v
 
-  def __call__(self, x, *, segment_ids=None, positions=None, implementation=None):
+  def __call__(self, x, *, segment_ids=None, positions=None, implementation=None,
+               return_aux=False):
+    """y [B, T, d_model]; with return_aux also {"q", "k"} after RoPE (diagnostics)."""
     if x.ndim != 3 or x.shape[-1] != self.d_model:
       raise ValueError(f"DenseAttention expects x [batch, time, {self.d_model}], got {x.shape}")
     b, t, _ = x.shape
@@ -261,4 +263,5 @@ class DenseAttention(nnx.Module):
       o = ops.dense_attention(q, k, v, segment_ids, implementation=implementation or
                               self.implementation)
     with jax.named_scope("dense_out"):
-      return self.o_proj(o.reshape(b, t, self.h * self.dv))
+      y = self.o_proj(o.reshape(b, t, self.h * self.dv))
+    return (y, {"q": q, "k": k}) if return_aux else y

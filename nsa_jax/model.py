@@ -44,6 +44,8 @@ class Block(nnx.Module):
         aux = {k: extra[0][k] for k in ("block_idx", "gates", "q", "k_slc") if k in extra[0]}
       if return_selector_loss:
         sel = extra[-1]
+    elif return_aux:  # a dense layer: its q and k after RoPE (diagnostics)
+      y, aux = self.attn(h, segment_ids=segment_ids, positions=positions, return_aux=True)
     else:
       y = self.attn(h, segment_ids=segment_ids, positions=positions)
     x = constrain_rows(x + y)
@@ -68,8 +70,8 @@ class TransformerLM(nnx.Module):
 
   With return_aux=True also returns one entry per layer: for NSA layers a dict with the selected
   blocks "block_idx" [B, T, K, n], the gates "gates" [B, T, H, 3], and the queries "q" [B, T, H,
-  d_k] and selection keys "k_slc" [B, T, K, d_k] after RoPE (for diagnostics; unused outputs cost
-  nothing under jit); None for dense layers.
+  d_k] and selection keys "k_slc" [B, T, K, d_k] after RoPE; for dense layers a dict with "q" and
+  "k" after RoPE (q and keys are for diagnostics; unused outputs cost nothing under jit).
   With return_selector_loss=True also returns the "aux" selector's loss per token [B, T], the
   mean over NSA layers (zeros when no layer uses selector="aux").
   """

@@ -399,7 +399,7 @@ def test_load_model_forward_with_aux_and_longer_inputs(trained):
   tokens = jax.random.randint(jax.random.key(SEED), (2, 256), 0, 256)
   logits, auxes = trained_model.forward_with_aux(model, tokens)
   np.testing.assert_allclose(logits, trained_model.jit_logits(model)(tokens), atol=2e-4, rtol=2e-4)
-  assert auxes[0] is None  # the dense layer
+  assert set(auxes[0]) == {"q", "k"}  # the dense layer
   idx, gates = auxes[1]["block_idx"], auxes[1]["gates"]
   assert idx.shape == (2, 256, 2, 3) and gates.shape == (2, 256, 4, 3)
   assert float(gates.min()) >= 0 and float(gates.max()) <= 1
@@ -814,13 +814,21 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
   """--mode=blocks end to end: its accuracy equals --mode=needle's on the same cells, every count
   adds up, and the JSON and PNG are written."""
   workdir, _, _ = trained
+  dense_cfg = tiny_config()
+  dense_cfg.model.layer_attention = ("dense", "dense")
+  dense_dir = str(tmp_path / "dense")
+  ablate.train_run(dense_cfg, dense_dir)
   out = tmp_path / "blocks.json"
-  cmd = [sys.executable, "-m", "experiments.needle_eval", "--mode=blocks", f"--workdirs={workdir}",
-         "--labels=m", "--lengths=128,192", "--depths=0,0.5,1", "--samples=4", f"--out={out}"]
+  cmd = [sys.executable, "-m", "experiments.needle_eval", "--mode=blocks",
+         f"--workdirs={workdir},{dense_dir}", "--labels=m,d", "--lengths=128,192",
+         "--depths=0,0.5,1", "--samples=4", f"--out={out}"]
   res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]
-  assert "digits only a chosen block reaches" in res.stdout
-  grid = json.load(open(out))["m"]
+  assert "digits only a chosen block reaches" in res.stdout and "d (dense)" in res.stdout
+  both = json.load(open(out))
+  assert both["d"]["attention"] == "dense" and len(both["d"]["cells"]) == 6
+  assert both["d"]["digits_right"] + both["d"]["digits_wrong"] == 6 * 4 * 5
+  grid = both["m"]
   assert os.path.getsize(tmp_path / "blocks.png") > 5_000
   model, _, model_cfg = trained_model.load_model(workdir, max_seq_len=192)
   want = needle_eval.needle_grid(trained_model.jit_logits(model), [128, 192], [0, 0.5, 1], 4,
@@ -851,7 +859,7 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
   tokens = needle_eval.passkey_batch(192, 1, 0.5, 2, SEED)[:, :-1]
   _, idx = trained_model.jit_logits_and_blocks(model)(tokens)
   _, auxes = trained_model.forward_with_aux(model, tokens)
-  assert idx[0] is None
+  assert set(idx[0]) == {"q", "k"}  # the dense layer
   np.testing.assert_array_equal(np.asarray(idx[1]["block_idx"]), np.asarray(auxes[1]["block_idx"]))
   np.testing.assert_allclose(np.asarray(idx[1]["gates"]), np.asarray(auxes[1]["gates"]), atol=1e-5)
   for c in grid["cells"]:
@@ -888,6 +896,32 @@ def test_needle_blocks_cli_on_a_trained_model(trained, tmp_path):
             for m in (c["held_vs_correct"][key] or [])]
   assert masses and all(0 <= m <= 1 + 1e-6 for m in masses), masses
   assert all(c["held_mass"] is not None for c in fgrid["cells"] if c["held"])
+
+
+def test_dense_grid_reads_the_dense_layers_attention_on_each_digit(trained):
+  """dense_grid: digit counts and accuracies equal the needle scorer's, masses in [0, 1], and the
+  mass of one digit equals a causal softmax computed here from the layer's q and k."""
+  workdir, _, _ = trained
+  model, _, _ = trained_model.load_model(workdir, max_seq_len=192)
+  fn = trained_model.jit_logits_and_blocks(model)
+  grid = needle_eval.dense_grid(fn, [192], [0.5], 4, 1234)
+  want = needle_eval.needle_grid(trained_model.jit_logits(model), [192], [0.5], 4, 1234)
+  c = grid["cells"][0]
+  assert c["exact"] == pytest.approx(want["exact"][0][0])
+  assert c["digit_acc"] == pytest.approx(want["digits"][0][0])
+  assert grid["digits_right"] + grid["digits_wrong"] == 4 * 5
+  for m in (grid["mass_right"], grid["mass_wrong"]):
+    assert m is None or (len(m) == 1 and 0 <= m[0] <= 1 + 1e-6)  # one dense layer
+  rows = needle_eval.passkey_examples(192, 0, 0.5, 1, 1234)
+  _, auxes = fn(np.stack([r[0] for r in rows])[:, :-1])
+  q, k = np.asarray(auxes[0]["q"])[0], np.asarray(auxes[0]["k"])[0]
+  t, pos = 187, rows[0][2] + len(needle_eval.FACT_PREFIX)
+  h = 3
+  logits = k[:t + 1, h // 2] @ q[t, h] * q.shape[-1] ** -0.5
+  p = np.exp(logits - logits.max())
+  got = needle_eval.selected_key_mass(q[t], k, np.zeros((2, 1), int), t, t + 1, [pos],
+                                      q.shape[-1] ** -0.5)
+  assert got[h] == pytest.approx(p[pos] / p.sum(), rel=1e-5)
 
 
 def test_bench_kernels_registry_labels(monkeypatch):

@@ -102,6 +102,23 @@ def test_layer_aux_q_and_selection_keys_rebuild_the_selection_branch():
       np.testing.assert_allclose(got, want[t, h], rtol=1e-4, atol=1e-5)
 
 
+def test_dense_layer_aux_q_and_k_rebuild_its_output():
+  """The q and k a dense layer's aux carries are the ones it attends with (causal softmax)."""
+  layer = DenseAttention(16, 4, 2, 8, 6, rngs=nnx.Rngs(4))
+  x = jax.random.normal(fresh_key(17), (1, 30, 16))
+  y, aux = layer(x, return_aux=True)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(layer(x)), rtol=1e-6, atol=1e-6)
+  v = np.asarray(layer._project(x)[2])[0]  # [T, K, d_v]
+  q, k = np.asarray(aux["q"])[0], np.asarray(aux["k"])[0]
+  logits = np.einsum("thd,shd->hts", q, np.repeat(k, 2, axis=1)) * 8 ** -0.5
+  logits = np.where(np.tril(np.ones((30, 30), bool)), logits, -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  o = np.einsum("hts,shd->thd", p, np.repeat(v, 2, axis=1)).reshape(1, 30, 24)
+  np.testing.assert_allclose(np.asarray(layer.o_proj(jnp.asarray(o, jnp.float32))), np.asarray(y),
+                             rtol=1e-4, atol=1e-5)
+
+
 def test_bad_layer_input_is_reported():
   layer = NSAAttention(16, small_nsa(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="expects x"):
@@ -168,7 +185,8 @@ def test_lm_mixed_layers_and_bf16():
   assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
   logits_aux, auxes = model(tokens, return_aux=True)
   np.testing.assert_array_equal(np.asarray(logits_aux), np.asarray(logits))
-  assert auxes[0] is None  # dense layer
+  assert set(auxes[0]) == {"q", "k"}  # dense layer: q and k after RoPE
+  assert auxes[0]["q"].shape == (1, 40, 4, 8) and auxes[0]["k"].shape == (1, 40, 2, 8)
   assert auxes[1]["block_idx"].shape == (1, 40, 2, 3) and auxes[1]["gates"].shape == (1, 40, 4, 3)
 
 
