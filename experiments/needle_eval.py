@@ -250,6 +250,20 @@ def held_vs_correct(records: list[dict]) -> dict:
   return out
 
 
+def _scored_cells(fn, lengths, depths, samples, seed):
+  """Per (length, depth) cell: (length, depth, passkey_examples rows, exact [N], per-digit right
+  [N, 5], per-layer aux) from fn(tokens) -> (logits, aux per layer)."""
+  for length in lengths:
+    for i, depth in enumerate(depths):
+      rows = passkey_examples(length, i, depth, samples, seed)
+      tokens = np.stack([r[0] for r in rows])
+      logits, auxes = fn(tokens[:, :-1])
+      logits = np.asarray(logits)
+      ok, _ = score_answers(logits, tokens)
+      right = np.argmax(logits[:, -ANSWER_DIGITS:], -1) == tokens[:, -ANSWER_DIGITS:]
+      yield length, depth, rows, ok, right, auxes
+
+
 def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
   """Per cell: exact accuracy, digit accuracy, share of examples whose key straddles a
   selection-block boundary, per NSA layer the mean key_coverage over the answer queries, the
@@ -261,39 +275,33 @@ def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:
   "gates", "q", "k_slc"}) (trained_model.jit_logits_and_blocks), nsa the model's NSAConfig."""
   from nsa_jax.reference import BRANCH_ORDER
   cells, everything = [], []
-  for length in lengths:
-    for i, depth in enumerate(depths):
-      rows = passkey_examples(length, i, depth, samples, seed)
-      tokens = np.stack([r[0] for r in rows])
-      logits, auxes = blocks_fn(tokens[:, :-1])
-      logits = np.asarray(logits)
-      ok, _ = score_answers(logits, tokens)
-      right = np.argmax(logits[:, -ANSWER_DIGITS:], -1) == tokens[:, -ANSWER_DIGITS:]
-      auxes = [a for a in auxes if a is not None and "block_idx" in a]  # the NSA layers
-      idx_layers = [np.asarray(a["block_idx"]) for a in auxes]
-      gate_layers = ([np.asarray(a["gates"][..., BRANCH_ORDER.index("slc")], np.float32)
-                      for a in auxes] if "slc" in nsa.branches else [])
-      qk_layers = ([(np.asarray(a["q"], np.float32), np.asarray(a["k_slc"], np.float32))
-                    for a in auxes] if all("q" in a for a in auxes) else [])
-      recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, right[s], nsa,
-                             [g[s] for g in gate_layers], [(q[s], k[s]) for q, k in qk_layers])
-              for s in range(samples)]
-      everything += recs
-      events = [d for r in recs for d in r["digits"]]
-      sel = [d for d in events if d["reach"] == "selection"]
-      cells.append(dict(
-          length=length, depth=depth, exact=float(ok.mean()), digit_acc=float(right.mean()),
-          straddling=float(np.mean([len(r["key_blocks"]) > 1 for r in recs])),
-          key_blocks=recs[0]["key_blocks"],
-          coverage_by_layer=[float(np.mean([r["coverage_by_layer"][j] for r in recs]))
-                             for j in range(len(idx_layers))],
-          reach={k: float(np.mean([d["reach"] == k for d in events]))
-                 for k in ("window", "forced", "selection")},
-          held=float(np.mean([d["held"] for d in sel])) if sel else None,
-          held_mass=(float(np.mean([max(m for m, h in zip(d["mass_by_layer"], d["held_by_layer"])
-                                        if h) for d in sel if d["held"]]))
-                     if any(d["held"] and d["mass_by_layer"] for d in sel) else None),
-          held_vs_correct=held_vs_correct(recs)))
+  for length, depth, rows, ok, right, auxes in _scored_cells(blocks_fn, lengths, depths, samples,
+                                                             seed):
+    auxes = [a for a in auxes if a is not None and "block_idx" in a]  # the NSA layers
+    idx_layers = [np.asarray(a["block_idx"]) for a in auxes]
+    gate_layers = ([np.asarray(a["gates"][..., BRANCH_ORDER.index("slc")], np.float32)
+                    for a in auxes] if "slc" in nsa.branches else [])
+    qk_layers = ([(np.asarray(a["q"], np.float32), np.asarray(a["k_slc"], np.float32))
+                  for a in auxes] if all("q" in a for a in auxes) else [])
+    recs = [example_record([x[s] for x in idx_layers], rows[s][2], length, right[s], nsa,
+                           [g[s] for g in gate_layers], [(q[s], k[s]) for q, k in qk_layers])
+            for s in range(samples)]
+    everything += recs
+    events = [d for r in recs for d in r["digits"]]
+    sel = [d for d in events if d["reach"] == "selection"]
+    cells.append(dict(
+        length=length, depth=depth, exact=float(ok.mean()), digit_acc=float(right.mean()),
+        straddling=float(np.mean([len(r["key_blocks"]) > 1 for r in recs])),
+        key_blocks=recs[0]["key_blocks"],
+        coverage_by_layer=[float(np.mean([r["coverage_by_layer"][j] for r in recs]))
+                           for j in range(len(idx_layers))],
+        reach={k: float(np.mean([d["reach"] == k for d in events]))
+               for k in ("window", "forced", "selection")},
+        held=float(np.mean([d["held"] for d in sel])) if sel else None,
+        held_mass=(float(np.mean([max(m for m, h in zip(d["mass_by_layer"], d["held_by_layer"])
+                                      if h) for d in sel if d["held"]]))
+                   if any(d["held"] and d["mass_by_layer"] for d in sel) else None),
+        held_vs_correct=held_vs_correct(recs)))
   return {"cells": cells, "held_vs_correct": held_vs_correct(everything), "samples": samples,
           "seed": seed, "sel_block": nsa.sel_block, "window": nsa.window}
 
@@ -305,31 +313,23 @@ def dense_grid(fn, lengths, depths, samples, seed) -> dict:
   attention. fn: trained_model.jit_logits_and_blocks of the model."""
   cells = []
   total = {True: [], False: []}
-  for length in lengths:
-    for i, depth in enumerate(depths):
-      rows = passkey_examples(length, i, depth, samples, seed)
-      tokens = np.stack([r[0] for r in rows])
-      logits, auxes = fn(tokens[:, :-1])
-      logits = np.asarray(logits)
-      ok, _ = score_answers(logits, tokens)
-      right = np.argmax(logits[:, -ANSWER_DIGITS:], -1) == tokens[:, -ANSWER_DIGITS:]
-      qk = [(np.asarray(a["q"], np.float32), np.asarray(a["k"], np.float32))
-            for a in auxes if a is not None and "k" in a]
-      by = {True: [], False: []}
-      for s in range(samples):
-        first = rows[s][2] + len(FACT_PREFIX)
-        for d in range(ANSWER_DIGITS):
-          t = length - ANSWER_DIGITS + d
-          by[bool(right[s, d])].append([float(selected_key_mass(
-              q[s, t], k[s], np.zeros((k.shape[2], 1), int), t, t + 1, [first + d],
-              q.shape[-1] ** -0.5).max()) for q, k in qk])
-      for key in by:
-        total[key] += by[key]
-      mean = lambda v: np.mean(v, axis=0).round(4).tolist() if v else None
-      cells.append(dict(length=length, depth=depth, exact=float(ok.mean()),
-                        digit_acc=float(right.mean()), mass_right=mean(by[True]),
-                        mass_wrong=mean(by[False])))
   mean = lambda v: np.mean(v, axis=0).round(4).tolist() if v else None
+  for length, depth, rows, ok, right, auxes in _scored_cells(fn, lengths, depths, samples, seed):
+    qk = [(np.asarray(a["q"], np.float32), np.asarray(a["k"], np.float32))
+          for a in auxes if a is not None and "k" in a]
+    by = {True: [], False: []}
+    for s in range(samples):
+      first = rows[s][2] + len(FACT_PREFIX)
+      for d in range(ANSWER_DIGITS):
+        t = length - ANSWER_DIGITS + d
+        by[bool(right[s, d])].append([float(selected_key_mass(
+            q[s, t], k[s], np.zeros((k.shape[2], 1), int), t, t + 1, [first + d],
+            q.shape[-1] ** -0.5).max()) for q, k in qk])
+    for key in by:
+      total[key] += by[key]
+    cells.append(dict(length=length, depth=depth, exact=float(ok.mean()),
+                      digit_acc=float(right.mean()), mass_right=mean(by[True]),
+                      mass_wrong=mean(by[False])))
   return {"cells": cells, "mass_right": mean(total[True]), "mass_wrong": mean(total[False]),
           "digits_right": len(total[True]), "digits_wrong": len(total[False]),
           "samples": samples, "seed": seed}
