@@ -117,11 +117,15 @@ def passkey_batch(length: int, depth_index: int, depth: float, samples: int, see
   return np.stack([r[0] for r in passkey_examples(length, depth_index, depth, samples, seed)])
 
 
+def digit_hits(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+  """[N, 5] bool: each answer digit predicted right (teacher-forced argmax), from logits [N, L, V]
+  of tokens[:, :-1]."""
+  return np.argmax(logits[:, -ANSWER_DIGITS:], axis=-1) == tokens[:, -ANSWER_DIGITS:]
+
+
 def score_answers(logits: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(all 5 digits right [N] bool, digit accuracy [N]) from logits [N, L, V] of tokens[:, :-1]."""
-  pred = np.argmax(logits[:, -ANSWER_DIGITS:], axis=-1)
-  want = tokens[:, -ANSWER_DIGITS:]
-  hits = pred == want
+  hits = digit_hits(logits, tokens)
   return hits.all(axis=1), hits.mean(axis=1)
 
 
@@ -258,10 +262,8 @@ def _scored_cells(fn, lengths, depths, samples, seed):
       rows = passkey_examples(length, i, depth, samples, seed)
       tokens = np.stack([r[0] for r in rows])
       logits, auxes = fn(tokens[:, :-1])
-      logits = np.asarray(logits)
-      ok, _ = score_answers(logits, tokens)
-      right = np.argmax(logits[:, -ANSWER_DIGITS:], -1) == tokens[:, -ANSWER_DIGITS:]
-      yield length, depth, rows, ok, right, auxes
+      right = digit_hits(np.asarray(logits), tokens)
+      yield length, depth, rows, right.all(axis=1), right, auxes
 
 
 def block_grid(blocks_fn, nsa, lengths, depths, samples, seed) -> dict:

@@ -106,14 +106,13 @@ def jit_logits(model):
 def jit_logits_and_blocks(model):
   """tokens [B, T] -> (float32 logits [B, T, V], per layer: for an NSA layer {"block_idx": [B, T,
   K, n], "gates": [B, T, H, 3], "q": [B, T, H, d_k], "k_slc": [B, T, K, d_k]}, for a dense layer
-  {"q", "k"}; q and keys after RoPE), jitted; the branch outputs are dropped inside the jit."""
+  {"q", "k"}; q and keys after RoPE: TransformerLM's aux output, which already leaves the branch
+  outputs out), jitted."""
   graphdef, state = nnx.split(model)
-  keep = ("block_idx", "gates", "q", "k_slc", "k")
 
   @jax.jit
   def run(state, tokens):
-    logits, auxes = nnx.merge(graphdef, state)(tokens, return_aux=True)
-    return logits, [None if a is None else {k: a[k] for k in keep if k in a} for a in auxes]
+    return nnx.merge(graphdef, state)(tokens, return_aux=True)
 
   return lambda tokens: run(state, tokens)
 
