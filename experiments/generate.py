@@ -61,7 +61,8 @@ def load_checkpoint(workdir: str, step: int | None = None):
   if step is None:
     raise CheckpointError(f"no checkpoint in {ckpt.directory}. Fix: train first "
                           "(python -m experiments.train) or pass --config for an untrained model.")
-  cfg = _model_config(ckpt.read_meta(step)["model"])
+  meta = ckpt.read_meta(step)
+  cfg = _model_config(meta["model"])
   try:
     state = ckpt.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore()))["state"]
@@ -71,6 +72,8 @@ def load_checkpoint(workdir: str, step: int | None = None):
   model = TransformerLM(cfg, rngs=nnx.Rngs(0))
   template = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   params = _onto(template, state["params"])
+  # the same bit-for-bit check as training's resume: arrays that decode but differ from the save
+  ckpt.check_checksums(step, {"params": params}, meta.get("checksums"), prefix="['params']")
   params = jax.tree.map(lambda t, r: jnp.asarray(r, t.dtype), template, params)
   state_p = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(state_p, params)
@@ -167,7 +170,8 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
   src = ap.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="training workdir holding checkpoints/")
   src.add_argument("--config", help="configs/*.py for an untrained model")

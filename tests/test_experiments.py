@@ -392,6 +392,31 @@ def test_load_model_at_a_step_and_workdir_specs(tmp_path):
     trained_model.load_model(workdir, step=3)
 
 
+def test_generate_loads_a_good_checkpoint_and_refuses_arrays_that_differ(trained, tmp_path):
+  """experiments.generate reads only the parameters, but checks them bit for bit against the
+  save as training's resume does: a step whose array files were swapped for another run's (they
+  decode, finite, and differ) is named corrupt, not sampled from; the untouched run loads with
+  the same weights as trained_model.load_model."""
+  import shutil
+  from experiments import generate
+  from nsa_jax.training.checkpointing import CheckpointError
+  workdir, config, _ = trained
+  model, desc = generate.load_checkpoint(workdir)
+  assert desc.endswith(os.path.join("checkpoints", "2"))
+  ref, _, _ = trained_model.load_model(workdir)
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(ref, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
+  run, donor = tmp_path / "run", str(tmp_path / "donor")
+  shutil.copytree(workdir, run)
+  ablate.train_run(tiny_config(seed=SEED + 1), donor)
+  shutil.rmtree(run / "checkpoints" / "2" / "state")
+  shutil.copytree(os.path.join(donor, "checkpoints", "2", "state"), run / "checkpoints" / "2" / "state")
+  with pytest.raises(CheckpointError, match=r"is corrupt: \d+ state arrays read back differ .*"
+                     r"checksum mismatch; first: \['params'\]"):
+    generate.load_checkpoint(str(run))
+
+
 def test_load_model_forward_with_aux_and_longer_inputs(trained):
   workdir, config, _ = trained
   model, cfg, model_cfg = trained_model.load_model(workdir, max_seq_len=256)

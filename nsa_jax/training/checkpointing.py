@@ -157,13 +157,16 @@ class Checkpointer:
           f"inf after reading (first: {bad[0]}), and training never saves a non-finite state. It "
           f"was left untouched. Fix: {self._move_away_hint(step)}.")
 
-  def check_checksums(self, step: int, state, saved: dict | None):
+  def check_checksums(self, step: int, state, saved: dict | None, prefix: str = ""):
     """The restored arrays must be bit for bit the saved ones; checkpoints written before the
-    checksums existed (no "checksums" in meta) are read without this check."""
+    checksums existed (no "checksums" in meta) are read without this check. prefix: check only
+    the saved leaves whose path starts with it (state then holds only those, under the same
+    paths), e.g. "['params']" for a reader that needs the parameters alone."""
     if saved is None:
       return
     now = state_checksums(state)  # a leaf saved as a Python scalar may come back as an array:
-    differ = [name for name in saved if now.get(name) != saved[name]]  # only saved sums count
+    differ = [name for name in saved  # only saved sums count
+              if name.startswith(prefix) and now.get(name) != saved[name]]
     if differ:
       raise CheckpointError(
           f"checkpoint {self.step_dir(step)} is corrupt: {len(differ)} state arrays read back "
