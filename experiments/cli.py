@@ -8,9 +8,12 @@ from absl import flags
 
 
 def parse_flags(argv):
-  """absl parsing, but a bad --config override is one clear line (exit 2), not a traceback."""
+  """absl parsing, but a bad --config override is one clear line (exit 2), not a traceback; so
+  is a stray positional word (no entry point takes one: `--flag value` with a space after a
+  non-boolean flag is fine, but a word left over is almost always a typo that would otherwise be
+  dropped while the run goes on with the default)."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except (AttributeError, KeyError, TypeError, ValueError, OSError, flags.Error) as e:
     msg = str(e).replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
     if len(msg) > 1 and msg[0] == msg[-1] == "'":  # ml_collections wraps its message in quotes
@@ -24,6 +27,11 @@ def parse_flags(argv):
       msg = f"no such config field '{name}' in {overridden[0].split('=', 1)[0]} (see configs/base.py)"
     print(f"error: bad command line: {msg}", file=sys.stderr)
     sys.exit(2)
+  if len(rest) > 1:
+    print(f"error: bad command line: unexpected argument(s) {rest[1:]}: this command takes only "
+          "flags. Fix: write each as --name=value (see --help).", file=sys.stderr)
+    sys.exit(2)
+  return rest
 
 
 def is_user_error(e: BaseException) -> bool:

@@ -470,6 +470,21 @@ def _save(fig, out):
 
 # ----------------------------------------------------------------------------- main -------------
 
+def check_run_flags(n_runs: int, labels: list[str], labels_given: bool, **counts):
+  """One label per run, no two alike (results and plots are keyed by label: a short or repeated
+  list silently dropped runs), and every count flag (samples, bucket, batches) at least 1."""
+  if labels_given and len(labels) != n_runs:
+    raise ValueError(f"--labels has {len(labels)} entries for {n_runs} --workdirs. Fix: give one "
+                     "label per workdir, in the same order (or leave --labels out).")
+  repeated = sorted({label for label in labels if labels.count(label) > 1})
+  if repeated:
+    raise ValueError(f"labels {repeated} name more than one run (each run's results are stored "
+                     "under its label). Fix: pass --labels with a distinct name per workdir.")
+  for name, value in counts.items():
+    if value < 1:
+      raise ValueError(f"--{name}={value}: must be at least 1. Fix: pass a positive --{name}.")
+
+
 def main(argv):
   del argv
   from experiments.cli import quiet_libraries
@@ -477,6 +492,8 @@ def main(argv):
   from experiments.trained_model import jit_logits, load_model, resolve_workdir, val_batches
   specs = [resolve_workdir(w) for w in _WORKDIRS.value]
   labels = _LABELS.value or [label for _, label, _ in specs]
+  check_run_flags(len(specs), labels, bool(_LABELS.value),
+                  samples=_SAMPLES.value, bucket=_BUCKET.value, batches=_BATCHES.value)
   results = {}
   if _MODE.value == "needle":
     lengths = [int(x) for x in _LENGTHS.value]

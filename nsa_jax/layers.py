@@ -115,6 +115,30 @@ def apply_rope(x, positions, theta=10000.0):
   return out.astype(x.dtype)
 
 
+def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=None):
+  """The attention layers' input checks, before anything is computed from them: x [B, T, d_model]
+  with T >= 1 and a floating dtype; segment_ids, when given, [B, T] integers; positions [B, T]
+  (any real dtype: fractional positions are how RoPE interpolation is done)."""
+  if x.ndim != 3 or x.shape[-1] != d_model:
+    raise ValueError(f"{layer} expects x [batch, time, {d_model}], got {x.shape}. Fix: pass the "
+                     "hidden states with the layer's d_model as the last axis.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{layer} expects floating-point x, got {x.dtype}. Fix: embed token ids "
+                     "first (TransformerLM does) or cast x to a float dtype.")
+  b, t, _ = x.shape
+  if t < 1:
+    raise ValueError(f"{layer} got an empty sequence (x {x.shape}). Fix: pass at least one token.")
+  for name, a in (("segment_ids", segment_ids), ("positions", positions)):
+    if a is None:
+      continue
+    if tuple(a.shape) != (b, t):
+      what = "position" if name == "positions" else "id"
+      raise ValueError(f"{name} has shape {tuple(a.shape)}, expected [batch, time] = {(b, t)} "
+                       f"from x {x.shape}. Fix: give one {what} per token, shaped like the batch.")
+    if name == "segment_ids" and not jnp.issubdtype(a.dtype, jnp.integer):
+      raise ValueError(f"segment_ids must be integers, got {a.dtype}. Fix: cast it to int32.")
+
+
 def default_positions(batch, seq_len, segment_ids=None):
   """Positions 0..T-1, restarting at each document start when segment_ids are given."""
   pos = jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len))

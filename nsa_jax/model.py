@@ -56,6 +56,23 @@ class Block(nnx.Module):
     return (x, aux) if return_aux else x
 
 
+def check_token_ids(tokens, vocab_size: int):
+  """Token ids must be integers in [0, vocab_size): the one-hot embedding would give a zero row
+  for an id outside it, and a float id would be truncated, both silently. The range is checked
+  where the ids are concrete (eager calls); under jit the data pipeline and decoding guard it."""
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}. Fix: cast them to "
+                     "int32 (e.g. tokens.astype(jnp.int32)).")
+  if (isinstance(tokens, jax.core.Tracer) or tokens.size == 0
+      or not getattr(tokens, "is_fully_addressable", True)):  # another process holds some ids
+    return
+  lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+  if lo < 0 or hi >= vocab_size:
+    raise ValueError(f"token ids span [{lo}, {hi}] but vocab_size={vocab_size} allows "
+                     f"[0, {vocab_size - 1}]. Fix: tokenize with the model's vocabulary or raise "
+                     "model.vocab_size.")
+
+
 # Vocabularies up to this size are embedded as one_hot(tokens) @ table instead of a gather. The
 # gather's gradient is a scatter-add of B*T rows into `vocab` rows; with the 256-token byte
 # vocabulary every row takes ~256 colliding atomic adds. On the H200 that one scatter took 67 ms
@@ -161,6 +178,7 @@ class TransformerLM(nnx.Module):
                return_selector_loss=False):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+    check_token_ids(tokens, self.cfg.vocab_size)
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")

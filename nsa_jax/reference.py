@@ -414,6 +414,11 @@ def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NS
       "gates": (b, t, h, 3)}
   got = dict(k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win,
              gates=gates)
+  for name, a in {"q": q, **got}.items():
+    if a is not None and not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{name} has dtype {a.dtype}; NSA attention needs floating-point inputs "
+                       f"(an integer {name} would give a truncated result). Fix: cast it to the "
+                       "model's float dtype.")
   for name, shape in want.items():
     if got[name] is not None and tuple(got[name].shape) != shape:
       raise ValueError(f"{name} has shape {tuple(got[name].shape)}, expected {shape} "

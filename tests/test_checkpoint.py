@@ -116,6 +116,33 @@ def test_corrupt_checkpoint_names_the_step_and_keeps_the_good_ones(tmp_path):
   ckpt.close()
 
 
+def test_a_truncated_array_file_is_one_clear_error_not_a_flood_of_logs(tmp_path, caplog):
+  """A truncated data file (a copy cut short) fails every pending TensorStore read; asyncio used
+  to log each failed task with its whole TensorStore spec (tens of thousands of lines for one
+  real model) before the CheckpointError. Now the error is the only report, without the spec."""
+  import logging
+  keys = jax.random.split(jax.random.key(SEED), 12)
+  state = {"params": {f"w{i}": jax.random.normal(k, (128, 256)) for i, k in enumerate(keys)}}
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
+  save(ckpt, 1, state)
+  save(ckpt, 2, state)
+  ckpt.close()
+  files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "2" / "state") for f in fs
+           if os.sep + "d" + os.sep in os.path.join(d, f)]
+  biggest = max(files, key=os.path.getsize)
+  assert os.path.getsize(biggest) > 100_000, "the arrays should live in a data file"
+  os.truncate(biggest, os.path.getsize(biggest) // 3)
+  ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
+  with caplog.at_level(logging.DEBUG, logger="asyncio"):
+    with pytest.raises(CheckpointError, match="is corrupt or incompatible") as err:
+      ckpt.restore(2, abstract_like(state, shardings(state)), META)
+  assert "resume from step 1" in str(err.value)
+  assert "TensorStore(" not in str(err.value), "the spec's repr is not part of the message"
+  assert not [r for r in caplog.records if r.name == "asyncio"], caplog.records[:1]
+  assert logging.getLogger("asyncio").level == logging.NOTSET, "the logger's level is restored"
+  ckpt.close()
+
+
 def test_nonfinite_parameters_are_reported_as_a_corrupt_checkpoint(tmp_path):
   """Training only saves checked-finite parameters, so NaN/inf read back means damaged files (a
   review overwrote bytes inside an array file: the restore succeeded and the NaN surfaced a step

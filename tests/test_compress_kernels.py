@@ -738,3 +738,12 @@ def test_bad_ids_and_shapes_raise_with_the_fix():
   with pytest.raises(TypeError, match="segment_ids has dtype float32"):
     ops.nsa_attention(q, kc, vc, kv, kv, kv, kv, gates, cfg, segment_ids=seg.astype(jnp.float32),
                       implementation="xla")
+  # The op checks shapes before it picks a path: a 3-D q through "pallas" (what "auto" picks on a
+  # GPU) used to fail inside the path choice with "not enough values to unpack".
+  for impl in ("pallas", "xla", "reference"):
+    with pytest.raises(ValueError, match=r"q must be \[batch, time, heads, head_dim\]"):
+      ops.nsa_attention(q[..., 0], kc, vc, kv, kv, kv, kv, gates, cfg, implementation=impl)
+    # an integer q gave a truncated integer output through "xla" and "reference"
+    with pytest.raises(ValueError, match="q has dtype int32; NSA attention needs floating"):
+      ops.nsa_attention(q.astype(jnp.int32), kc, vc, kv, kv, kv, kv, gates, cfg,
+                        implementation=impl)

@@ -226,13 +226,33 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
       (["experiments.generate", "--config=configs/tiny_cpu.py", "--num_samples=0"], 2),
       (["experiments.needle_eval", f"--out={tmp_path}/n.png"], 2),  # a required flag missing
       (["experiments.visualize_selection", f"--out={tmp_path}/v.png"], 2),
+      # a short --labels list silently dropped the runs past it
+      (["experiments.needle_eval", f"--workdirs={nowhere},{nowhere}@2", "--labels=one",
+        f"--out={tmp_path}/n.png"], 1, "--labels has 1 entries for 2 --workdirs"),
+      # a stray word was dropped and training ran with the defaults
+      (["experiments.train", "--config=configs/tiny_cpu.py", f"--workdir={nowhere}", "extra"], 2,
+       "unexpected argument(s) ['extra']"),
   ]
-  for args, code in cases:
+  for args, code, *want in cases:
     r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == code and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
-    assert "error" in r.stderr, (args, r.stderr[-2000:])
+    assert "error" in r.stderr and all(w in r.stderr for w in want), (args, r.stderr[-2000:])
     assert "USAGE" not in r.stderr and len(r.stderr.splitlines()) < 8, (args, r.stderr[-2000:])
+
+
+def test_needle_eval_run_flags_are_checked():
+  """One distinct label per run (results are keyed by label: a repeated basename kept one run's
+  numbers), and the count flags at least 1 (0 gave `need at least one array to stack` and
+  `range() arg 3 must not be zero`)."""
+  needle_eval.check_run_flags(2, ["a", "b"], True, samples=1, bucket=1, batches=1)
+  with pytest.raises(ValueError, match=r"--labels has 3 entries for 2 --workdirs"):
+    needle_eval.check_run_flags(2, ["a", "b", "c"], True)
+  with pytest.raises(ValueError, match=r"labels \['tiny'\] name more than one run"):
+    needle_eval.check_run_flags(3, ["tiny", "x", "tiny"], False)
+  for name in ("samples", "bucket", "batches"):
+    with pytest.raises(ValueError, match=rf"--{name}=0: must be at least 1"):
+      needle_eval.check_run_flags(1, ["a"], False, **{name: 0})
 
 
 def test_passkey_distances_cli_writes_its_table(tmp_path):

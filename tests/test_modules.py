@@ -129,6 +129,53 @@ def test_bad_layer_input_is_reported():
     NSAAttention(16, {"num_heads": 4}, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("kind", ["nsa", "dense"])
+def test_layer_inputs_are_checked_before_use(kind):
+  """Each bad input gets a message naming it and the fix, not a jax error from deep inside RoPE
+  or the positions (these used to be `sub got incompatible shapes`, `tuple index out of range`,
+  `index can't contain negative values`, `array split does not result in an equal division`);
+  an integer x used to be cast silently. Float positions (RoPE interpolation) stay allowed."""
+  make = ((lambda dk: NSAAttention(16, small_nsa(head_dim=dk), rngs=nnx.Rngs(0))) if kind == "nsa"
+          else (lambda dk: DenseAttention(16, 4, 2, dk, rngs=nnx.Rngs(0))))
+  layer = make(8)
+  x = jax.random.normal(fresh_key(3), (2, 40, 16))
+  with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 39\), expected .*\(2, 40\)"):
+    layer(x, segment_ids=jnp.zeros((2, 39), jnp.int32))
+  with pytest.raises(ValueError, match=r"segment_ids has shape \(40,\)"):
+    layer(x, segment_ids=jnp.zeros((40,), jnp.int32))
+  with pytest.raises(ValueError, match="segment_ids must be integers"):
+    layer(x, segment_ids=jnp.zeros((2, 40), jnp.float32))
+  with pytest.raises(ValueError, match=r"positions has shape \(1, 40\)"):
+    layer(x, positions=jnp.zeros((1, 40), jnp.int32))
+  with pytest.raises(ValueError, match="empty sequence.*at least one token"):
+    layer(jnp.zeros((2, 0, 16)))
+  with pytest.raises(ValueError, match="floating-point x, got int32"):
+    layer(jnp.ones((2, 40, 16), jnp.int32))
+  with pytest.raises(ValueError, match="head_dim=7: .*RoPE.*even head_dim"):
+    make(7)
+  y = layer(x, positions=jnp.broadcast_to(jnp.arange(40) * 0.5, (2, 40)))
+  assert y.shape == (2, 40, 16) and bool(jnp.all(jnp.isfinite(y)))
+
+
+def test_lm_checks_token_ids():
+  """Ids must be integers inside the vocabulary: an id past it used to give finite logits (a zero
+  embedding row), a float id was truncated. Checked where the ids are concrete; under jit too
+  for the dtype."""
+  cfg = tiny_model_cfg("nsa")
+  model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+  v = cfg.vocab_size
+  for bad, lo, hi in ((jnp.full((1, 8), v), v, v), (jnp.full((1, 8), -1), -1, -1)):
+    with pytest.raises(ValueError, match=rf"token ids span \[{lo}, {hi}\] but vocab_size={v}"):
+      model(bad)
+  with pytest.raises(ValueError, match="integer ids, got dtype float32"):
+    model(jnp.full((1, 8), 3.7))
+  with pytest.raises(ValueError, match="integer ids, got dtype float32"):
+    jax.jit(lambda t: model(t))(jnp.full((1, 8), 3.0))
+  ok = jnp.asarray(np.random.default_rng(SEED).integers(0, v, (2, 8)), jnp.int32)
+  np.testing.assert_allclose(np.asarray(model(ok)), np.asarray(jax.jit(lambda t: model(t))(ok)),
+                             rtol=1e-5, atol=1e-5)  # valid ids pass eagerly and under jit
+
+
 def test_dense_layer_matches_reference_attention():
   layer = DenseAttention(16, 4, 2, 8, rngs=nnx.Rngs(0))
   x = jax.random.normal(fresh_key(7), (2, 33, 16))

@@ -11,7 +11,9 @@ except by orbax's keep-last-N policy after a newer save has finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 
 import jax
@@ -25,6 +27,22 @@ ITEMS = ("state", "data", "meta")
 
 class CheckpointError(RuntimeError):
   """A checkpoint in the work directory cannot be used; the message says which and why."""
+
+
+@contextlib.contextmanager
+def quiet_reads():
+  """Silences the asyncio logger while orbax reads: a damaged array file makes TensorStore fail
+  every pending read, and asyncio logs each failed task with its full TensorStore spec (tens of
+  thousands of lines for one truncated file) before the one CheckpointError that names the
+  step and the fix. NSA_TRACEBACK=1 keeps them."""
+  log = logging.getLogger("asyncio")
+  level = log.level
+  if os.environ.get("NSA_TRACEBACK") != "1":
+    log.setLevel(logging.CRITICAL + 1)
+  try:
+    yield
+  finally:
+    log.setLevel(level)
 
 
 def config_diff(saved: dict, current: dict, prefix: str = "", ignore=(),
@@ -176,7 +194,9 @@ class Checkpointer:
   def read_meta(self, step: int) -> dict:
     self.require_step(step)
     try:
-      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      with quiet_reads():
+        return self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # orbax raises many kinds; the user needs the path and the cause
       raise CheckpointError(self._broken(step, "its metadata", e)) from e
 
@@ -196,8 +216,9 @@ class Checkpointer:
           + "\nFix: use the config it was trained with, or a fresh --workdir. The checkpoint was "
           "left untouched.")
     try:
-      out = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+      with quiet_reads():
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     except Exception as e:
       raise CheckpointError(self._broken(step, "its arrays", e)) from e
     if isinstance(out["state"], dict) and "params" in out["state"]:
@@ -211,8 +232,10 @@ class Checkpointer:
             else "move that directory away (or use a fresh --workdir) to start over")
 
   def _broken(self, step, what, err) -> str:
+    first = str(err).splitlines()[0] if str(err) else ""
+    first = first.split(" See full TensorStore details")[0].rstrip(".")  # then a repr of the spec
     return (f"checkpoint {self.step_dir(step)} is corrupt or incompatible: could not read {what} "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+            f"({type(err).__name__}: {first}). "
             f"It was left untouched. Fix: {self._move_away_hint(step)}.")
 
   def wait(self):
