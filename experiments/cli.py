@@ -14,6 +14,11 @@ def parse_flags(argv):
   dropped while the run goes on with the default)."""
   try:
     rest = flags.FLAGS(argv)
+  except SystemExit as e:  # absl's --help prints the usage and exits with status 1
+    asked = {"--help", "-?", "--helpshort", "--helpfull", "--helpxml"}
+    if e.code == 1 and any(a.split("=", 1)[0] in asked for a in argv[1:]):
+      sys.exit(0)
+    raise
   except (AttributeError, KeyError, TypeError, ValueError, OSError, flags.Error) as e:
     msg = str(e).replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
     if len(msg) > 1 and msg[0] == msg[-1] == "'":  # ml_collections wraps its message in quotes
