@@ -238,12 +238,12 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
                        text=True, timeout=240)
     assert r.returncode == code and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
     assert "error" in r.stderr and all(w in r.stderr for w in want), (args, r.stderr[-2000:])
+    assert "USAGE" not in r.stderr and len(r.stderr.splitlines()) < 8, (args, r.stderr[-2000:])
   for args in (["experiments.needle_eval", "--help"], ["experiments.generate", "--help"]):
     r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)  # help is not an error (absl exits 1 by default)
     assert r.returncode == 0 and "--workdir" in r.stdout, (args, r.returncode, r.stderr[-2000:])
   assert "streaming the text out" in r.stdout, "generate's whole description, not its first line"
-    assert "USAGE" not in r.stderr and len(r.stderr.splitlines()) < 8, (args, r.stderr[-2000:])
 
 
 def test_needle_eval_run_flags_are_checked():
