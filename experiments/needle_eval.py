@@ -242,6 +242,10 @@ def held_vs_correct(records: list[dict]) -> dict:
   for name in ("held", "missed"):
     n = out[f"{name}_right"] + out[f"{name}_wrong"]
     out[f"p_right_if_{name}"] = out[f"{name}_right"] / n if n else None
+  layers = max((len(d["held_by_layer"]) for d in sel), default=0)
+  for ok in (True, False):  # how many digits each layer's selection held (the means' counts)
+    out[f"held_{'right' if ok else 'wrong'}_by_layer"] = [
+        sum(d["right"] == ok and d["held_by_layer"][j] for d in sel) for j in range(layers)]
   for what in ("gate", "mass"):
     for ok in (True, False):
       layers = max((len(d[f"{what}_by_layer"]) for d in sel), default=0)
@@ -337,9 +341,16 @@ def dense_grid(fn, lengths, depths, samples, seed) -> dict:
           "samples": samples, "seed": seed}
 
 
-def _mass_text(hv: dict, ok: str) -> str:
-  m = [v for v in (hv[f"slc_mass_held_{ok}"] or []) if v is not None]
-  return f"{max(m):.2f}" if m else "-"
+def _mass_text(hv: dict) -> str:
+  """Per layer: the mean largest-head mass on right / wrong digits that layer held, with how many
+  digits each mean is over (means of different layers are not comparable with each other)."""
+  right, wrong = hv["slc_mass_held_right"] or [], hv["slc_mass_held_wrong"] or []
+  n_r, n_w = hv.get("held_right_by_layer") or [], hv.get("held_wrong_by_layer") or []
+  f = lambda v, j: "-" if j >= len(v) or v[j] is None else f"{v[j]:.2f}"
+  parts = [f"L{j} {f(right, j)}/{f(wrong, j)}"
+           + (f" ({n_r[j]}/{n_w[j]})" if j < min(len(n_r), len(n_w)) else "")
+           for j in range(max(len(right), len(wrong)))]
+  return ", ".join(parts) if parts else "-"
 
 
 def plot_blocks(grids: list[dict], labels: list[str], out: str):
@@ -364,9 +375,8 @@ def plot_blocks(grids: list[dict], labels: list[str], out: str):
               f"{label}: digit's block selected\n"
               f"right {fmt(hv['p_right_if_held'])} if so, {fmt(hv['p_right_if_missed'])} if "
               f"not (n = {hv['digits']})",
-              f"{label}: selection attention on the digit\n"
-              f"(where selected; right {_mass_text(hv, 'right')}, wrong "
-              f"{_mass_text(hv, 'wrong')})")
+              f"{label}: selection attention on the digit (where selected)\n"
+              f"by layer, right/wrong (digits): {_mass_text(hv)}")
     for col, (ax, field, title) in enumerate(zip(row, ("exact", "held", "held_mass"), titles)):
       acc = np.array([[np.nan if cell[d, n][field] is None else cell[d, n][field]
                        for n in lengths] for d in depths])
@@ -558,7 +568,8 @@ def main(argv):
             f"{hv['missed_right']} / wrong {hv['missed_wrong']} where it missed it; where held, "
             f"by layer: selection gate right {hv['slc_gate_held_right']} / wrong "
             f"{hv['slc_gate_held_wrong']}, largest head mass on the digit right "
-            f"{hv['slc_mass_held_right']} / wrong {hv['slc_mass_held_wrong']}")
+            f"{hv['slc_mass_held_right']} / wrong {hv['slc_mass_held_wrong']}, over right "
+            f"{hv['held_right_by_layer']} / wrong {hv['held_wrong_by_layer']} digits")
     if grids:
       plot_blocks(grids, [l for l in labels if results[l].get("attention") != "dense"],
                   os.path.splitext(_OUT.value)[0] + ".png")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nsa_jax.attention import DenseAttention, NSAAttention
@@ -66,7 +67,8 @@ def check_token_ids(tokens, vocab_size: int):
   if (isinstance(tokens, jax.core.Tracer) or tokens.size == 0
       or not getattr(tokens, "is_fully_addressable", True)):  # another process holds some ids
     return
-  lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+  host = np.asarray(tokens)  # on the host: a concrete array closed over by a trace stays concrete
+  lo, hi = int(host.min()), int(host.max())
   if lo < 0 or hi >= vocab_size:
     raise ValueError(f"token ids span [{lo}, {hi}] but vocab_size={vocab_size} allows "
                      f"[0, {vocab_size - 1}]. Fix: tokenize with the model's vocabulary or raise "

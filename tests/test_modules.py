@@ -171,6 +171,12 @@ def test_lm_checks_token_ids():
     model(jnp.full((1, 8), 3.7))
   with pytest.raises(ValueError, match="integer ids, got dtype float32"):
     jax.jit(lambda t: model(t))(jnp.full((1, 8), 3.0))
+  # ids closed over by a trace are still concrete: checked, and valid ones trace (a jnp.min there
+  # gave a tracer and a ConcretizationTypeError)
+  past, zeros = jnp.arange(v + 1)[None], jnp.zeros((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match=rf"token ids span \[0, {v}\]"):
+    jax.jit(lambda: model(past))()
+  assert jax.jit(lambda: model(zeros))().shape == (1, 8, v)
   ok = jnp.asarray(np.random.default_rng(SEED).integers(0, v, (2, 8)), jnp.int32)
   np.testing.assert_allclose(np.asarray(model(ok)), np.asarray(jax.jit(lambda t: model(t))(ok)),
                              rtol=1e-5, atol=1e-5)  # valid ids pass eagerly and under jit
