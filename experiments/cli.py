@@ -20,7 +20,12 @@ def parse_flags(argv):
       sys.exit(0)
     raise
   except (AttributeError, KeyError, TypeError, ValueError, OSError, flags.Error) as e:
-    msg = str(e).replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
+    text = str(e).replace("\\n", "\n")
+    if "Traceback (most recent call last)" in text:  # a config file's get_config raised: its
+      lines = [ln.strip() for ln in text.splitlines() if ln.strip()]  # last line says why
+      head = text.split(": Error whilst", 1)[0] if ": Error whilst" in text else "--config"
+      text = f"{head}: the config file raised {lines[-1]}"
+    msg = text.replace("\\'", "'").replace("\n", " ")
     if len(msg) > 1 and msg[0] == msg[-1] == "'":  # ml_collections wraps its message in quotes
       msg = msg[1:-1]
     if isinstance(e, (AttributeError, KeyError)) and "Did you mean" not in msg:

@@ -145,7 +145,10 @@ class NSAConfig:
     if not isinstance(self.branches, tuple) or not self.branches:
       _fail("branches", self.branches, "must be a non-empty tuple", f"use a subset of {BRANCHES}")
     for b in self.branches:
-      _check_choice("branches", b, BRANCHES)
+      if b not in BRANCHES:  # e.g. "(cmp,slc)" from a command line without quotes inside
+        _fail("branches", self.branches, f"{b!r} is not a branch name (one of {BRANCHES})",
+              f"list names from {BRANCHES}; on a command line quote each one, e.g. "
+              "--config.model.nsa.branches=\"('cmp','slc')\"")
     if len(set(self.branches)) != len(self.branches):
       _fail("branches", self.branches, "repeats a branch", "list each branch once")
 

@@ -60,6 +60,14 @@ def test_invalid_nsa_config_names_field_and_fix(field, overrides):
   assert_names_field_and_fix(excinfo, field)
 
 
+def test_branches_typed_without_quotes_get_the_command_line_syntax():
+  """`--config.model.nsa.branches=(cmp,slc)` reaches the config as one string in a tuple; the
+  error shows the quoted form that works."""
+  with pytest.raises(ValueError, match=r"'\(cmp,slc\)' is not a branch name.*"
+                     r"branches=\"\('cmp','slc'\)\""):
+    NSAConfig(branches=("(cmp,slc)",))
+
+
 MODEL_BAD = [
     ("n_heads", dict(n_heads=6, n_kv_heads=4)),
     ("head_dim", dict(head_dim=31)),  # odd: RoPE rotates pairs

@@ -232,6 +232,9 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
       # a stray word was dropped and training ran with the defaults
       (["experiments.train", "--config=configs/tiny_cpu.py", f"--workdir={nowhere}", "extra"], 2,
        "unexpected argument(s) ['extra']"),
+      # a config file's get_config raising: its message, not its traceback squashed into a line
+      (["experiments.train", "--config=configs/sweep_nsa_vs_dense.py:bogus", f"--workdir={nowhere}"],
+       2, "the config file raised ValueError: sweep scale 'bogus': expected 'cpu' or 'gpu'"),
   ]
   for args, code, *want in cases:
     r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
