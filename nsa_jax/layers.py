@@ -117,8 +117,9 @@ def apply_rope(x, positions, theta=10000.0):
 
 def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=None):
   """The attention layers' input checks, before anything is computed from them: x [B, T, d_model]
-  with T >= 1 and a floating dtype; segment_ids, when given, [B, T] integers; positions [B, T]
-  (any real dtype: fractional positions are how RoPE interpolation is done)."""
+  with T >= 1 and a floating dtype; segment_ids, when given, [B, T] integers or booleans (the
+  NSA op needs one row per sequence); positions [B, T] or [1, T] (shared by the batch; any real
+  dtype: fractional positions are how RoPE interpolation is done)."""
   if x.ndim != 3 or x.shape[-1] != d_model:
     raise ValueError(f"{layer} expects x [batch, time, {d_model}], got {x.shape}. Fix: pass the "
                      "hidden states with the layer's d_model as the last axis.")
@@ -131,11 +132,12 @@ def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=
   for name, a in (("segment_ids", segment_ids), ("positions", positions)):
     if a is None:
       continue
-    if tuple(a.shape) != (b, t):
+    if tuple(a.shape) != (b, t) and not (name == "positions" and tuple(a.shape) == (1, t)):
       what = "position" if name == "positions" else "id"
       raise ValueError(f"{name} has shape {tuple(a.shape)}, expected [batch, time] = {(b, t)} "
                        f"from x {x.shape}. Fix: give one {what} per token, shaped like the batch.")
-    if name == "segment_ids" and not jnp.issubdtype(a.dtype, jnp.integer):
+    if name == "segment_ids" and not (jnp.issubdtype(a.dtype, jnp.integer)
+                                      or a.dtype == jnp.bool_):
       raise ValueError(f"segment_ids must be integers, got {a.dtype}. Fix: cast it to int32.")
 
 

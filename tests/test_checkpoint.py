@@ -116,10 +116,11 @@ def test_corrupt_checkpoint_names_the_step_and_keeps_the_good_ones(tmp_path):
   ckpt.close()
 
 
-def test_a_truncated_array_file_is_one_clear_error_not_a_flood_of_logs(tmp_path, caplog):
-  """A truncated data file (a copy cut short) fails every pending TensorStore read; asyncio used
-  to log each failed task with its whole TensorStore spec (tens of thousands of lines for one
-  real model) before the CheckpointError. Now the error is the only report, without the spec."""
+def test_a_truncated_array_file_is_one_clear_error(tmp_path, caplog):
+  """A truncated data file (a copy cut short): one CheckpointError naming the step and the fix,
+  without the TensorStore spec's repr, no asyncio error logs, and the asyncio logger's level as
+  it was (quiet_reads restores it). The log flood itself came from the target-less restore that
+  experiments.generate uses (tested in test_experiments)."""
   import logging
   keys = jax.random.split(jax.random.key(SEED), 12)
   state = {"params": {f"w{i}": jax.random.normal(k, (128, 256)) for i, k in enumerate(keys)}}
@@ -133,13 +134,13 @@ def test_a_truncated_array_file_is_one_clear_error_not_a_flood_of_logs(tmp_path,
   assert os.path.getsize(biggest) > 100_000, "the arrays should live in a data file"
   os.truncate(biggest, os.path.getsize(biggest) // 3)
   ckpt = Checkpointer(str(tmp_path), max_to_keep=5)
-  with caplog.at_level(logging.DEBUG, logger="asyncio"):
-    with pytest.raises(CheckpointError, match="is corrupt or incompatible") as err:
-      ckpt.restore(2, abstract_like(state, shardings(state)), META)
+  before = logging.getLogger("asyncio").level
+  with pytest.raises(CheckpointError, match="is corrupt or incompatible") as err:
+    ckpt.restore(2, abstract_like(state, shardings(state)), META)
   assert "resume from step 1" in str(err.value)
   assert "TensorStore(" not in str(err.value), "the spec's repr is not part of the message"
-  assert not [r for r in caplog.records if r.name == "asyncio"], caplog.records[:1]
-  assert logging.getLogger("asyncio").level == logging.NOTSET, "the logger's level is restored"
+  assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+  assert logging.getLogger("asyncio").level == before, "quiet_reads restores the logger's level"
   ckpt.close()
 
 

@@ -445,6 +445,30 @@ def test_generate_loads_a_good_checkpoint_and_refuses_arrays_that_differ(trained
     generate.load_checkpoint(str(run))
 
 
+def test_generate_reports_a_truncated_array_file_in_one_error(trained, tmp_path, caplog):
+  """generate restores without a target; on a truncated array file TensorStore fails every
+  pending read and asyncio logged each failed task with its whole spec (~50,000 lines for the
+  README's model) before the error. Now: the CheckpointError alone, and the asyncio logger's
+  level as it was."""
+  import logging
+  import shutil
+  from experiments import generate
+  from nsa_jax.training.checkpointing import CheckpointError
+  workdir, _, _ = trained
+  run = tmp_path / "run"
+  shutil.copytree(workdir, run)
+  files = [os.path.join(d, f) for d, _, fs in os.walk(run / "checkpoints" / "2" / "state")
+           for f in fs if os.sep + "d" + os.sep in os.path.join(d, f)]
+  biggest = max(files, key=os.path.getsize)
+  os.truncate(biggest, os.path.getsize(biggest) // 3)
+  before = logging.getLogger("asyncio").level
+  with pytest.raises(CheckpointError, match="corrupt or incompatible: could not read its arrays"):
+    generate.load_checkpoint(str(run))
+  flood = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+  assert not flood, (len(flood), flood[0].getMessage()[:300])
+  assert logging.getLogger("asyncio").level == before
+
+
 def test_load_model_forward_with_aux_and_longer_inputs(trained):
   workdir, config, _ = trained
   model, cfg, model_cfg = trained_model.load_model(workdir, max_seq_len=256)

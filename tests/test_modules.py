@@ -134,7 +134,9 @@ def test_layer_inputs_are_checked_before_use(kind):
   """Each bad input gets a message naming it and the fix, not a jax error from deep inside RoPE
   or the positions (these used to be `sub got incompatible shapes`, `tuple index out of range`,
   `index can't contain negative values`, `array split does not result in an equal division`);
-  an integer x used to be cast silently. Float positions (RoPE interpolation) stay allowed."""
+  an integer x used to be cast silently. Allowed as before: float positions (RoPE interpolation),
+  positions [1, T] shared by the batch, boolean segment ids. Segment ids must now be [B, T] in
+  both layers (the NSA op always required it; dense broadcast a [1, T] row)."""
   make = ((lambda dk: NSAAttention(16, small_nsa(head_dim=dk), rngs=nnx.Rngs(0))) if kind == "nsa"
           else (lambda dk: DenseAttention(16, 4, 2, dk, rngs=nnx.Rngs(0))))
   layer = make(8)
@@ -145,8 +147,16 @@ def test_layer_inputs_are_checked_before_use(kind):
     layer(x, segment_ids=jnp.zeros((40,), jnp.int32))
   with pytest.raises(ValueError, match="segment_ids must be integers"):
     layer(x, segment_ids=jnp.zeros((2, 40), jnp.float32))
-  with pytest.raises(ValueError, match=r"positions has shape \(1, 40\)"):
-    layer(x, positions=jnp.zeros((1, 40), jnp.int32))
+  with pytest.raises(ValueError, match=r"positions has shape \(2, 39\)"):
+    layer(x, positions=jnp.zeros((2, 39), jnp.int32))
+  with pytest.raises(ValueError, match=r"positions has shape \(40,\)"):
+    layer(x, positions=jnp.arange(40))
+  shared = layer(x, positions=jnp.arange(40)[None] + 7)  # one row for the batch: broadcast
+  np.testing.assert_array_equal(shared, layer(x, positions=jnp.broadcast_to(jnp.arange(40) + 7,
+                                                                             (2, 40))))
+  seg = jnp.broadcast_to(jnp.arange(40) >= 20, (2, 40))  # booleans: two documents
+  np.testing.assert_array_equal(layer(x, segment_ids=seg),
+                                layer(x, segment_ids=seg.astype(jnp.int32)))
   with pytest.raises(ValueError, match="empty sequence.*at least one token"):
     layer(jnp.zeros((2, 0, 16)))
   with pytest.raises(ValueError, match="floating-point x, got int32"):
