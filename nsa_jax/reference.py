@@ -384,7 +384,8 @@ def check_segment_ids(segment_ids):
   require_integers(segment_ids, "segment_ids", "document ids (the Pallas kernels would "
                    "truncate 0.5 to 0)", "pass int32 ids, e.g. the cumulative count of document "
                    "starts.", allow_bool=True)
-  if isinstance(segment_ids, jax.core.Tracer):
+  if (isinstance(segment_ids, jax.core.Tracer)
+      or not getattr(segment_ids, "is_fully_addressable", True)):  # other processes hold rows
     return
   seg = np.asarray(segment_ids)
   changes = seg[:, 1:] != seg[:, :-1]
