@@ -246,6 +246,13 @@ def held_vs_correct(records: list[dict]) -> dict:
   for ok in (True, False):  # how many digits each layer's selection held (the means' counts)
     out[f"held_{'right' if ok else 'wrong'}_by_layer"] = [
         sum(d["right"] == ok and d["held_by_layer"][j] for d in sel) for j in range(layers)]
+  # each layer on its own: is a digit right more often when THIS layer's selection held it?
+  share = lambda r, w: r / (r + w) if r + w else None
+  n_right, n_wrong = sum(d["right"] for d in sel), sum(not d["right"] for d in sel)
+  out["p_right_if_held_by_layer"] = [share(r, w) for r, w in zip(out["held_right_by_layer"],
+                                                                   out["held_wrong_by_layer"])]
+  out["p_right_if_missed_by_layer"] = [share(n_right - r, n_wrong - w) for r, w in
+                                       zip(out["held_right_by_layer"], out["held_wrong_by_layer"])]
   for what in ("gate", "mass"):
     for ok in (True, False):
       layers = max((len(d[f"{what}_by_layer"]) for d in sel), default=0)
@@ -339,6 +346,10 @@ def dense_grid(fn, lengths, depths, samples, seed) -> dict:
   return {"cells": cells, "mass_right": mean(total[True]), "mass_wrong": mean(total[False]),
           "digits_right": len(total[True]), "digits_wrong": len(total[False]),
           "samples": samples, "seed": seed}
+
+
+def _pct(p) -> str:
+  return "-" if p is None else f"{100 * p:.0f}%"
 
 
 def _mass_text(hv: dict) -> str:
@@ -569,7 +580,10 @@ def main(argv):
             f"by layer: selection gate right {hv['slc_gate_held_right']} / wrong "
             f"{hv['slc_gate_held_wrong']}, largest head mass on the digit right "
             f"{hv['slc_mass_held_right']} / wrong {hv['slc_mass_held_wrong']}, over right "
-            f"{hv['held_right_by_layer']} / wrong {hv['held_wrong_by_layer']} digits")
+            f"{hv['held_right_by_layer']} / wrong {hv['held_wrong_by_layer']} digits; share "
+            "right by layer where that layer held / missed the block: "
+            + ", ".join(f"L{j} {_pct(a)} / {_pct(b)}" for j, (a, b) in enumerate(zip(
+                hv["p_right_if_held_by_layer"], hv["p_right_if_missed_by_layer"]))))
     if grids:
       plot_blocks(grids, [l for l in labels if results[l].get("attention") != "dense"],
                   os.path.splitext(_OUT.value)[0] + ".png")

@@ -861,6 +861,10 @@ def test_needle_digit_reach_records_and_held_vs_correct():
   assert hv == {"digits": 5, "held_right": 2, "held_wrong": 1, "missed_right": 1,
                 "missed_wrong": 1, "p_right_if_held": 2 / 3, "p_right_if_missed": 0.5,
                 "held_right_by_layer": [0, 2], "held_wrong_by_layer": [0, 1],
+                # layer 0 held nothing (all 5 digits "missed" there: 3 right); layer 1 held
+                # 2 right + 1 wrong and missed 1 right + 1 wrong
+                "p_right_if_held_by_layer": [None, 2 / 3],
+                "p_right_if_missed_by_layer": [3 / 5, 1 / 2],
                 # per layer, only the digits whose block that layer held (layer 0: none)
                 "slc_gate_held_right": [None, 0.0625], "slc_gate_held_wrong": [None, 0.0],
                 "slc_mass_held_right": [None, 1.0], "slc_mass_held_wrong": [None,
