@@ -51,7 +51,7 @@ def load_checkpoint(workdir: str, step: int | None = None):
   """(model, description) from a training workdir: the config from the checkpoint's metadata, then
   the parameters of the newest (or the given) step."""
   import orbax.checkpoint as ocp
-  from nsa_jax.training.checkpointing import Checkpointer, CheckpointError, quiet_reads
+  from nsa_jax.training.checkpointing import Checkpointer, CheckpointError
   path = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(path):  # Checkpointer would create it: a typo must not leave directories
     raise CheckpointError(f"no checkpoint directory {path}. Fix: pass the --workdir that "
@@ -63,12 +63,7 @@ def load_checkpoint(workdir: str, step: int | None = None):
                           "(python -m experiments.train) or pass --config for an untrained model.")
   meta = ckpt.read_meta(step)
   cfg = _model_config(meta["model"])
-  try:
-    with quiet_reads():
-      state = ckpt.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore()))["state"]
-  except Exception as e:
-    raise CheckpointError(ckpt._broken(step, "its arrays", e)) from e
+  state = ckpt.read(step, "its arrays", state=ocp.args.StandardRestore())["state"]
   ckpt.check_finite(step, state["params"])
   model = TransformerLM(cfg, rngs=nnx.Rngs(0))
   template = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -239,15 +239,14 @@ def held_vs_correct(records: list[dict]) -> dict:
   count = lambda held, ok: sum(d["held"] == held and d["right"] == ok for d in sel)
   out = {"digits": len(sel), "held_right": count(True, True), "held_wrong": count(True, False),
          "missed_right": count(False, True), "missed_wrong": count(False, False)}
+  share = lambda r, w: r / (r + w) if r + w else None
   for name in ("held", "missed"):
-    n = out[f"{name}_right"] + out[f"{name}_wrong"]
-    out[f"p_right_if_{name}"] = out[f"{name}_right"] / n if n else None
+    out[f"p_right_if_{name}"] = share(out[f"{name}_right"], out[f"{name}_wrong"])
   layers = max((len(d["held_by_layer"]) for d in sel), default=0)
   for ok in (True, False):  # how many digits each layer's selection held (the means' counts)
     out[f"held_{'right' if ok else 'wrong'}_by_layer"] = [
         sum(d["right"] == ok and d["held_by_layer"][j] for d in sel) for j in range(layers)]
   # each layer on its own: is a digit right more often when THIS layer's selection held it?
-  share = lambda r, w: r / (r + w) if r + w else None
   n_right, n_wrong = sum(d["right"] for d in sel), sum(not d["right"] for d in sel)
   out["p_right_if_held_by_layer"] = [share(r, w) for r, w in zip(out["held_right_by_layer"],
                                                                    out["held_wrong_by_layer"])]
@@ -381,10 +380,9 @@ def plot_blocks(grids: list[dict], labels: list[str], out: str):
     depths = sorted({c["depth"] for c in grid["cells"]})
     cell = {(c["depth"], c["length"]): c for c in grid["cells"]}
     hv = grid["held_vs_correct"]
-    fmt = lambda p: "-" if p is None else f"{100 * p:.0f}%"
     titles = (f"{label}: passkey accuracy",
               f"{label}: digit's block selected\n"
-              f"right {fmt(hv['p_right_if_held'])} if so, {fmt(hv['p_right_if_missed'])} if "
+              f"right {_pct(hv['p_right_if_held'])} if so, {_pct(hv['p_right_if_missed'])} if "
               f"not (n = {hv['digits']})",
               f"{label}: selection attention on the digit (where selected)\n"
               f"by layer, right/wrong (digits): {_mass_text(hv)}")

@@ -18,7 +18,8 @@ from flax import nnx
 from nsa_jax import aux_selector, ops, reference, xla
 from nsa_jax.config import NSAConfig
 from nsa_jax.layers import (HEAD_MESH_AXIS, annotated, apply_rope, auto_mesh, check_layer_inputs,
-                            default_positions, dtype_of, linear, sharding_scope)
+                            check_rope_head_dim, default_positions, dtype_of, linear,
+                            sharding_scope)
 
 # The input projections as one matmul (fused_projection; the parameters are the same Linear
 # layers in every mode, so checkpoints do not care). "all" (the default): the query projection,
@@ -105,9 +106,7 @@ class NSAAttention(nnx.Module):
                param_dtype="float32", rngs: nnx.Rngs):
     if not isinstance(cfg, NSAConfig):
       raise TypeError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
-    if cfg.head_dim % 2:  # the op itself takes any head_dim; this layer rotates q and k
-      raise ValueError(f"head_dim={cfg.head_dim}: NSAAttention applies RoPE, which needs an even "
-                       "head_dim. Fix: use an even head_dim.")
+    check_rope_head_dim("NSAAttention", cfg.head_dim)  # the op itself takes any head_dim
     self.cfg, self.d_model, self.rope_theta = cfg, d_model, rope_theta
     self.dtype, pdt = dtype_of(dtype), dtype_of(param_dtype)
     h, kh, dk, dv = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim_v
@@ -229,9 +228,7 @@ class DenseAttention(nnx.Module):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}. "
                        "Fix: choose num_heads as a multiple of num_kv_heads.")
-    if head_dim % 2:
-      raise ValueError(f"head_dim={head_dim}: DenseAttention applies RoPE, which needs an even "
-                       "head_dim. Fix: use an even head_dim.")
+    check_rope_head_dim("DenseAttention", head_dim)
     self.d_model, self.h, self.kh, self.dk = d_model, num_heads, num_kv_heads, head_dim
     self.dv = head_dim if head_dim_v is None else head_dim_v
     self.rope_theta, self.implementation = rope_theta, implementation

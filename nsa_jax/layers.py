@@ -115,6 +115,13 @@ def apply_rope(x, positions, theta=10000.0):
   return out.astype(x.dtype)
 
 
+def check_rope_head_dim(layer: str, head_dim: int):
+  """apply_rope rotates pairs of dimensions: a layer that applies it needs an even head_dim."""
+  if head_dim % 2:
+    raise ValueError(f"head_dim={head_dim}: {layer} applies RoPE, which needs an even head_dim. "
+                     "Fix: use an even head_dim.")
+
+
 def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=None):
   """The attention layers' input checks, before anything is computed from them: x [B, T, d_model]
   with T >= 1 and a floating dtype; segment_ids, when given, [B, T] integers or booleans (the

@@ -191,14 +191,18 @@ class Checkpointer:
           f"differ from what was saved (checksum mismatch; first: {differ[0]}). It was left "
           f"untouched. Fix: {self._move_away_hint(step)}.")
 
-  def read_meta(self, step: int) -> dict:
-    self.require_step(step)
+  def read(self, step: int, what: str, **items):
+    """The orbax items of step (e.g. state=ocp.args.StandardRestore()), read with the asyncio
+    logger quiet; any failure becomes one CheckpointError naming `what`, the step and the fix."""
     try:
       with quiet_reads():
-        return self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
+        return self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax raises many kinds; the user needs the path and the cause
-      raise CheckpointError(self._broken(step, "its metadata", e)) from e
+      raise CheckpointError(self._broken(step, what, e)) from e
+
+  def read_meta(self, step: int) -> dict:
+    self.require_step(step)
+    return self.read(step, "its metadata", meta=ocp.args.JsonRestore())["meta"]
 
   def restore(self, step: int, abstract_state, expected_meta: dict, ignore=()):
     """Checks meta against expected_meta, then restores (state, data_state) at step.
@@ -215,12 +219,8 @@ class Checkpointer:
           + "\n  ".join(problems)
           + "\nFix: use the config it was trained with, or a fresh --workdir. The checkpoint was "
           "left untouched.")
-    try:
-      with quiet_reads():
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    except Exception as e:
-      raise CheckpointError(self._broken(step, "its arrays", e)) from e
+    out = self.read(step, "its arrays", state=ocp.args.StandardRestore(abstract_state),
+                    data=ocp.args.JsonRestore())
     if isinstance(out["state"], dict) and "params" in out["state"]:
       self.check_finite(step, out["state"]["params"])
     self.check_checksums(step, out["state"], meta.get("checksums"))
