@@ -76,8 +76,14 @@ def test_end_to_end_run_leaves_checkpoints_logs_and_plot(full_run):
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, "tb")))
   losses = train_losses(workdir)
   assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-  # Model-independent sanity: a fresh byte-level LM predicts close to uniform over 256 bytes.
-  assert abs(losses[1] - math.log(256)) < 1.5, f"initial loss {losses[1]} (seed {SEED})"
+  # Model-independent sanity: a fresh byte-level LM predicts close to uniform over 256 bytes
+  # (catches, e.g., a sum where the mean belongs: 512 times larger here). The bound is
+  # one-sided-loose because the first batch's loss depends on how the random head scores the few
+  # bytes that make most targets: over 24 random seeds it sat 0.45 +- 0.21 nats above ln 256
+  # (at most 0.79), but seed 11526534 gave 7.27 (+1.72): its log-normaliser was 5.99 as usual,
+  # while the batch's target logits averaged -1.27 instead of about 0 (seed 1: normaliser and
+  # loss both 6.02).
+  assert -1.0 < losses[1] - math.log(256) < 3.0, f"initial loss {losses[1]} (seed {SEED})"
   assert all(math.isfinite(v) for v in losses.values())
   val = summary["val"]
   assert val["loss"] < losses[1] and math.isclose(val["perplexity"], math.exp(val["loss"]))
