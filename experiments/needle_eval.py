@@ -17,6 +17,10 @@
       right and wrong digits: is a miss the selector's, or after it? A dense run gets the
       attention part alone: its best head's causal mass on each digit, right vs wrong. JSON, a
       printed table and a PNG of the NSA runs beside the JSON)
+  python -m experiments.needle_eval --mode=blocks --force_key_layers=1 ...
+      (an intervention: in those NSA layers the key's blocks are put into every KV group's
+      selection at the answer queries, in place of the lowest-numbered block that is neither
+      forced nor the key's; does the answer come right once that layer holds the key?)
 
 A workdir is a path or SWEEP_OUT_DIR:RUN (looked up in that sweep's results.jsonl), either with an
 optional @STEP for that saved checkpoint instead of the newest (e.g. runs/pk/nsa@800; the label
@@ -29,6 +33,7 @@ because each greedy step sees the digits before it, which are then the correct o
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -46,13 +51,14 @@ _BUCKET = None
 _BATCHES = None
 _VAL_SEED = None
 _OUT = None
+_FORCE = None
 
 
 def define_flags():
   """Command-line flags; defined only when run as a script, so that importing this module
   (tests, other scripts) never defines absl flags twice."""
   global _MODE, _WORKDIRS, _LABELS, _LENGTHS, _DEPTHS, _SAMPLES, _SEED, _BUCKET, _BATCHES
-  global _VAL_SEED, _OUT
+  global _VAL_SEED, _OUT, _FORCE
   _MODE = flags.DEFINE_enum("mode", "needle", ["needle", "position", "blocks"],
                             "what to evaluate (blocks: per needle cell, how often the NSA layers' "
                             "selection holds every block the key spans at the answer queries, and "
@@ -69,6 +75,9 @@ def define_flags():
                                    "(-1: each run's own; set it to compare runs on the same text)")
   _OUT = flags.DEFINE_string("out", None, "PNG path (a .json with the numbers is written beside "
                              "it; blocks mode: either name, both are written)")
+  _FORCE = flags.DEFINE_list("force_key_layers", [], "blocks: NSA layer indices whose selection "
+                             "gets the key's blocks at the answer queries (an intervention; "
+                             "force_key_blocks)")
 
 ANSWER_DIGITS = 5
 
@@ -192,6 +201,52 @@ def selected_key_mass(q_t: np.ndarray, k: np.ndarray, idx_t: np.ndarray, t: int,
     p /= p.sum(-1, keepdims=True)
     out[g * per_group:(g + 1) * per_group] = p[:, np.isin(keys, targets)].sum(-1)
   return out
+
+
+def key_positions(tokens: np.ndarray, sel_block: int) -> tuple[np.ndarray, np.ndarray]:
+  """For passkey inputs tokens [B, T] (passkey_example's tokens without the last): per row the
+  selection blocks the key's digits span, [B, 2] int32 (-1 pads a single block), found from the
+  fact's text, and the first answer query T - 5 [B] int32."""
+  prefix = FACT_PREFIX.encode()
+  blocks = np.full((tokens.shape[0], 2), -1, np.int32)
+  for b, row in enumerate(tokens):
+    cut = row.astype(np.uint8).tobytes().find(prefix)
+    if cut < 0:
+      raise ValueError(f"row {b} holds no passkey fact ({FACT_PREFIX!r}); the key intervention "
+                       "needs passkey_example inputs")
+    kb = key_blocks(cut, sel_block)
+    blocks[b, :len(kb)] = kb
+  return blocks, np.full(tokens.shape[0], tokens.shape[1] - ANSWER_DIGITS, np.int32)
+
+
+def force_key_blocks(block_idx, extra, nsa):
+  """block_idx [B, T, K, n] (one layer's selection: ascending, -1 in empty slots) with each row's
+  key blocks put into every KV group's list at the queries t >= from_query whose own block is
+  at or after the key's and whose list lacks it. extra = (key blocks [B, m] with -1 for none,
+  from_query [B]) (key_positions). Each missing key block takes the slot of the lowest-numbered
+  block that is neither forced (the first num_init_blocks and the num_local_blocks ending at
+  t's own; documents start at 0 here) nor a key block; the list is then sorted again. A list
+  with no such slot is left as it is: either it already holds every eligible block, or every
+  slot is forced (n <= num_init_blocks + num_local_blocks), and the paper's forced blocks are
+  not displaced; the coverage the grid reports then shows where forcing did not take."""
+  import jax.numpy as jnp
+  want_all, from_query = extra
+  b, t, k, n = block_idx.shape
+  cur = (jnp.arange(t) // nsa.sel_block)[None, :, None, None]  # [1, T, 1, 1]
+  active = (jnp.arange(t)[None, :] >= from_query[:, None])[:, :, None]  # [B, T, 1]
+  idx = block_idx
+  for j in range(want_all.shape[1]):
+    want = want_all[:, j][:, None, None, None]  # [B, 1, 1, 1]
+    is_key = jnp.any(idx[..., None] == want_all[:, None, None, None, :], -1) & (idx >= 0)
+    forced = (idx < nsa.num_init_blocks) | (idx > cur - nsa.num_local_blocks)
+    free = (idx >= 0) & ~forced & ~is_key  # [B, T, K, n]
+    put = (active & (want[..., 0] >= 0) & (want[..., 0] <= cur[..., 0])
+           & ~jnp.any(idx == want, -1) & jnp.any(free, -1))  # [B, T, K]
+    slot = jnp.argmax(free, -1)  # the first free slot: its block is the lowest-numbered
+    idx = jnp.where(put[..., None] & (jnp.arange(n) == slot[..., None]), want, idx)
+  big = jnp.iinfo(jnp.int32).max
+  idx = jnp.sort(jnp.where(idx < 0, big, idx), axis=-1)
+  return jnp.where(idx == big, -1, idx).astype(block_idx.dtype)
 
 
 def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int,
@@ -489,6 +544,21 @@ def _save(fig, out):
 
 # ----------------------------------------------------------------------------- main -------------
 
+def parse_force_layers(values: list[str], mode: str) -> list[int]:
+  """--force_key_layers as layer indices; only --mode=blocks runs the intervention."""
+  if values and mode != "blocks":
+    raise ValueError(f"--force_key_layers is a --mode=blocks intervention, not for --mode={mode}. "
+                     "Fix: add --mode=blocks, or drop --force_key_layers.")
+  try:
+    layers = [int(v) for v in values]
+  except ValueError:
+    raise ValueError(f"--force_key_layers={','.join(values)}: must be layer indices (e.g. 1 or "
+                     "2,3). Fix: pass integers.") from None
+  if len(set(layers)) != len(layers):
+    raise ValueError(f"--force_key_layers={','.join(values)} repeats a layer. Fix: name each once.")
+  return layers
+
+
 def check_run_flags(n_runs: int, labels: list[str], labels_given: bool, **counts):
   """One label per run, no two alike (results and plots are keyed by label: a short or repeated
   list silently dropped runs), and every count flag (samples, bucket, batches) at least 1."""
@@ -513,6 +583,7 @@ def main(argv):
   labels = _LABELS.value or [label for _, label, _ in specs]
   check_run_flags(len(specs), labels, bool(_LABELS.value),
                   samples=_SAMPLES.value, bucket=_BUCKET.value, batches=_BATCHES.value)
+  force = parse_force_layers(_FORCE.value, _MODE.value)
   results = {}
   if _MODE.value == "needle":
     lengths = [int(x) for x in _LENGTHS.value]
@@ -541,6 +612,9 @@ def main(argv):
     for (workdir, _, step), label in zip(specs, labels):
       model, _, model_cfg = load_model(workdir, max_seq_len=max(lengths), step=step)
       if "nsa" not in model_cfg.attention_kinds:  # a dense twin: its attention on the digits
+        if force:
+          raise ValueError(f"{label}: --force_key_layers needs NSA layers; this run is dense. "
+                           "Fix: score dense runs in a call without --force_key_layers.")
         grid = dense_grid(jit_logits_and_blocks(model), lengths, depths, _SAMPLES.value,
                           _SEED.value)
         results[label] = dict(grid, workdir=workdir, step=step, attention="dense")
@@ -555,10 +629,16 @@ def main(argv):
       if "slc" not in model_cfg.nsa.branches:
         raise ValueError(f"{workdir}: --mode=blocks needs the selection branch (this model's "
                          f"NSA branches: {model_cfg.nsa.branches}). Fix: pass a run with 'slc'")
-      grid = block_grid(jit_logits_and_blocks(model), model_cfg.nsa, lengths, depths,
-                        _SAMPLES.value, _SEED.value)
-      results[label] = dict(grid, workdir=workdir, step=step,
-                            num_selected=model_cfg.nsa.num_selected)
+      nsa = model_cfg.nsa
+      fn = jit_logits_and_blocks(model)
+      if force:  # the intervention: those layers hold the key's blocks at the answer queries
+        forced = jit_logits_and_blocks(model, force, functools.partial(force_key_blocks, nsa=nsa))
+        fn = lambda tokens, forced=forced, nsa=nsa: forced(  # noqa: E731
+            tokens, key_positions(np.asarray(tokens), nsa.sel_block))
+        print(f"{label}: layers {force} hold the key's blocks at the answer queries (forced)")
+      grid = block_grid(fn, nsa, lengths, depths, _SAMPLES.value, _SEED.value)
+      results[label] = dict(grid, workdir=workdir, step=step, num_selected=nsa.num_selected,
+                            force_key_layers=force)
       grids.append(grid)
       print(f"{label}: n={model_cfg.nsa.num_selected}, l'={model_cfg.nsa.sel_block}, "
             f"w={model_cfg.nsa.window}; per cell: exact, digit accuracy, held (selection-reach "

@@ -103,18 +103,29 @@ def jit_logits(model):
   return lambda tokens: run(state, tokens)
 
 
-def jit_logits_and_blocks(model):
+def jit_logits_and_blocks(model, edit_layers=(), edit=None):
   """tokens [B, T] -> (float32 logits [B, T, V], per layer: for an NSA layer {"block_idx": [B, T,
   K, n], "gates": [B, T, H, 3], "q": [B, T, H, d_k], "k_slc": [B, T, K, d_k]}, for a dense layer
   {"q", "k"}; q and keys after RoPE: TransformerLM's aux output, which already leaves the branch
-  outputs out), jitted."""
+  outputs out), jitted.
+
+  With edit_layers (NSA layer indices) and edit(block_idx, extra) -> block_idx, the function is
+  (tokens, extra) -> the same, where those layers' selections are edited (TransformerLM's
+  select_edits; extra: arrays the edit reads, e.g. per-row positions) and "block_idx" is the
+  edited selection."""
   graphdef, state = nnx.split(model)
+  if bool(edit_layers) != (edit is not None):
+    raise ValueError("jit_logits_and_blocks: edit_layers and edit go together. Fix: give both "
+                     "or neither.")
 
   @jax.jit
-  def run(state, tokens):
-    return nnx.merge(graphdef, state)(tokens, return_aux=True)
+  def run(state, tokens, extra):
+    edits = {i: lambda idx: edit(idx, extra) for i in edit_layers} or None
+    return nnx.merge(graphdef, state)(tokens, return_aux=True, select_edits=edits)
 
-  return lambda tokens: run(state, tokens)
+  if edit_layers:
+    return lambda tokens, extra: run(state, tokens, extra)
+  return lambda tokens: run(state, tokens, None)
 
 
 def val_batches(config, num_batches: int) -> list[dict]:

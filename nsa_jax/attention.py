@@ -176,12 +176,20 @@ class NSAAttention(nnx.Module):
     return jax.nn.sigmoid(logits.astype(jnp.float32))
 
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None,
-               return_aux=False, return_selector_loss=False):
+               return_aux=False, return_selector_loss=False, select_edit=None):
     """y [B, T, d_model]; with return_aux also a dict (block_idx, gates, ...); with
     return_selector_loss also the "aux" selector's loss per token [B, T] (zeros for the other
-    selectors): y, aux, loss in that order, each present only when asked."""
+    selectors): y, aux, loss in that order, each present only when asked.
+
+    select_edit (interventions, e.g. experiments/needle_eval.py --force_key_layers): a function
+    block_idx [B, T, K, n] -> block_idx [B, T, K, n] applied to the layer's own selection before
+    the selection branch reads it (ascending, -1 in empty slots, as the selector writes them).
+    The op then runs twice, once to get the selection; gradients do not flow into the indices."""
     cfg = self.cfg
     check_layer_inputs("NSAAttention", x, self.d_model, segment_ids, positions)
+    if select_edit is not None and "slc" not in cfg.branches:
+      raise ValueError(f"select_edit was given but branches={cfg.branches!r} has no selection "
+                       "branch. Fix: drop select_edit for this layer.")
     b, t, _ = x.shape
     x = x.astype(self.dtype)
     if positions is None:
@@ -203,9 +211,14 @@ class NSAAttention(nnx.Module):
     with jax.named_scope("nsa_gates"):
       gates = self.gates(x, gate_logits)
     with jax.named_scope("nsa_op"):
-      out = ops.nsa_attention(q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates, cfg,
-                              segment_ids=segment_ids, implementation=implementation,
-                              return_aux=return_aux, block_idx=block_idx)
+      args = (q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates, cfg)
+      kw = dict(segment_ids=segment_ids, implementation=implementation)
+      if select_edit is not None:
+        if block_idx is None:  # the layer's own choice: one run of the op to read it
+          block_idx = ops.nsa_attention(*args, **kw, return_aux=True, block_idx=None)[1][
+              "block_idx"]
+        block_idx = select_edit(jax.lax.stop_gradient(block_idx))
+      out = ops.nsa_attention(*args, **kw, return_aux=return_aux, block_idx=block_idx)
     o, aux = out if return_aux else (out, None)
     with jax.named_scope("nsa_out"):
       y = self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.dim_v).astype(self.dtype))

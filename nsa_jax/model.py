@@ -32,21 +32,28 @@ class Block(nnx.Module):
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, dtype=dt, param_dtype=pdt, rngs=rngs)
 
   def __call__(self, x, segment_ids=None, positions=None, return_aux=False,
-               return_selector_loss=False):
+               return_selector_loss=False, select_edit=None):
     """x -> x, or (x, aux) with return_aux, or (x, selector loss [B, T] / None for a dense
-    layer) with return_selector_loss (training with selector="aux")."""
+    layer) with return_selector_loss (training with selector="aux"). select_edit: an NSA layer's
+    intervention on its selection (NSAAttention)."""
     with jax.named_scope("attn_norm"):
       h = self.attn_norm(x)
     aux = sel = None
+    if select_edit is not None and self.kind != "nsa":
+      raise ValueError("select_edit was given for a dense layer, which selects no blocks. Fix: "
+                       "give it only for NSA layers.")
     if self.kind == "nsa" and (return_aux or return_selector_loss):
       y, *extra = self.attn(h, segment_ids=segment_ids, positions=positions,
-                            return_aux=return_aux, return_selector_loss=return_selector_loss)
+                            return_aux=return_aux, return_selector_loss=return_selector_loss,
+                            select_edit=select_edit)
       if return_aux:
         aux = {k: extra[0][k] for k in ("block_idx", "gates", "q", "k_slc") if k in extra[0]}
       if return_selector_loss:
         sel = extra[-1]
     elif return_aux:  # a dense layer: its q and k after RoPE (diagnostics)
       y, aux = self.attn(h, segment_ids=segment_ids, positions=positions, return_aux=True)
+    elif select_edit is not None:
+      y = self.attn(h, segment_ids=segment_ids, positions=positions, select_edit=select_edit)
     else:
       y = self.attn(h, segment_ids=segment_ids, positions=positions)
     x = constrain_rows(x + y)
@@ -84,6 +91,19 @@ def check_token_ids(tokens, vocab_size: int):
 ONE_HOT_EMBED_MAX_VOCAB = 1024
 
 
+def check_select_edits(select_edits, cfg: ModelConfig, return_selector_loss: bool):
+  """select_edits: {layer index: NSAAttention select_edit} for NSA layers, evaluation only."""
+  if return_selector_loss:
+    raise ValueError("select_edits is an evaluation intervention; it does not combine with "
+                     "return_selector_loss (training). Fix: drop one of them.")
+  kinds = cfg.attention_kinds
+  for i in select_edits:
+    if not isinstance(i, int) or not 0 <= i < len(kinds) or kinds[i] != "nsa":
+      nsa = [j for j, k in enumerate(kinds) if k == "nsa"]
+      raise ValueError(f"select_edits has key {i!r}, which is not an NSA layer of this model. "
+                       f"Fix: use layer indices among {nsa}.")
+
+
 class TransformerLM(nnx.Module):
   """tokens [B, T] int -> logits [B, T, vocab] float32.
 
@@ -93,6 +113,8 @@ class TransformerLM(nnx.Module):
   "k" after RoPE (q and keys are for diagnostics; unused outputs cost nothing under jit).
   With return_selector_loss=True also returns the "aux" selector's loss per token [B, T], the
   mean over NSA layers (zeros when no layer uses selector="aux").
+  select_edits (evaluation interventions): {NSA layer index: NSAAttention's select_edit, a
+  function block_idx -> block_idx}; the layers then run one by one.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -177,7 +199,9 @@ class TransformerLM(nnx.Module):
     return self.cfg.uses_aux_selector
 
   def __call__(self, tokens, segment_ids=None, positions=None, return_aux=False,
-               return_selector_loss=False):
+               return_selector_loss=False, select_edits=None):
+    if select_edits:
+      check_select_edits(select_edits, self.cfg, return_selector_loss)
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
     check_token_ids(tokens, self.cfg.vocab_size)
@@ -187,17 +211,21 @@ class TransformerLM(nnx.Module):
     with jax.named_scope("embed"):
       x = constrain_rows(self.embed_tokens(tokens))
     auxes, sel_losses = [], []
-    run = lambda blk, y: blk(y, segment_ids, positions, return_selector_loss=return_selector_loss)
-    # return_aux (visualisation) walks the layers one by one to collect each one's selection
-    scan = self.cfg.layer_loop != "python" and not (return_aux and not return_selector_loss)
+    edits = select_edits or {}
+    run = lambda blk, y, edit=None: blk(y, segment_ids, positions,
+                                         return_selector_loss=return_selector_loss, select_edit=edit)
+    # return_aux (visualisation) and select_edits (interventions) walk the layers one by one
+    scan = (self.cfg.layer_loop != "python" and not (return_aux and not return_selector_loss)
+            and not edits)
     if scan:
       x, sel_losses = self._scan_blocks(x, segment_ids, positions, return_selector_loss)
-    for block in () if scan else self.blocks:
+    for i, block in enumerate(() if scan else self.blocks):
       if return_aux and not return_selector_loss:
-        x, aux = block(x, segment_ids, positions, return_aux=True)
+        x, aux = block(x, segment_ids, positions, return_aux=True, select_edit=edits.get(i))
         auxes.append(aux)
         continue
-      out = nnx.remat(run)(block, x) if self.cfg.remat else run(block, x)
+      out = (nnx.remat(run)(block, x, edits.get(i)) if self.cfg.remat
+             else run(block, x, edits.get(i)))
       if return_selector_loss:
         x, sel = out
         if sel is not None:

@@ -425,8 +425,8 @@ def _sharded(fn, layout, n4d: int, has_seg: bool, what: str):
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
                   segment_ids=None, scale=None, implementation=None, return_aux=False,
                   block_idx=None):
-  """The whole NSA op. Shapes as in `nsa_jax.reference.nsa_attention` (block_idx: selector="aux"
-  only, the blocks its gate chose).
+  """The whole NSA op. Shapes as in `nsa_jax.reference.nsa_attention` (block_idx: the blocks
+  selector="aux"'s gate chose, or an override of the other selectors' choice).
 
   implementation: None (use cfg.implementation), "auto" (GPU: "pallas", else "xla"), "pallas"
     (the selection's backend picked per shape from H200 measurements, select_attention.auto_backend),

@@ -358,13 +358,17 @@ def require_integers(x, name, what, fix, allow_bool=False):
 
 
 def check_block_idx(block_idx, q, cfg: NSAConfig):
-  """block_idx is given exactly when the selector is "aux", with shape [B, T, K, n]."""
-  if cfg.selector != "aux" or "slc" not in cfg.branches:
+  """block_idx [B, T, K, n]: required by selector="aux" (its gate lives in NSAAttention); with the
+  other selectors optional, replacing the selector's own choice (interventions: NSAAttention's
+  select_edit); refused without a selection branch, which would ignore it."""
+  if "slc" not in cfg.branches:
     if block_idx is not None:
-      raise ValueError(f"block_idx was given but selector={cfg.selector!r} chooses its own blocks. "
-                       "Fix: drop block_idx, or use selector='aux'.")
+      raise ValueError(f"block_idx was given but branches={cfg.branches!r} has no selection "
+                       "branch to use it. Fix: drop block_idx, or add 'slc' to the branches.")
     return
   if block_idx is None:
+    if cfg.selector != "aux":
+      return
     raise ValueError("selector='aux' needs block_idx [B, T, K, n] from its gate "
                      "(nsa_jax.aux_selector.select); NSAAttention passes it. Fix: call the layer, "
                      "or pass block_idx= to the op.")
@@ -440,8 +444,9 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
   k_slc/v_slc, k_win/v_win [B, T, K, D] raw keys/values of the selection and window branches;
   gates [B, T, H, 3] in (cmp, slc, win) order. Returns o [B, T, H, Dv] (q's dtype) and, with
   return_aux, a dict with the block indices and per-branch outputs.
-  block_idx: [B, T, K, n] blocks chosen outside the op (required by, and only used with,
-  selector="aux": its gate lives in NSAAttention).
+  block_idx: [B, T, K, n] blocks chosen outside the op (ascending, -1 in empty slots): required
+  by selector="aux" (its gate lives in NSAAttention); with "nsa" or "quest" it replaces the
+  selector's own choice (the compression branch still runs), for interventions.
   """
   check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
   check_block_idx(block_idx, q, cfg)
@@ -453,7 +458,7 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
                                            scale)
     outs["cmp"] = o_cmp
   if "slc" in cfg.branches:
-    if cfg.selector == "aux":
+    if block_idx is not None:
       idx = block_idx
     else:
       scores = (selection_scores(p_cmp, cfg.num_kv_heads, t, cfg) if cfg.selector == "nsa"

@@ -296,7 +296,7 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
   seg = _check_segments(segment_ids, b, t)
   c, n = _chunking(t, cfg.query_chunk)
   want_idx = "slc" in cfg.branches
-  given_idx = block_idx is not None  # selector="aux": chosen by the layer's gate
+  given_idx = block_idx is not None  # selector="aux"'s gate, or an override (select_edit)
   # Like the reference, the compression branch also runs when it only feeds the NSA selector.
   want_cmp = "cmp" in cfg.branches or (want_idx and cfg.selector == "nsa")
   if want_cmp or (want_idx and not given_idx):

@@ -27,6 +27,8 @@
 #          warm-started from the second (e.g. the far-answer rows of single_question_fraction late).
 #          Then, for NSA's last stage, needle_eval --mode=blocks at 2k and 4k (PK_BLOCKS=0 skips
 #          it; at most 150 s): does the selection hold the key where the answer fails?
+#          PK_FORCE (e.g. 3 or 2,3): then the same with the key forced into those layers'
+#          selection (needle_eval --force_key_layers; at most 150 s more): does that fix it?
 # branches, design, blocks
 #          the paper's ablations at GPU scale (configs/sweep_*.py:gpu), two runs per GPU (blocks:
 #          finer, coarser | n_x2; n_forced_only ran on its own, docs/RESULTS.md §0b).
@@ -269,6 +271,9 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
   if [ -n "$steps3" ] && { ! [[ $steps3 =~ ^[0-9]+$ ]] || (( steps3 < 1 )); }; then
     echo "PK_STEPS3=$steps3 must be a positive number of steps"; return 2
   fi
+  if [ -n "${PK_FORCE:-}" ] && ! [[ $PK_FORCE =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+    echo "PK_FORCE=$PK_FORCE must be NSA layer indices, e.g. 3 or 2,3"; return 2
+  fi
   for st in ${evals//,/ }; do
     if (( st % every2 || st >= steps2 )); then
       echo "PK_EVAL_STEPS: $st is not a saved 4k-stage step (multiples of $every2 below $steps2)"
@@ -344,6 +349,15 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
       --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_blocks_gpu_$ntag.json \
       > "$R/needle_blocks_gpu_$ntag.log" 2>&1 || echo "needle_eval --mode=blocks failed or timed out (log: needle_blocks_gpu_$ntag.log)"
     grep -h "digits only a chosen block" "$R/needle_blocks_gpu_$ntag.log" || true
+  fi
+  if [ -n "${PK_FORCE:-}" ] && [ -n "$bwd" ]; then  # the intervention (e.g. PK_FORCE=3 or 2,3)
+    local ftag=${ntag}_force${PK_FORCE//,/}
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 -m experiments.needle_eval --mode=blocks \
+      --force_key_layers=$PK_FORCE --workdirs=$bwd --labels=${blabel}_force${PK_FORCE//,/} \
+      --lengths=2048,4096 --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 \
+      --out=$R/needle_blocks_gpu_$ftag.json > "$R/needle_blocks_gpu_$ftag.log" 2>&1 \
+      || echo "needle_eval --force_key_layers failed or timed out (log: needle_blocks_gpu_$ftag.log)"
+    grep -h "^ *[0-9]* [0-9.]*: exact\|digits only a chosen block" "$R/needle_blocks_gpu_$ftag.log" || true
   fi
 }
 

@@ -140,12 +140,15 @@ def test_selector_loss_trains_only_the_gate_and_goes_down():
   assert float(loss(w)) < 0.7 * first, (first, float(loss(w)), SEED)
 
 
-def test_given_blocks_give_the_same_output_on_every_path():
-  cfg = cfg_for()
+@pytest.mark.parametrize("selector", ["aux", "nsa"])
+def test_given_blocks_give_the_same_output_on_every_path(selector):
+  """Blocks given to the op (the "aux" gate's, or an override of the NSA selector's own choice:
+  NSAAttention's select_edit) are what every implementation reads; the selector then does not
+  matter."""
   b, t = 1, 64
   ks = jax.random.split(key(2), 8)
   q = jax.random.normal(ks[0], (b, t, 4, 16))
-  cfg = cfg_for(head_dim=16, head_dim_v=16)
+  cfg = cfg_for(head_dim=16, head_dim_v=16, selector=selector)
   n = lambda i, s: jax.random.normal(ks[i], s)
   nc = (t - cfg.cmp_block) // cfg.cmp_stride + 1
   args = (q, n(1, (b, nc, 2, 16)), n(2, (b, nc, 2, 16)), n(3, (b, t, 2, 16)), n(4, (b, t, 2, 16)),
@@ -157,6 +160,12 @@ def test_given_blocks_give_the_same_output_on_every_path():
   for impl in ("xla", "pallas"):
     np.testing.assert_allclose(outs[impl], outs["reference"], rtol=2e-5, atol=2e-5,
                                err_msg=f"{impl} (seed={SEED})")
+  if selector != "aux":
+    aux_out = ops.nsa_attention(*args, cfg_for(head_dim=16, head_dim_v=16), block_idx=idx,
+                                implementation="reference")
+    np.testing.assert_allclose(outs["reference"], np.asarray(aux_out), rtol=1e-6, atol=1e-6)
+    own = ops.nsa_attention(*args, cfg, implementation="reference")
+    assert not np.allclose(np.asarray(own), outs["reference"]), "the given blocks were ignored"
 
 
 def test_bad_uses_are_clear_errors():
@@ -171,9 +180,12 @@ def test_bad_uses_are_clear_errors():
   args = (q, z(1, nc, 2, 8), z(1, nc, 2, 8), k, z(1, t, 2, 8), k, z(1, t, 2, 8), z(1, t, 4, 3))
   with pytest.raises(ValueError, match="needs block_idx"):
     reference.nsa_attention(*args, cfg_for())
-  with pytest.raises(ValueError, match="chooses its own blocks"):
-    reference.nsa_attention(*args, cfg_for(selector="nsa"),
+  with pytest.raises(ValueError, match="no selection branch to use it"):
+    reference.nsa_attention(*args, cfg_for(selector="nsa", branches=("cmp", "win")),
                             block_idx=jnp.zeros((1, t, 2, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"block_idx has shape \(1, 32, 2, 3\)"):
+    reference.nsa_attention(*args, cfg_for(selector="nsa"),
+                            block_idx=jnp.zeros((1, t, 2, 3), jnp.int32))
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                     ffn_dim=64, max_seq_len=64, attention="nsa", nsa=cfg_for())
   model = TransformerLM(cfg, rngs=nnx.Rngs(0))

@@ -599,7 +599,8 @@ def test_passkey2_refuses_bad_settings_before_training(tmp_path):
                     ({"PK_STEPS3": "400"}, "with PK_TAG"),
                     ({"PK_ARGS3": "--config.data.single_question_fraction=0.5", "PK_TAG": "t"},
                      "PK_ARGS3 needs PK_STEPS3"),
-                    ({"PK_STEPS3": "x", "PK_TAG": "t"}, "must be a positive number")]:
+                    ({"PK_STEPS3": "x", "PK_TAG": "t"}, "must be a positive number"),
+                    ({"PK_FORCE": "L3"}, "must be NSA layer indices")]:
     out = subprocess.run(["bash", "scripts/h200_runs.sh", "passkey2"], cwd=work, text=True,
                          capture_output=True, timeout=60,
                          env={**os.environ, "OUT": str(tmp_path / "out"), "PACK_AT": "60", **env})
@@ -800,6 +801,103 @@ def test_needle_key_blocks_and_coverage():
   idx[7, 0, :2] = [1, 3]     # query 7: block 2 missing
   assert needle_eval.key_coverage(idx, [1, 2], [5, 6, 7]) == pytest.approx(2 / 3)
   assert needle_eval.key_coverage(idx, [1], [5, 6, 7]) == 1.0
+
+
+def test_force_key_blocks_by_hand():
+  """The needle intervention's edit: at the answer queries (t >= from_query) each missing key
+  block takes the slot of the lowest-numbered block that is neither forced nor a key block, in
+  every KV group, and the list stays ascending; lists that hold it, earlier queries, rows
+  without a key (-1) and lists with no free slot are left alone."""
+  from types import SimpleNamespace
+  nsa = SimpleNamespace(sel_block=4, num_init_blocks=1, num_local_blocks=2)
+  t, n = 40, 5  # query 39 is in block 9: blocks 0, 8 and 9 are forced
+  idx = np.full((2, t, 2, n), -1, np.int32)
+  idx[:, 30:] = [0, 2, 3, 8, 9]       # before the edit, every late query: blocks 2 and 3 free
+  idx[0, 38:, 1] = [0, 5, 7, 8, 9]    # row 0, group 1 already holds block 5 (not 6)
+  keys = np.array([[5, 6], [4, -1]], np.int32)  # row 0 straddles blocks 5 and 6; row 1: block 4
+  out = np.asarray(needle_eval.force_key_blocks(idx, (keys, np.array([38, 38], np.int32)), nsa))
+  np.testing.assert_array_equal(out[:, :38], idx[:, :38])  # before from_query: untouched
+  for tq in (38, 39):
+    np.testing.assert_array_equal(out[0, tq, 0], [0, 5, 6, 8, 9])  # 2 -> 5, then 3 -> 6
+    np.testing.assert_array_equal(out[0, tq, 1], [0, 5, 6, 8, 9])  # 5 held; 7 -> 6
+    np.testing.assert_array_equal(out[1, tq], [[0, 3, 4, 8, 9]] * 2)  # 2 -> 4, sorted
+  # a key block after the query's own is never put in; nor where nothing is free
+  late = np.array([[9, -1], [-1, -1]], np.int32)
+  same = needle_eval.force_key_blocks(idx, (late, np.array([30, 30], np.int32)), nsa)
+  np.testing.assert_array_equal(np.asarray(same)[:, 30:36], idx[:, 30:36])  # blocks 7, 8 < 9
+  full = SimpleNamespace(sel_block=4, num_init_blocks=3, num_local_blocks=2)  # 0-2, 8, 9 forced
+  forced_only = np.broadcast_to(np.array([0, 1, 2, 8, 9], np.int32), idx.shape).copy()
+  np.testing.assert_array_equal(np.asarray(needle_eval.force_key_blocks(
+      forced_only, (keys, np.array([38, 38], np.int32)), full)), forced_only)
+
+
+def test_needle_key_positions_and_force_flag():
+  rows = needle_eval.passkey_examples(256, 1, 0.5, 3, SEED)
+  tokens = np.stack([r[0] for r in rows])[:, :-1]
+  blocks, first = needle_eval.key_positions(tokens, 32)
+  for row, (_, _, cut) in enumerate(rows):
+    want = needle_eval.key_blocks(cut, 32)
+    assert list(blocks[row, :len(want)]) == want and (blocks[row, len(want):] == -1).all()
+  assert (first == 256 - 5).all()
+  with pytest.raises(ValueError, match="holds no passkey fact"):
+    needle_eval.key_positions(np.zeros((1, 64), np.int32), 32)
+  assert needle_eval.parse_force_layers(["1", "3"], "blocks") == [1, 3]
+  assert needle_eval.parse_force_layers([], "needle") == []
+  with pytest.raises(ValueError, match="a --mode=blocks intervention, not for --mode=needle"):
+    needle_eval.parse_force_layers(["1"], "needle")
+  with pytest.raises(ValueError, match="must be layer indices"):
+    needle_eval.parse_force_layers(["L1"], "blocks")
+  with pytest.raises(ValueError, match="repeats a layer"):
+    needle_eval.parse_force_layers(["1", "1"], "blocks")
+
+
+def test_needle_blocks_with_the_key_forced_in(trained, tmp_path):
+  """--force_key_layers: every answer query's selection then holds the key's blocks (coverage 1,
+  no selection-reach digit missed) where a slot is free, the answers are scored with the edited
+  selection, and a dense layer index is refused in one line."""
+  import functools
+  from nsa_jax.model import TransformerLM
+  from nsa_jax.training.train import model_config_from
+  workdir, _, _ = trained
+  out = tmp_path / "forced.json"
+  base = [sys.executable, "-m", "experiments.needle_eval", "--mode=blocks", f"--workdirs={workdir}",
+          "--labels=m", "--lengths=192", "--depths=0.5", "--samples=2", f"--out={out}"]
+  res = subprocess.run(base + ["--force_key_layers=1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "layers [1] hold the key's blocks at the answer queries (forced)" in res.stdout
+  grid = json.load(open(out))["m"]
+  assert grid["force_key_layers"] == [1]
+  # the tiny run's n = 3 slots are all forced (1 initial + 2 local): nothing to displace, so its
+  # answers equal the unedited model's, recomputed here through the same edit
+  model, _, model_cfg = trained_model.load_model(workdir, max_seq_len=192)
+  tokens = needle_eval.passkey_batch(192, 0, 0.5, 2, 1234)
+  fn = trained_model.jit_logits_and_blocks(model, [1], functools.partial(
+      needle_eval.force_key_blocks, nsa=model_cfg.nsa))
+  logits, _ = fn(tokens[:, :-1], needle_eval.key_positions(tokens[:, :-1], 32))
+  assert grid["cells"][0]["digit_acc"] == pytest.approx(
+      needle_eval.digit_hits(np.asarray(logits), tokens).mean())
+  res = subprocess.run(base + ["--force_key_layers=0"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+  assert res.returncode != 0
+  assert "key 0, which is not an NSA layer of this model. Fix: use layer indices among [1]" in (
+      res.stderr)
+  # with free slots (n = 5 of 16 blocks at 512 tokens), forcing holds the key everywhere
+  c = tiny_config()
+  c.model.nsa.num_selected, c.model.max_seq_len = 5, 512
+  cfg = model_config_from(c.model)
+  model = TransformerLM(cfg, rngs=nnx.Rngs(SEED % 1000))
+  plain = needle_eval.block_grid(trained_model.jit_logits_and_blocks(model), cfg.nsa, [512],
+                                 [0.25, 0.5], 4, SEED)
+  forced = trained_model.jit_logits_and_blocks(model, [1], functools.partial(
+      needle_eval.force_key_blocks, nsa=cfg.nsa))
+  grid = needle_eval.block_grid(
+      lambda x: forced(x, needle_eval.key_positions(np.asarray(x), cfg.nsa.sel_block)), cfg.nsa,
+      [512], [0.25, 0.5], 4, SEED)
+  assert [c["coverage_by_layer"] for c in grid["cells"]] == [[1.0], [1.0]]
+  assert grid["held_vs_correct"]["missed_right"] + grid["held_vs_correct"]["missed_wrong"] == 0
+  assert any(c["coverage_by_layer"][0] < 1 for c in plain["cells"]), (
+      f"the random model held every key anyway (seed {SEED}): the check above proves nothing")
 
 
 def test_needle_digit_reach_records_and_held_vs_correct():

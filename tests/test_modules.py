@@ -102,6 +102,59 @@ def test_layer_aux_q_and_selection_keys_rebuild_the_selection_branch():
       np.testing.assert_allclose(got, want[t, h], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("selector", ["nsa", "quest"])
+def test_select_edit_replaces_the_layers_own_choice(selector):
+  """NSAAttention's select_edit (an intervention): the identity edit changes nothing; an edit's
+  blocks are the ones the selection branch reads (its output equals the reference selection
+  attention on those blocks, and aux reports them); the parameters still get finite gradients."""
+  cfg = small_nsa(sel_block=8, num_selected=3, selector=selector)
+  layer = NSAAttention(16, cfg, rngs=nnx.Rngs(4))
+  x = jax.random.normal(fresh_key(17), (2, 40, 16))
+  y0, aux0 = layer(x, implementation="reference", return_aux=True)
+  y1, aux1 = layer(x, implementation="reference", return_aux=True, select_edit=lambda i: i)
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+  np.testing.assert_array_equal(np.asarray(aux1["block_idx"]), np.asarray(aux0["block_idx"]))
+  # an edit: every query after block 2 also reads block 1 instead of its lowest non-forced block
+  # (any valid ascending list will do: the op must read exactly what the edit wrote)
+  t = jnp.arange(40)[None, :, None, None]
+  moved = jnp.where((t >= 24) & (aux0["block_idx"] == jnp.min(jnp.where(
+      aux0["block_idx"] > 0, aux0["block_idx"], 99), -1, keepdims=True)), 1, aux0["block_idx"])
+  edit = lambda i: jnp.sort(jnp.where(i >= 0, moved, -1), -1)  # noqa: E731
+  want_idx = np.asarray(edit(aux0["block_idx"]))
+  assert (want_idx != np.asarray(aux0["block_idx"])).any(), "the edit must change some list"
+  for impl in ("reference", "xla"):
+    y2, aux2 = layer(x, implementation=impl, return_aux=True, select_edit=edit)
+    np.testing.assert_array_equal(np.asarray(aux2["block_idx"]), want_idx)
+    v_slc = layer._project(x.astype(layer.dtype))[2]["slc"][1]
+    want, _ = reference.select_attention(aux2["q"], aux2["k_slc"], v_slc, jnp.asarray(want_idx),
+                                         cfg.sel_block)
+    np.testing.assert_allclose(np.asarray(aux2["outputs"]["slc"]), np.asarray(want), rtol=1e-5,
+                               atol=1e-5, err_msg=impl)
+  assert not np.allclose(np.asarray(y2), np.asarray(y0)), "the edited blocks changed nothing"
+  g = jax.grad(lambda m: jnp.sum(m(x, implementation="xla", select_edit=edit) ** 2))(layer)
+  leaves = jax.tree.leaves(nnx.state(g, nnx.Param))
+  assert leaves and all(np.isfinite(np.asarray(v)).all() for v in leaves)
+
+
+def test_select_edits_are_refused_where_they_cannot_apply():
+  cfg = tiny_model_cfg("nsa", layer_attention=("dense", "nsa"))
+  model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.zeros((1, 32), jnp.int32)
+  ident = lambda i: i  # noqa: E731
+  # (against return_aux's logits: both walk the layers in the Python loop, so bitwise equal)
+  np.testing.assert_array_equal(np.asarray(model(tokens, select_edits={1: ident})),
+                                np.asarray(model(tokens, return_aux=True)[0]))
+  with pytest.raises(ValueError, match=r"key 0, which is not an NSA layer.*among \[1\]"):
+    model(tokens, select_edits={0: ident})
+  with pytest.raises(ValueError, match="key 2, which is not an NSA layer"):
+    model(tokens, select_edits={2: ident})
+  with pytest.raises(ValueError, match="does not combine with return_selector_loss"):
+    model(tokens, select_edits={1: ident}, return_selector_loss=True)
+  layer = NSAAttention(16, small_nsa(branches=("cmp", "win")), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="no selection branch"):
+    layer(jnp.zeros((1, 16, 16)), select_edit=ident)
+
+
 def test_dense_layer_aux_q_and_k_rebuild_its_output():
   """The q and k a dense layer's aux carries are the ones it attends with (causal softmax)."""
   layer = DenseAttention(16, 4, 2, 8, 6, rngs=nnx.Rngs(4))
