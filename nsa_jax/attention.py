@@ -184,7 +184,8 @@ class NSAAttention(nnx.Module):
     select_edit (interventions, e.g. experiments/needle_eval.py --force_key_layers): a function
     block_idx [B, T, K, n] -> block_idx [B, T, K, n] applied to the layer's own selection before
     the selection branch reads it (ascending, -1 in empty slots, as the selector writes them).
-    The op then runs twice, once to get the selection; gradients do not flow into the indices."""
+    Except with selector="aux" (whose gate's blocks are edited directly) the op runs once more
+    to read the layer's choice, unsharded (return_aux): an evaluation tool, not a training one."""
     cfg = self.cfg
     check_layer_inputs("NSAAttention", x, self.d_model, segment_ids, positions)
     if select_edit is not None and "slc" not in cfg.branches:
@@ -217,7 +218,12 @@ class NSAAttention(nnx.Module):
         if block_idx is None:  # the layer's own choice: one run of the op to read it
           block_idx = ops.nsa_attention(*args, **kw, return_aux=True, block_idx=None)[1][
               "block_idx"]
-        block_idx = select_edit(jax.lax.stop_gradient(block_idx))
+        edited = select_edit(block_idx)
+        if getattr(edited, "shape", None) != block_idx.shape:
+          raise ValueError(f"select_edit returned {getattr(edited, 'shape', type(edited))}, "
+                           f"expected the selection's shape {block_idx.shape} [B, T, K, n]. Fix: "
+                           "return an edited copy of the block_idx it is given.")
+        block_idx = edited
       out = ops.nsa_attention(*args, **kw, return_aux=return_aux, block_idx=block_idx)
     o, aux = out if return_aux else (out, None)
     with jax.named_scope("nsa_out"):

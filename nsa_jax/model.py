@@ -212,8 +212,9 @@ class TransformerLM(nnx.Module):
       x = constrain_rows(self.embed_tokens(tokens))
     auxes, sel_losses = [], []
     edits = select_edits or {}
-    run = lambda blk, y, edit=None: blk(y, segment_ids, positions,
-                                         return_selector_loss=return_selector_loss, select_edit=edit)
+    # the edit is bound here, not passed: jax.checkpoint (remat) takes array arguments only
+    layer_fn = lambda edit: lambda blk, y: blk(  # noqa: E731
+        y, segment_ids, positions, return_selector_loss=return_selector_loss, select_edit=edit)
     # return_aux (visualisation) and select_edits (interventions) walk the layers one by one
     scan = (self.cfg.layer_loop != "python" and not (return_aux and not return_selector_loss)
             and not edits)
@@ -224,8 +225,8 @@ class TransformerLM(nnx.Module):
         x, aux = block(x, segment_ids, positions, return_aux=True, select_edit=edits.get(i))
         auxes.append(aux)
         continue
-      out = (nnx.remat(run)(block, x, edits.get(i)) if self.cfg.remat
-             else run(block, x, edits.get(i)))
+      run = layer_fn(edits.get(i))
+      out = nnx.remat(run)(block, x) if self.cfg.remat else run(block, x)
       if return_selector_loss:
         x, sel = out
         if sel is not None:

@@ -350,10 +350,12 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
       > "$R/needle_blocks_gpu_$ntag.log" 2>&1 || echo "needle_eval --mode=blocks failed or timed out (log: needle_blocks_gpu_$ntag.log)"
     grep -h "digits only a chosen block" "$R/needle_blocks_gpu_$ntag.log" || true
   fi
-  if [ -n "${PK_FORCE:-}" ] && [ -n "$bwd" ]; then  # the intervention (e.g. PK_FORCE=3 or 2,3)
-    local ftag=${ntag}_force${PK_FORCE//,/}
+  if [ -n "${PK_FORCE:-}" ] && [ -z "$bwd" ]; then
+    echo "PK_FORCE=$PK_FORCE not run: it forces blocks into an NSA model, and PK_RUNS has no nsa"
+  elif [ -n "${PK_FORCE:-}" ]; then  # the intervention (e.g. PK_FORCE=3 or 2,3)
+    local ftag=${ntag}_force${PK_FORCE//,/_}
     CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 -m experiments.needle_eval --mode=blocks \
-      --force_key_layers=$PK_FORCE --workdirs=$bwd --labels=${blabel}_force${PK_FORCE//,/} \
+      --force_key_layers=$PK_FORCE --workdirs=$bwd --labels=${blabel}_force${PK_FORCE//,/_} \
       --lengths=2048,4096 --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 \
       --out=$R/needle_blocks_gpu_$ftag.json > "$R/needle_blocks_gpu_$ftag.log" 2>&1 \
       || echo "needle_eval --force_key_layers failed or timed out (log: needle_blocks_gpu_$ftag.log)"

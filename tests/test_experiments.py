@@ -868,15 +868,18 @@ def test_needle_blocks_with_the_key_forced_in(trained, tmp_path):
   assert "layers [1] hold the key's blocks at the answer queries (forced)" in res.stdout
   grid = json.load(open(out))["m"]
   assert grid["force_key_layers"] == [1]
-  # the tiny run's n = 3 slots are all forced (1 initial + 2 local): nothing to displace, so its
-  # answers equal the unedited model's, recomputed here through the same edit
+  # the tiny run's n = 3 slots are all forced (1 initial + 2 local): nothing to displace, so the
+  # forced run's answers and selections are the unedited model's
   model, _, model_cfg = trained_model.load_model(workdir, max_seq_len=192)
   tokens = needle_eval.passkey_batch(192, 0, 0.5, 2, 1234)
-  fn = trained_model.jit_logits_and_blocks(model, [1], functools.partial(
-      needle_eval.force_key_blocks, nsa=model_cfg.nsa))
-  logits, _ = fn(tokens[:, :-1], needle_eval.key_positions(tokens[:, :-1], 32))
+  logits, auxes = trained_model.jit_logits_and_blocks(model)(tokens[:, :-1])
   assert grid["cells"][0]["digit_acc"] == pytest.approx(
       needle_eval.digit_hits(np.asarray(logits), tokens).mean())
+  fn = trained_model.jit_logits_and_blocks(model, [1], functools.partial(
+      needle_eval.force_key_blocks, nsa=model_cfg.nsa))
+  _, forced_auxes = fn(tokens[:, :-1], needle_eval.key_positions(tokens[:, :-1], 32))
+  np.testing.assert_array_equal(np.asarray(forced_auxes[1]["block_idx"]),
+                                np.asarray(auxes[1]["block_idx"]))
   res = subprocess.run(base + ["--force_key_layers=0"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
   assert res.returncode != 0

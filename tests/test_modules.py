@@ -114,8 +114,8 @@ def test_select_edit_replaces_the_layers_own_choice(selector):
   y1, aux1 = layer(x, implementation="reference", return_aux=True, select_edit=lambda i: i)
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
   np.testing.assert_array_equal(np.asarray(aux1["block_idx"]), np.asarray(aux0["block_idx"]))
-  # an edit: every query after block 2 also reads block 1 instead of its lowest non-forced block
-  # (any valid ascending list will do: the op must read exactly what the edit wrote)
+  # an edit: from query 24 on, the lowest-numbered block above 0 becomes block 1 (any valid list
+  # will do: the op must read exactly what the edit wrote)
   t = jnp.arange(40)[None, :, None, None]
   moved = jnp.where((t >= 24) & (aux0["block_idx"] == jnp.min(jnp.where(
       aux0["block_idx"] > 0, aux0["block_idx"], 99), -1, keepdims=True)), 1, aux0["block_idx"])
@@ -150,6 +150,13 @@ def test_select_edits_are_refused_where_they_cannot_apply():
     model(tokens, select_edits={2: ident})
   with pytest.raises(ValueError, match="does not combine with return_selector_loss"):
     model(tokens, select_edits={1: ident}, return_selector_loss=True)
+  with pytest.raises(ValueError, match=r"select_edit returned \(1, 32\).*Fix: return an edited"):
+    model(tokens, select_edits={1: lambda i: i[..., 0, 0]})
+  # with remat the edit is bound, not passed to jax.checkpoint as an argument (it is no array)
+  remat = TransformerLM(tiny_model_cfg("nsa", layer_attention=("dense", "nsa"), remat=True),
+                        rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(np.asarray(remat(tokens, select_edits={1: ident})),
+                                np.asarray(remat(tokens, return_aux=True)[0]))
   layer = NSAAttention(16, small_nsa(branches=("cmp", "win")), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="no selection branch"):
     layer(jnp.zeros((1, 16, 16)), select_edit=ident)
