@@ -259,6 +259,8 @@ def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int,
   (input length - 5 + i), with the digit's own position in the fact as the target:
     reach   position_reach of that digit;
     held    some layer's selection (any KV group) holds the digit's block (held_by_layer: each);
+    groups  per layer, the share of its KV groups whose selection holds it (a head reads only
+            its own group's blocks: with several groups, "held" can hide the copying head's miss);
     gate    each layer's selection-branch gate there, head mean (slc_gate_by_layer [T, H]);
     mass    each layer's largest head softmax mass on the digit inside its selected blocks
             (qk_by_layer: (q [T, H, d_k], selection keys [T, K, d_k]) after RoPE).
@@ -272,6 +274,8 @@ def example_record(block_idx_by_layer: list[np.ndarray], cut: int, length: int,
     held = [bool(np.any(idx[t] == pos // nsa.sel_block)) for idx in block_idx_by_layer]
     digits.append(dict(
         right=bool(digits_right[i]), held=any(held), held_by_layer=held,
+        groups_by_layer=[float(np.mean(np.any(idx[t] == pos // nsa.sel_block, axis=-1)))
+                         for idx in block_idx_by_layer],
         reach=position_reach(pos, t, nsa.sel_block, nsa.window if "win" in nsa.branches else 0,
                              nsa.num_init_blocks, nsa.num_local_blocks, nsa.num_selected),
         gate_by_layer=[float(np.mean(g[t])) for g in (slc_gate_by_layer or [])],
@@ -288,8 +292,9 @@ def held_vs_correct(records: list[dict]) -> dict:
   digit is predicted right when the selection held its block (in some layer) and when it did not,
   and per layer, over the digits whose block that layer held, the mean selection gate and the
   mean largest head mass on the digit, for right against wrong digits (None for a layer that held
-  none). Separates a selector that misses the key from attention (or what follows it) that fails
-  after finding it."""
+  none), and over all of them the mean share of each layer's KV groups holding the digit's block
+  (groups_right / groups_wrong_by_layer). Separates a selector that misses the key from attention
+  (or what follows it) that fails after finding it."""
   sel = [d for r in records for d in r["digits"] if d["reach"] == "selection"]
   count = lambda held, ok: sum(d["held"] == held and d["right"] == ok for d in sel)
   out = {"digits": len(sel), "held_right": count(True, True), "held_wrong": count(True, False),
@@ -307,6 +312,10 @@ def held_vs_correct(records: list[dict]) -> dict:
                                                                    out["held_wrong_by_layer"])]
   out["p_right_if_missed_by_layer"] = [share(n_right - r, n_wrong - w) for r, w in
                                        zip(out["held_right_by_layer"], out["held_wrong_by_layer"])]
+  for ok in (True, False):  # per layer, the mean share of KV groups holding the digit's block
+    v = [d["groups_by_layer"] for d in sel if d["right"] == ok]
+    out[f"groups_{'right' if ok else 'wrong'}_by_layer"] = (
+        [round(float(x), 4) for x in np.mean(v, axis=0)] if v else None)
   for what in ("gate", "mass"):
     for ok in (True, False):
       layers = max((len(d[f"{what}_by_layer"]) for d in sel), default=0)
@@ -658,7 +667,9 @@ def main(argv):
             f"by layer: selection gate right {hv['slc_gate_held_right']} / wrong "
             f"{hv['slc_gate_held_wrong']}, largest head mass on the digit right "
             f"{hv['slc_mass_held_right']} / wrong {hv['slc_mass_held_wrong']}, over right "
-            f"{hv['held_right_by_layer']} / wrong {hv['held_wrong_by_layer']} digits; share "
+            f"{hv['held_right_by_layer']} / wrong {hv['held_wrong_by_layer']} digits; share of "
+            f"KV groups holding the block by layer: right {hv['groups_right_by_layer']} / wrong "
+            f"{hv['groups_wrong_by_layer']}; share "
             "right by layer where that layer held / missed the block: "
             + ", ".join(f"L{j} {_pct(a)} / {_pct(b)}" for j, (a, b) in enumerate(zip(
                 hv["p_right_if_held_by_layer"], hv["p_right_if_missed_by_layer"]))))

@@ -956,6 +956,12 @@ def test_needle_digit_reach_records_and_held_vs_correct():
   assert rec_c["key_blocks"] == [3, 4]
   assert [x["held"] for x in rec_c["digits"]] == [True, True, True, False, False]
   assert rec_c["coverage_by_layer"] == [0.0]  # no query holds both
+  # two KV groups, only one holding: "held", but by half of the groups
+  idx_m = np.full((length, 2, 3), -1, np.int32)
+  idx_m[219, 0] = [0, 3, 4]
+  rec_m = needle_eval.example_record([idx_m], 100, length, right, nsa)
+  assert rec_m["digits"][0]["held"] and rec_m["digits"][0]["groups_by_layer"] == [0.5]
+  assert rec_m["digits"][1]["groups_by_layer"] == [0.0]
   near = needle_eval.example_record([idx_a], 190, length, np.zeros(5, bool), nsa)  # 206-210
   assert {x["reach"] for x in near["digits"]} == {"window"}
   hv = needle_eval.held_vs_correct([rec, near])
@@ -966,6 +972,8 @@ def test_needle_digit_reach_records_and_held_vs_correct():
                 # 2 right + 1 wrong and missed 1 right + 1 wrong
                 "p_right_if_held_by_layer": [None, 2 / 3],
                 "p_right_if_missed_by_layer": [3 / 5, 1 / 2],
+                # one KV group: the share of groups holding is "held" as 0 / 1, averaged
+                "groups_right_by_layer": [0.0, 0.6667], "groups_wrong_by_layer": [0.0, 0.5],
                 # per layer, only the digits whose block that layer held (layer 0: none)
                 "slc_gate_held_right": [None, 0.0625], "slc_gate_held_wrong": [None, 0.0],
                 "slc_mass_held_right": [None, 1.0], "slc_mass_held_wrong": [None,
