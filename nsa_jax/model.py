@@ -42,20 +42,19 @@ class Block(nnx.Module):
     if select_edit is not None and self.kind != "nsa":
       raise ValueError("select_edit was given for a dense layer, which selects no blocks. Fix: "
                        "give it only for NSA layers.")
+    edit = {} if select_edit is None else {"select_edit": select_edit}  # NSA layers only (above)
     if self.kind == "nsa" and (return_aux or return_selector_loss):
       y, *extra = self.attn(h, segment_ids=segment_ids, positions=positions,
                             return_aux=return_aux, return_selector_loss=return_selector_loss,
-                            select_edit=select_edit)
+                            **edit)
       if return_aux:
         aux = {k: extra[0][k] for k in ("block_idx", "gates", "q", "k_slc") if k in extra[0]}
       if return_selector_loss:
         sel = extra[-1]
     elif return_aux:  # a dense layer: its q and k after RoPE (diagnostics)
       y, aux = self.attn(h, segment_ids=segment_ids, positions=positions, return_aux=True)
-    elif select_edit is not None:
-      y = self.attn(h, segment_ids=segment_ids, positions=positions, select_edit=select_edit)
     else:
-      y = self.attn(h, segment_ids=segment_ids, positions=positions)
+      y = self.attn(h, segment_ids=segment_ids, positions=positions, **edit)
     x = constrain_rows(x + y)
     with jax.named_scope("mlp"):
       x = constrain_rows(x + self.mlp(self.mlp_norm(x)))

@@ -343,23 +343,22 @@ passkey2() {  # PK_LEN1 (default 1024): the first stage's length; tokens per ste
     if [ -n "$steps3" ] && [ -d "$d/nsa_s3/checkpoints" ]; then bwd=$d/nsa_s3 blabel=nsa_s3
     else bwd=$d/nsa blabel=nsa; fi
   fi
+  _pk_blocks() {  # _pk_blocks <file tag> <label> <lines to show> [needle_eval flags]: capped at 150 s
+    local f=needle_blocks_gpu_$1 label=$2 show=$3; shift 3
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 -m experiments.needle_eval --mode=blocks "$@" \
+      --workdirs=$bwd --labels=$label --lengths=2048,4096 \
+      --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/$f.json \
+      > "$R/$f.log" 2>&1 || echo "needle_eval --mode=blocks $* failed or timed out (log: $f.log)"
+    grep -h "$show" "$R/$f.log" || true
+  }
   if [ "${PK_BLOCKS:-1}" != 0 ] && [ -n "$bwd" ]; then
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 -m experiments.needle_eval --mode=blocks \
-      --workdirs=$bwd --labels=$blabel --lengths=2048,4096 \
-      --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 --out=$R/needle_blocks_gpu_$ntag.json \
-      > "$R/needle_blocks_gpu_$ntag.log" 2>&1 || echo "needle_eval --mode=blocks failed or timed out (log: needle_blocks_gpu_$ntag.log)"
-    grep -h "digits only a chosen block" "$R/needle_blocks_gpu_$ntag.log" || true
+    _pk_blocks "$ntag" "$blabel" "digits only a chosen block"
   fi
   if [ -n "${PK_FORCE:-}" ] && [ -z "$bwd" ]; then
     echo "PK_FORCE=$PK_FORCE not run: it forces blocks into an NSA model, and PK_RUNS has no nsa"
   elif [ -n "${PK_FORCE:-}" ]; then  # the intervention (e.g. PK_FORCE=3 or 2,3)
-    local ftag=${ntag}_force${PK_FORCE//,/_}
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 -m experiments.needle_eval --mode=blocks \
-      --force_key_layers=$PK_FORCE --workdirs=$bwd --labels=${blabel}_force${PK_FORCE//,/_} \
-      --lengths=2048,4096 --depths=${PK_DEPTHS:-0,0.25,0.5,0.75,1} --samples=16 \
-      --out=$R/needle_blocks_gpu_$ftag.json > "$R/needle_blocks_gpu_$ftag.log" 2>&1 \
-      || echo "needle_eval --force_key_layers failed or timed out (log: needle_blocks_gpu_$ftag.log)"
-    grep -h "^ *[0-9]* [0-9.]*: exact\|digits only a chosen block" "$R/needle_blocks_gpu_$ftag.log" || true
+    _pk_blocks "${ntag}_force${PK_FORCE//,/_}" "${blabel}_force${PK_FORCE//,/_}" \
+      "^ *[0-9]* [0-9.]*: exact\|digits only a chosen block" --force_key_layers="$PK_FORCE"
   fi
 }
 
