@@ -31,6 +31,8 @@ def get_base_config() -> ConfigDict:
   c.model.tie_embeddings = False   # share the input embedding with the output projection
   c.model.remat = False            # recompute each block in the backward pass (saves memory)
   c.model.layer_loop = "unrolled"  # trace one layer, unroll it (start-up); "scan" | "python"
+  # NOT the paper: later NSA layers reuse this NSA layer's block selection (None = each selects)
+  c.model.selection_from_layer = placeholder(int)
 
   # --- model.nsa: fields of nsa_jax.NSAConfig (head counts come from model.*) ----------------
   c.model.nsa = ConfigDict()

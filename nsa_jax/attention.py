@@ -176,21 +176,29 @@ class NSAAttention(nnx.Module):
     return jax.nn.sigmoid(logits.astype(jnp.float32))
 
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None,
-               return_aux=False, return_selector_loss=False, select_edit=None):
+               return_aux=False, return_selector_loss=False, select_edit=None, block_idx=None):
     """y [B, T, d_model]; with return_aux also a dict (block_idx, gates, ...); with
     return_selector_loss also the "aux" selector's loss per token [B, T] (zeros for the other
     selectors): y, aux, loss in that order, each present only when asked.
 
+    block_idx: [B, T, K, n] blocks chosen outside the layer (ascending, -1 in empty slots), read
+    by the selection branch instead of the layer's own choice, e.g. an earlier layer's selection
+    (ModelConfig.selection_from_layer; not the paper). Not with selector="aux".
+
     select_edit (interventions, e.g. experiments/needle_eval.py --force_key_layers): a function
-    block_idx [B, T, K, n] -> block_idx [B, T, K, n] applied to the layer's own selection before
-    the selection branch reads it (ascending, -1 in empty slots, as the selector writes them).
-    Except with selector="aux" (whose gate's blocks are edited directly) the op runs once more
-    to read the layer's choice, unsharded (return_aux): an evaluation tool, not a training one."""
+    block_idx [B, T, K, n] -> block_idx [B, T, K, n] applied to the layer's selection (its own,
+    or the block_idx given) before the selection branch reads it (ascending, -1 in empty slots,
+    as the selector writes them). Unless blocks are given (block_idx, or selector="aux"'s gate)
+    the op runs once more to read the layer's choice: an evaluation tool, not a training one."""
     cfg = self.cfg
     check_layer_inputs("NSAAttention", x, self.d_model, segment_ids, positions)
-    if select_edit is not None and "slc" not in cfg.branches:
-      raise ValueError(f"select_edit was given but branches={cfg.branches!r} has no selection "
-                       "branch. Fix: drop select_edit for this layer.")
+    for name, given in (("select_edit", select_edit), ("block_idx", block_idx)):
+      if given is not None and "slc" not in cfg.branches:
+        raise ValueError(f"{name} was given but branches={cfg.branches!r} has no selection "
+                         f"branch. Fix: drop {name} for this layer.")
+    if block_idx is not None and cfg.selector == "aux":
+      raise ValueError("block_idx was given to a layer with selector='aux', whose own gate "
+                       "chooses its blocks. Fix: use selector='nsa' or 'quest', or drop block_idx.")
     b, t, _ = x.shape
     x = x.astype(self.dtype)
     if positions is None:
@@ -205,7 +213,7 @@ class NSAAttention(nnx.Module):
       (k_s, v_s), (k_w, v_w) = kv["slc"], kv["win"]
       k_s = apply_rope(k_s, positions, self.rope_theta)
       k_w = k_s if cfg.shared_kv else apply_rope(k_w, positions, self.rope_theta)
-    block_idx, sel_loss = None, jnp.zeros((b, t), jnp.float32)
+    sel_loss = jnp.zeros((b, t), jnp.float32)
     if cfg.selector == "aux" and "slc" in cfg.branches:
       block_idx, sel_loss = aux_selector.select(q, k_s, self.aux_wq[...], self.aux_wk[...], cfg,
                                                 segment_ids)

@@ -204,6 +204,14 @@ class ModelConfig:
       Measured on one H200 (benchmarks/results/compile_time_h200.md, docs/TRAINING.md,
       "Start-up"): NSA's 8k step traced + lowered in 4.8 s instead of 28-32 s and compiled in
       30 s instead of 49-60 s, at the same step time.
+    selection_from_layer: None (the paper's NSA: every NSA layer selects its own blocks from its
+      own compression scores), or the index L of an NSA layer whose block selection every later
+      NSA layer reuses instead of selecting its own (cross-layer sharing, NOT in the paper; a
+      research option for the needle diagnosis in docs/RESULTS.md §5: there the last layer's own
+      selection missed the key while layer 1's held it). The later layers still run their
+      compression branch (its output is gated in) but skip their top-n. The layers then run in a
+      Python loop (the selection is carried from layer to layer). Not with selector="aux" (each
+      layer's gate is trained on its own attention) and not in cached decoding (not written).
   """
 
   vocab_size: int = 256
@@ -226,6 +234,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   remat: bool = False
   layer_loop: Literal["unrolled", "scan", "python"] = "unrolled"
+  selection_from_layer: int | None = None
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -247,10 +256,31 @@ class ModelConfig:
         _check_choice("layer_attention", kind, ATTENTION_KINDS)
     for f in ("dtype", "param_dtype"):
       _check_choice(f, getattr(self, f), ("float32", "bfloat16", "float16"))
+    self._check_selection_from_layer()
     # One source of truth for head layout: the NSA config follows the model's.
     object.__setattr__(self, "nsa", dataclasses.replace(
         self.nsa, num_heads=self.n_heads, num_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
         head_dim_v=self.head_dim_v))
+
+  def _check_selection_from_layer(self):
+    src = self.selection_from_layer
+    if src is None:
+      return
+    kinds = self.attention_kinds
+    nsa = [i for i, k in enumerate(kinds) if k == "nsa"]
+    if isinstance(src, bool) or not isinstance(src, int) or src not in nsa:
+      _fail("selection_from_layer", src, f"is not the index of an NSA layer (NSA layers: {nsa})",
+            "give an NSA layer's index, or None for the paper's per-layer selection")
+    if not any(i > src for i in nsa):
+      _fail("selection_from_layer", src, "has no later NSA layer to reuse its selection",
+            f"give an earlier NSA layer (among {nsa[:-1]}) or None")
+    if "slc" not in self.nsa.branches:
+      _fail("selection_from_layer", src, f"needs the selection branch (nsa.branches="
+            f"{self.nsa.branches!r})", "set it to None or add 'slc' to nsa.branches")
+    if self.nsa.selector == "aux":
+      _fail("selection_from_layer", src, "does not combine with nsa.selector='aux' (each "
+            "layer's gate is trained against that layer's own attention)",
+            "set it to None or use selector='nsa' / 'quest'")
 
   @property
   def attention_kinds(self) -> tuple[str, ...]:

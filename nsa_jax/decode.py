@@ -111,6 +111,11 @@ def init_cache(model, batch: int, max_len: int, dtype=None) -> DecodeCache:
     raise ValueError(f"max_len={max_len} must be in [1, model max_seq_len="
                      f"{model.cfg.max_seq_len}]. Fix: lower max_len or build the model with a "
                      "larger max_seq_len.")
+  if model.cfg.selection_from_layer is not None:
+    raise ValueError(f"model.selection_from_layer={model.cfg.selection_from_layer}: cached "
+                     "decoding of layers that reuse another layer's selection is not written (the "
+                     "decode step selects per layer). Fix: score such a model with the parallel "
+                     "forward pass (model(tokens)), or train with selection_from_layer=None.")
   layers = []
   for block in model.blocks:
     attn = block.attn

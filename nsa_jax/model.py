@@ -3,6 +3,8 @@ layer, chosen by `ModelConfig.attention` / `layer_attention`."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,21 +34,23 @@ class Block(nnx.Module):
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, dtype=dt, param_dtype=pdt, rngs=rngs)
 
   def __call__(self, x, segment_ids=None, positions=None, return_aux=False,
-               return_selector_loss=False, select_edit=None):
-    """x -> x, or (x, aux) with return_aux, or (x, selector loss [B, T] / None for a dense
-    layer) with return_selector_loss (training with selector="aux"). select_edit: an NSA layer's
-    intervention on its selection (NSAAttention)."""
+               return_selector_loss=False, select_edit=None, block_idx=None):
+    """x -> x; with return_aux also aux (a dict), with return_selector_loss also the selector
+    loss [B, T] (training with selector="aux"; None for a dense layer): x, aux, loss in that
+    order, each present only when asked. select_edit / block_idx: an NSA layer's intervention
+    on its selection / blocks chosen elsewhere (NSAAttention)."""
     with jax.named_scope("attn_norm"):
       h = self.attn_norm(x)
     aux = sel = None
-    if select_edit is not None and self.kind != "nsa":
-      raise ValueError("select_edit was given for a dense layer, which selects no blocks. Fix: "
-                       "give it only for NSA layers.")
-    edit = {} if select_edit is None else {"select_edit": select_edit}  # NSA layers only (above)
+    sel_kw = {n: v for n, v in (("select_edit", select_edit), ("block_idx", block_idx))
+              if v is not None}
+    if sel_kw and self.kind != "nsa":
+      raise ValueError(f"{' and '.join(sel_kw)} was given for a dense layer, which selects no "
+                       "blocks. Fix: give it only for NSA layers.")
     if self.kind == "nsa" and (return_aux or return_selector_loss):
       y, *extra = self.attn(h, segment_ids=segment_ids, positions=positions,
                             return_aux=return_aux, return_selector_loss=return_selector_loss,
-                            **edit)
+                            **sel_kw)
       if return_aux:
         aux = {k: extra[0][k] for k in ("block_idx", "gates", "q", "k_slc") if k in extra[0]}
       if return_selector_loss:
@@ -54,13 +58,12 @@ class Block(nnx.Module):
     elif return_aux:  # a dense layer: its q and k after RoPE (diagnostics)
       y, aux = self.attn(h, segment_ids=segment_ids, positions=positions, return_aux=True)
     else:
-      y = self.attn(h, segment_ids=segment_ids, positions=positions, **edit)
+      y = self.attn(h, segment_ids=segment_ids, positions=positions, **sel_kw)
     x = constrain_rows(x + y)
     with jax.named_scope("mlp"):
       x = constrain_rows(x + self.mlp(self.mlp_norm(x)))
-    if return_selector_loss:
-      return x, sel
-    return (x, aux) if return_aux else x
+    out = (x,) + ((aux,) if return_aux else ()) + ((sel,) if return_selector_loss else ())
+    return out if len(out) > 1 else x
 
 
 def check_token_ids(tokens, vocab_size: int):
@@ -120,6 +123,12 @@ class TransformerLM(nnx.Module):
     if not isinstance(cfg, ModelConfig):
       raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     self.cfg = cfg
+    if cfg.selection_from_layer is not None:  # a variant: say so in every run's log
+      src = cfg.selection_from_layer
+      later = [i for i, k in enumerate(cfg.attention_kinds) if k == "nsa" and i > src]
+      logging.getLogger("nsa_jax").info(
+          f"selection_from_layer={src}: NSA layers {later} reuse layer {src}'s block selection "
+          "(cross-layer sharing, not the paper's per-layer selection)")
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     with sharding_scope():
       self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
@@ -211,27 +220,42 @@ class TransformerLM(nnx.Module):
       x = constrain_rows(self.embed_tokens(tokens))
     auxes, sel_losses = [], []
     edits = select_edits or {}
-    # the edit is bound here, not passed: jax.checkpoint (remat) takes array arguments only
-    layer_fn = lambda edit: lambda blk, y: blk(  # noqa: E731
-        y, segment_ids, positions, return_selector_loss=return_selector_loss, select_edit=edit)
-    # return_aux (visualisation) and select_edits (interventions) walk the layers one by one
-    scan = (self.cfg.layer_loop != "python" and not (return_aux and not return_selector_loss)
-            and not edits)
+    want_aux = return_aux and not return_selector_loss
+    source = self.cfg.selection_from_layer  # later NSA layers reuse this layer's selection
+
+    def layer_fn(i):
+      """block, x, blocks chosen elsewhere (or None) -> (x, aux or None, this layer's
+      selection when later layers reuse it or None, selector loss or None). The edit is bound
+      here, not passed: jax.checkpoint (remat) takes array arguments only."""
+      with_aux = want_aux or i == source
+
+      def run(blk, y, idx):
+        out = blk(y, segment_ids, positions, return_aux=with_aux,
+                  return_selector_loss=return_selector_loss, select_edit=edits.get(i),
+                  block_idx=idx)
+        y, *rest = out if (with_aux or return_selector_loss) else (out,)
+        aux = rest.pop(0) if with_aux else None
+        return (y, aux if want_aux else None, aux["block_idx"] if i == source else None,
+                rest[0] if return_selector_loss else None)
+      return run
+
+    # return_aux (visualisation), select_edits (interventions) and selection_from_layer (the
+    # selection carried from layer to layer) walk the layers one by one
+    scan = (self.cfg.layer_loop != "python" and not want_aux and not edits and source is None)
     if scan:
       x, sel_losses = self._scan_blocks(x, segment_ids, positions, return_selector_loss)
+    shared = None
     for i, block in enumerate(() if scan else self.blocks):
-      if return_aux and not return_selector_loss:
-        x, aux = block(x, segment_ids, positions, return_aux=True, select_edit=edits.get(i))
+      given = shared if source is not None and i > source and block.kind == "nsa" else None
+      run = layer_fn(i)
+      x, aux, idx, sel = (nnx.remat(run)(block, x, given) if self.cfg.remat and not want_aux
+                          else run(block, x, given))
+      if want_aux:
         auxes.append(aux)
-        continue
-      run = layer_fn(edits.get(i))
-      out = nnx.remat(run)(block, x) if self.cfg.remat else run(block, x)
-      if return_selector_loss:
-        x, sel = out
-        if sel is not None:
-          sel_losses.append(sel)
-      else:
-        x = out
+      if idx is not None:
+        shared = idx
+      if sel is not None:
+        sel_losses.append(sel)
     with jax.named_scope("lm_head"):
       x = self.final_norm(x)
       if self.cfg.tie_embeddings:

@@ -412,14 +412,16 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
   return mesh, (bax or None), hax
 
 
-def _sharded(fn, layout, n4d: int, has_seg: bool, what: str):
-  """fn(*n4d arrays [B, ., heads, .], seg?) run per device under shard_map."""
+def _sharded(fn, layout, n4d: int, has_seg: bool, what: str, n_out: int = 1):
+  """fn(*n4d arrays [B, ., heads, .], seg?) run per device under shard_map; its output, or each
+  of its n_out outputs (pytrees), is made of [B, ., heads, .] arrays."""
   mesh, bax, hax = layout
   spec4 = P(bax, None, hax, None)
   in_specs = (spec4,) * n4d + ((P(bax, None),) if has_seg else ())
   log_once(logging.INFO, f"{what}: per-device under shard_map, batch over {bax}, heads over {hax}"
            f" (mesh {dict(mesh.shape)})")
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec4, check_vma=False)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                       out_specs=spec4 if n_out == 1 else (spec4,) * n_out, check_vma=False)
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
@@ -432,7 +434,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
     (the selection's backend picked per shape from H200 measurements, select_attention.auto_backend),
     "pallas-triton" (Triton kernels only), "pallas-mosaic" (Mosaic GPU selection and compression
     kernels wherever they apply), "xla" or "reference".
-  Under a mesh in context it runs per device (module docstring); return_aux=True runs unsharded.
+  Under a mesh in context it runs per device (module docstring), return_aux=True included (every
+  aux array is [B, T, heads, .]: the block indices [B, T, K, n], the branches' [B, T, H, d_v]).
   """
   with jax.named_scope("nsa_attention"):  # names the op in HLO metadata (collectives report)
     return _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids,
@@ -443,7 +446,7 @@ def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segm
                    implementation, return_aux, block_idx):
   # Every path checks its inputs, but choosing a path (and a mesh layout) already reads shapes.
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
-  layout = None if return_aux else mesh_layout(q.shape[0], k_slc.shape[2], "NSA attention")
+  layout = mesh_layout(q.shape[0], k_slc.shape[2], "NSA attention")
   if layout is None:
     return _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
                       implementation, return_aux, block_idx)
@@ -457,13 +460,14 @@ def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segm
   def local(*xs):
     n4d = 9 if has_idx else 8
     seg = xs[n4d] if has_seg else None
-    return _nsa_local(*xs[:8], local_cfg, seg, scale, implementation, False,
+    return _nsa_local(*xs[:8], local_cfg, seg, scale, implementation, return_aux,
                       xs[8] if has_idx else None)
 
   # block_idx [B, T, K, n] splits like the other [B, ., heads, .] arrays.
   arrays = ((q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates) + ((block_idx,) if has_idx else ())
             + ((segment_ids,) if has_seg else ()))
-  return _sharded(local, layout, 9 if has_idx else 8, has_seg, "NSA attention")(*arrays)
+  return _sharded(local, layout, 9 if has_idx else 8, has_seg, "NSA attention",
+                  n_out=2 if return_aux else 1)(*arrays)
 
 
 def _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,

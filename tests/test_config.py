@@ -82,6 +82,17 @@ MODEL_BAD = [
     ("n_kv_heads", dict(n_kv_heads=0)),
     ("ffn_dim", dict(ffn_dim=0)),
     ("max_seq_len", dict(max_seq_len=0)),
+    # selection_from_layer: a dense layer, the last NSA layer, no selection branch, the aux gate
+    ("selection_from_layer", dict(n_layers=3, layer_attention=("dense", "nsa", "nsa"),
+                                  selection_from_layer=0)),
+    ("selection_from_layer", dict(n_layers=3, selection_from_layer=2)),
+    ("selection_from_layer", dict(n_layers=3, selection_from_layer=-1)),
+    ("selection_from_layer", dict(n_layers=3, selection_from_layer=0, nsa=NSAConfig(
+        num_heads=8, num_kv_heads=2, head_dim=32, branches=("cmp", "win"), cmp_block=16,
+        cmp_stride=8, sel_block=32, num_selected=4, window=64))),
+    ("selection_from_layer", dict(n_layers=3, selection_from_layer=0, nsa=NSAConfig(
+        num_heads=8, num_kv_heads=2, head_dim=32, selector="aux", cmp_block=16, cmp_stride=8,
+        sel_block=32, num_selected=4, window=64))),
 ]
 
 

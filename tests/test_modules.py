@@ -162,6 +162,58 @@ def test_select_edits_are_refused_where_they_cannot_apply():
     layer(jnp.zeros((1, 16, 16)), select_edit=ident)
 
 
+def test_selection_from_layer_hands_that_layers_blocks_to_later_nsa_layers():
+  """ModelConfig.selection_from_layer (not the paper): the later NSA layers read the source
+  layer's blocks. Checked against the paper's model (same parameters) with those blocks forced
+  into the later layers by select_edits, which is independent of the new layer loop: logits and
+  parameter gradients equal, with and without remat and whatever layer_loop says."""
+  kinds = ("nsa", "dense", "nsa", "nsa")
+  cfg = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+             ffn_dim=64, max_seq_len=96, layer_attention=kinds,
+             nsa=small_nsa(sel_block=8, num_selected=5, implementation="xla"))
+  tokens = jax.random.randint(fresh_key(31), (2, 64), 0, 64)  # 8 blocks: 2 of 5 slots scored
+  plain = TransformerLM(ModelConfig(**cfg), rngs=nnx.Rngs(3))
+  _, aux = plain(tokens, return_aux=True)
+  idx0 = aux[0]["block_idx"]
+  assert any((np.asarray(aux[i]["block_idx"]) != np.asarray(idx0)).any() for i in (2, 3)), \
+      "the later layers already chose layer 0's blocks: the test would prove nothing"
+  forced = {i: (lambda _: idx0) for i in (2, 3)}
+  weights = jax.random.normal(fresh_key(32), (2, 64, 64))
+
+  def loss(m, **kw):
+    return jnp.sum(m(tokens, **kw) * weights)
+
+  want, want_g = nnx.value_and_grad(lambda m: loss(m, select_edits=forced))(plain)
+  for extra in ({}, {"remat": True}, {"layer_loop": "scan"}):
+    shared = TransformerLM(ModelConfig(**cfg, selection_from_layer=0, **extra), rngs=nnx.Rngs(3))
+    got, got_g = nnx.value_and_grad(loss)(shared)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6, err_msg=str(extra))
+    for a, b in zip(jax.tree.leaves(nnx.state(got_g, nnx.Param)),
+                    jax.tree.leaves(nnx.state(want_g, nnx.Param))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                 err_msg=str(extra))
+  _, got_aux = shared(tokens, return_aux=True)
+  for i in (0, 2, 3):
+    np.testing.assert_array_equal(np.asarray(got_aux[i]["block_idx"]), np.asarray(idx0))
+  # a source in the middle: the layers before it keep their own choice
+  mid = TransformerLM(ModelConfig(**cfg, selection_from_layer=2), rngs=nnx.Rngs(3))
+  _, mid_aux = mid(tokens, return_aux=True)
+  np.testing.assert_array_equal(np.asarray(mid_aux[0]["block_idx"]), np.asarray(idx0))
+  np.testing.assert_array_equal(np.asarray(mid_aux[3]["block_idx"]),
+                                np.asarray(mid_aux[2]["block_idx"]))
+  # refusals: blocks for a dense layer or an aux-selector layer; cached decoding
+  h = jnp.zeros((2, 64, 32))
+  with pytest.raises(ValueError, match="block_idx was given for a dense layer"):
+    shared.blocks[1](h, block_idx=idx0)
+  aux_layer = NSAAttention(32, small_nsa(sel_block=8, num_selected=5, selector="aux"),
+                           rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="selector='aux'.*Fix"):
+    aux_layer(h, block_idx=idx0)
+  from nsa_jax import decode
+  with pytest.raises(ValueError, match="selection_from_layer=0: cached decoding.*Fix"):
+    decode.init_cache(shared, 2, 64)
+
+
 def test_dense_layer_aux_q_and_k_rebuild_its_output():
   """The q and k a dense layer's aux carries are the ones it attends with (causal softmax)."""
   layer = DenseAttention(16, 4, 2, 8, 6, rngs=nnx.Rngs(4))

@@ -97,6 +97,26 @@ def _run(seed: int):
 
   for shape in [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 4)]:
     check("xla", shape, use_seg=shape == (2, 2, 2))
+
+  # return_aux (selection_from_layer reads a layer's blocks in training) runs sharded too: the
+  # same block indices and branch outputs as unsharded, and no collective in the op.
+  cfg = NSAConfig(**{**base, "num_selected": 4}, implementation="xla")  # one block scored
+  want_o, want_aux = ops.nsa_attention(*arrays, cfg, segment_ids=seg, return_aux=True)
+  mesh = mesh_of((2, 1, 2))
+  with jax.set_mesh(mesh):
+    spec = P(("data", "fsdp"), None, "tensor", None)
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays]
+    aux_fn = jax.jit(lambda *x: ops.nsa_attention(*x, cfg, segment_ids=seg, return_aux=True))
+    got_o, got_aux = aux_fn(*placed)
+    hlo = aux_fn.lower(*placed).compile().as_text()
+  np.testing.assert_array_equal(np.asarray(got_aux["block_idx"]), np.asarray(want_aux["block_idx"]))
+  np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), rtol=2e-5, atol=2e-5)
+  for br in ("cmp", "slc", "win"):
+    np.testing.assert_allclose(np.asarray(got_aux["outputs"][br]),
+                               np.asarray(want_aux["outputs"][br]), rtol=2e-5, atol=2e-5)
+  found = [c for c in COLLECTIVES if c in hlo]
+  assert not found, f"return_aux under mesh (2, 1, 2): the op contains {found}"
+  assert any("per-device under shard_map" in m for m in infos), infos
   check("pallas", (2, 1, 2), use_seg=True)  # the kernels themselves, in Pallas' interpreter
   assert not warnings, warnings
 
