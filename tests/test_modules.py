@@ -16,6 +16,13 @@ from nsa_jax import ModelConfig, NSAConfig, reference
 from nsa_jax.attention import DenseAttention, NSAAttention
 from nsa_jax.model import TransformerLM
 
+# On a GPU (scripts/gpu_tests.sh) float32 matmuls run in IEEE float32, not TF32, so the float32
+# tolerances below mean the same as on the CPU (importing gpu_mode sets that).
+try:
+  import tests.gpu_mode  # noqa: F401
+except ImportError:  # run from inside tests/
+  import gpu_mode  # noqa: F401
+
 SEED = int.from_bytes(os.urandom(4), "little")
 
 
@@ -187,10 +194,11 @@ def test_selection_from_layer_hands_that_layers_blocks_to_later_nsa_layers():
   for extra in ({}, {"remat": True}, {"layer_loop": "scan"}):
     shared = TransformerLM(ModelConfig(**cfg, selection_from_layer=0, **extra), rngs=nnx.Rngs(3))
     got, got_g = nnx.value_and_grad(loss)(shared)
-    np.testing.assert_allclose(float(got), float(want), rtol=1e-6, err_msg=str(extra))
+    np.testing.assert_allclose(float(got), float(want), rtol=2e-5, err_msg=str(extra))
     for a, b in zip(jax.tree.leaves(nnx.state(got_g, nnx.Param)),
                     jax.tree.leaves(nnx.state(want_g, nnx.Param))):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+      # float32 through four layers, summed in other orders (measured on an H100: 4e-6)
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5,
                                  err_msg=str(extra))
   _, got_aux = shared(tokens, return_aux=True)
   for i in (0, 2, 3):
