@@ -41,8 +41,10 @@ MATCH_PARAMS = "MATCH_PARAMS"
 _UI_FIELDS = ("train.progress_bar", "train.tensorboard", "train.plot")  # do not change the run
 # How the same math is traced (added after runs were recorded; left out so their hashes hold).
 _COMPUTE_FIELDS = ("model.layer_loop",)
-# Left out of the hash while empty or 0 (added later: keeps the hashes of the runs recorded before).
-_UNSET_FIELDS = ("checkpoint.init_from", "data.single_question_fraction")
+# Left out of the hash while they hold their unset values (fields added later: keeps the hashes
+# of the runs recorded before). selection_from_layer=0 is a setting, so only None is unset there.
+_UNSET_FIELDS = {"checkpoint.init_from": ("", None), "data.single_question_fraction": (0, None),
+                 "model.selection_from_layer": (None,)}
 
 _CONFIG = None
 _RUN = None
@@ -159,9 +161,9 @@ def resolve_runs(module, base: ConfigDict) -> dict[str, tuple[dict, ConfigDict]]
 def config_hash(config: ConfigDict) -> str:
   """Identity of a run: its resolved config, minus fields that only change the UI."""
   d = json.loads(config.to_json_best_effort(sort_keys=True))
-  for dotted in _UI_FIELDS + _COMPUTE_FIELDS + _UNSET_FIELDS:
+  for dotted in _UI_FIELDS + _COMPUTE_FIELDS + tuple(_UNSET_FIELDS):
     group, leaf = dotted.split(".")
-    if dotted not in _UNSET_FIELDS or not d.get(group, {}).get(leaf):
+    if dotted not in _UNSET_FIELDS or d.get(group, {}).get(leaf) in _UNSET_FIELDS[dotted]:
       d.get(group, {}).pop(leaf, None)
   return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -273,7 +273,8 @@ class ModelConfig:
             "give an NSA layer's index, or None for the paper's per-layer selection")
     if not any(i > src for i in nsa):
       _fail("selection_from_layer", src, "has no later NSA layer to reuse its selection",
-            f"give an earlier NSA layer (among {nsa[:-1]}) or None")
+            f"give an earlier NSA layer (among {nsa[:-1]}) or None" if len(nsa) > 1 else
+            "set it to None (the model has one NSA layer, so there is nothing to share)")
     if "slc" not in self.nsa.branches:
       _fail("selection_from_layer", src, f"needs the selection branch (nsa.branches="
             f"{self.nsa.branches!r})", "set it to None or add 'slc' to nsa.branches")

@@ -45,8 +45,8 @@ class Block(nnx.Module):
     sel_kw = {n: v for n, v in (("select_edit", select_edit), ("block_idx", block_idx))
               if v is not None}
     if sel_kw and self.kind != "nsa":
-      raise ValueError(f"{' and '.join(sel_kw)} was given for a dense layer, which selects no "
-                       "blocks. Fix: give it only for NSA layers.")
+      raise ValueError(f"{' and '.join(sel_kw)} {'were' if len(sel_kw) > 1 else 'was'} given for "
+                       "a dense layer, which selects no blocks. Fix: give it only for NSA layers.")
     if self.kind == "nsa" and (return_aux or return_selector_loss):
       y, *extra = self.attn(h, segment_ids=segment_ids, positions=positions,
                             return_aux=return_aux, return_selector_loss=return_selector_loss,
@@ -116,7 +116,9 @@ class TransformerLM(nnx.Module):
   With return_selector_loss=True also returns the "aux" selector's loss per token [B, T], the
   mean over NSA layers (zeros when no layer uses selector="aux").
   select_edits (evaluation interventions): {NSA layer index: NSAAttention's select_edit, a
-  function block_idx -> block_idx}; the layers then run one by one.
+  function block_idx -> block_idx}; the layers then run one by one. With
+  cfg.selection_from_layer, an edit of the source layer reaches every layer reusing its
+  selection (they read the edited blocks), and an edit of a reusing layer edits what it reuses.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -246,7 +248,7 @@ class TransformerLM(nnx.Module):
       x, sel_losses = self._scan_blocks(x, segment_ids, positions, return_selector_loss)
     shared = None
     for i, block in enumerate(() if scan else self.blocks):
-      given = shared if source is not None and i > source and block.kind == "nsa" else None
+      given = shared if block.kind == "nsa" else None  # None until the source layer has run
       run = layer_fn(i)
       x, aux, idx, sel = (nnx.remat(run)(block, x, given) if self.cfg.remat and not want_aux
                           else run(block, x, given))

@@ -116,6 +116,15 @@ def test_config_hash_ignores_ui_fields_only():
   assert ablate.config_hash(a) == ablate.config_hash(e)
   e.data.single_question_fraction = 0.5
   assert ablate.config_hash(a) != ablate.config_hash(e)
+  # model.selection_from_layer (added later) counts only when not None: 0 is a setting
+  f = tiny_config(seed=1)
+  del f.model["selection_from_layer"]
+  assert ablate.config_hash(a) == ablate.config_hash(f)
+  hashes = set()
+  for layer in (0, 1):
+    f.model.selection_from_layer = layer
+    hashes.add(ablate.config_hash(f))
+  assert len(hashes) == 2 and ablate.config_hash(a) not in hashes
   # model.layer_loop only says how the same math is traced (added after runs were recorded)
   d = tiny_config(seed=1)
   d.model.layer_loop = "python"

@@ -116,7 +116,6 @@ def _run(seed: int):
                                np.asarray(want_aux["outputs"][br]), rtol=2e-5, atol=2e-5)
   found = [c for c in COLLECTIVES if c in hlo]
   assert not found, f"return_aux under mesh (2, 1, 2): the op contains {found}"
-  assert any("per-device under shard_map" in m for m in infos), infos
   check("pallas", (2, 1, 2), use_seg=True)  # the kernels themselves, in Pallas' interpreter
   assert not warnings, warnings
 
