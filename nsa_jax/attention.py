@@ -192,10 +192,10 @@ class NSAAttention(nnx.Module):
     the op runs once more to read the layer's choice: an evaluation tool, not a training one."""
     cfg = self.cfg
     check_layer_inputs("NSAAttention", x, self.d_model, segment_ids, positions)
-    for name, given in (("select_edit", select_edit), ("block_idx", block_idx)):
-      if given is not None and "slc" not in cfg.branches:
-        raise ValueError(f"{name} was given but branches={cfg.branches!r} has no selection "
-                         f"branch. Fix: drop {name} for this layer.")
+    # (block_idx without a selection branch is refused by the op: reference.check_block_idx)
+    if select_edit is not None and "slc" not in cfg.branches:
+      raise ValueError(f"select_edit was given but branches={cfg.branches!r} has no selection "
+                       "branch. Fix: drop select_edit for this layer.")
     if block_idx is not None and cfg.selector == "aux":
       raise ValueError("block_idx was given to a layer with selector='aux', whose own gate "
                        "chooses its blocks. Fix: use selector='nsa' or 'quest', or drop block_idx.")
