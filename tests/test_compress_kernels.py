@@ -7,6 +7,7 @@ Fresh random inputs every run; the seed is in every failure message.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 
@@ -747,3 +748,24 @@ def test_bad_ids_and_shapes_raise_with_the_fix():
     with pytest.raises(ValueError, match="q has dtype int32; NSA attention needs floating"):
       ops.nsa_attention(q.astype(jnp.int32), kc, vc, kv, kv, kv, kv, gates, cfg,
                         implementation=impl)
+
+
+def test_topn_takes_every_shape_the_selection_and_compression_kernels_take():
+  """A `block_idx` override (select_edit, selection_from_layer) skips the top-n, yet the whole op's
+  Pallas check (ops._pallas_support) still asks the top-n about the shape: that costs nothing
+  only while the top-n refuses no shape the other two kernels take. Checked over group sizes, head
+  dims, lengths (both tile-row rules) and block geometries; a shape all three refuse is fine."""
+  from pallas_kernels import select_attention as sk
+  from pallas_kernels import compress_attention as ck
+  taken = 0
+  for g, kh, dk, t in itertools.product((1, 2, 3, 4, 8, 16, 32), (1, 4), (16, 64, 96, 128, 192, 256),
+                                        (64, 1000, 4096, 65536)):
+    for l, d, lp in ((32, 16, 64), (16, 8, 32), (64, 64, 64), (16, 16, 16), (32, 16, 128),
+                     (32, 8, 64)):
+      q, kv = (1, t, g * kh, dk), (1, t, kh, dk)
+      kc = (1, max(0, (t - l) // d + 1), kh, dk)
+      if not (sk.supports(q, kv, kv, 16, lp, "triton")[0] and ck.supports(q, kc, kc)[0]):
+        continue
+      taken += 1
+      assert topn_module.supports(q, kc, l, d, lp) == (True, "ok"), (g, kh, dk, t, l, d, lp)
+  assert taken > 500, taken  # the grid reached the kernels' supported shapes
