@@ -387,7 +387,9 @@ def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpre
     return "triton", (f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster only for "
                       + ", ".join(f"G={gg} with head dims <= {d}"
                                   for gg, d in MOSAIC_AUTO_MAX_DIM.items()))
-  return "mosaic", f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster on the H200"
+  kind = jax.devices()[0].device_kind
+  return "mosaic", (f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster on the H200"
+                    + ("" if "H200" in kind else f" (this is a {kind}: not re-measured on it)"))
 
 
 def auto_union(g, block_size, backend):

@@ -553,6 +553,10 @@ def test_auto_backend_rule():
   assert auto_backend(*shapes(16, 4, 64, 64), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 4, 128, 128), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 1, 128, 128), 64, False, bf, False)[0] == "mosaic"
+  # The reason names the card the rule was measured on, and says so when this is another one.
+  why = auto_backend(*shapes(16, 1, 64, 64), 64, False, bf, False)[1]
+  kind = jax.devices()[0].device_kind
+  assert "on the H200" in why and (("not re-measured" in why) == ("H200" not in kind)), why
   for args, why in [((shapes(16, 1, 64, 64), 64, False, bf, True), "interpreted"),
                     ((shapes(16, 1, 192, 128), 64, False, bf, False), "head dims <= 128"),
                     ((shapes(16, 1, 128, 256), 64, False, bf, False), "head dims <= 128"),
