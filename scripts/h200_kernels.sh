@@ -428,8 +428,8 @@ for phase in "$@"; do
   echo "=== $phase $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
   "$phase" >> "$OUT/log.txt" 2>&1
   echo "=== $phase done (rc $?) $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
-  # The device tool brings back only the files at the top of $OUT: the phase's folder as one
-  # archive beside it (tar xzf <phase>.tgz here).
-  tar czf "$OUT/$phase.tgz" -C "$OUT" "$phase"
+  # The device tool brings back only the files at the top of $OUT: every folder under it as one
+  # archive, repacked after each phase (tar xzf results.tgz here).
+  tar czf "$OUT/results.tgz" --exclude=./results.tgz -C "$OUT" .
 done
 tail -n 40 "$OUT/log.txt"
