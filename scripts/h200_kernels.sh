@@ -430,6 +430,6 @@ for phase in "$@"; do
   echo "=== $phase done (rc $?) $(date -u +%H:%M:%S)" >> "$OUT/log.txt"
   # The device tool brings back only the files at the top of $OUT: every folder under it as one
   # archive, repacked after each phase (tar xzf results.tgz here).
-  tar czf "$OUT/results.tgz" --exclude=./results.tgz -C "$OUT" .
+  tar czf "/tmp/results.$$.tgz" --exclude=./results.tgz -C "$OUT" . && mv "/tmp/results.$$.tgz" "$OUT/results.tgz"
 done
 tail -n 40 "$OUT/log.txt"
