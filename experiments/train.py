@@ -37,7 +37,8 @@ def main(argv):
   config = config_value(_CONFIG)
   try:
     summary = train.train_and_evaluate(config, _WORKDIR.value)
-  except (ValueError, FileNotFoundError, train.CheckpointError, train.NonFiniteError) as e:
+  except (ValueError, OSError, train.CheckpointError, train.NonFiniteError) as e:  # OSError: e.g.
+    # a workdir that cannot be written
     print(f"error: {e}", file=sys.stderr)
     return 1
   if train.jax.process_index() != 0:

@@ -261,3 +261,16 @@ def test_checksum_does_not_depend_on_the_sharding():
 if __name__ == "__main__":
   if sys.argv[1] == "sharded":
     print(json.dumps(_sharded_checksums()))
+
+
+def test_corrupt_checkpoint_error_drops_tensorstores_spec(tmp_path):
+  """TensorStore appends a repr of its spec (2,000+ characters for a missing manifest); the one-line
+  error keeps the cause before it."""
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+  cause = 'NOT_FOUND: Metadata at "params.w/.zarray" in OCDBT database does not exist'
+  for tail in (" [tensorstore_spec='{\"context\": " + "x" * 2000 + "}']",
+               " See full TensorStore details: {" + "y" * 2000 + "}"):
+    msg = ckpt._broken(4, "its arrays", ValueError(cause + tail))
+    assert cause in msg and "tensorstore_spec" not in msg and len(msg) < 600, msg
+  long = ckpt._broken(4, "its arrays", ValueError("z" * 5000))
+  assert len(long) < 700 and long.count("z") == 400, len(long)

@@ -196,11 +196,21 @@ def test_a_bug_inside_a_config_file_is_not_blamed_on_the_command_line(tmp_path):
     ("train.eval_batches", 0), ("data.global_batch_size", 0), ("train.num_steps", -3),
     ("optim.grad_accum_steps", 0), ("optim.warmup_steps", -1), ("optim.learning_rate", -1.0),
     ("optim.learning_rate", float("nan")), ("train.log_every", 2.5),
-    ("checkpoint.max_to_keep", 0)])
+    ("checkpoint.max_to_keep", 0),
+    # values that trained silently wrong or ended oddly (review of 2026-12-05): a clip of 0 zeroed
+    # every update and a negative one trained uphill; a negative min_lr_ratio made the late rate
+    # negative; mqar without queries scored nothing and reported a loss of 0
+    ("train.stop_after", -1), ("train.time_limit_minutes", -5.0), ("optim.clip_norm", 0.0),
+    ("optim.clip_norm", -1.0), ("optim.min_lr_ratio", -1.0), ("optim.min_lr_ratio", 1.5),
+    ("optim.b1", 1.0), ("optim.b2", -0.1), ("optim.eps", 0.0), ("optim.weight_decay", -0.1),
+    ("optim.clip_norm", float("inf")), ("data.val_percent", 0.0), ("data.val_percent", 100.0),
+    ("data.max_bytes", -1), ("data.num_needles", 0), ("data.num_queries", 0),
+    ("data.num_questions", 0), ("data.context_loss_weight", -0.1),
+    ("data.single_question_fraction", 1.5), ("optim.b1", True)])
 def test_loop_settings_that_would_crash_or_do_nothing_are_refused(path, value):
   c = small_config()
   block, key = path.split(".")
-  with c.ignore_type():
+  with c.ignore_type(), c.unlocked():
     c[block][key] = value
   with pytest.raises(ValueError, match=rf"config\.{path}=.*Fix: "):
     train.check_run_config(c)
@@ -209,6 +219,48 @@ def test_loop_settings_that_would_crash_or_do_nothing_are_refused(path, value):
   with keep_all.ignore_type():
     keep_all.checkpoint.max_to_keep = None  # orbax: keep every checkpoint
   train.check_run_config(keep_all)
+
+
+def test_a_refused_config_writes_nothing_and_a_file_is_no_workdir(tmp_path):
+  """The checks run before the work directory is touched (stop_after was checked after config.json,
+  metrics.jsonl and tb/ were written), and a workdir that is a file is named as such."""
+  c = small_config()
+  c.train.stop_after = -1
+  with pytest.raises(ValueError, match=r"config\.train\.stop_after=-1"):
+    train.train_and_evaluate(c, str(tmp_path / "w"))
+  assert not os.listdir(tmp_path)
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  with pytest.raises(ValueError, match="exists and is not a directory. Fix: "):
+    train.train_and_evaluate(small_config(), str(afile))
+
+
+def test_misspelled_fields_in_a_config_file_are_refused_with_the_near_name():
+  """The command line refuses unknown fields (ml_collections); fields set in a config file were
+  ignored while the default ran. The optional passkey fields stay allowed."""
+  for block, typo, near in (("train", "num_step", "num_steps"), ("data", "sequence_len", None),
+                            ("optim", "learning_rat", "learning_rate"), ("checkpoint", "evry_steps",
+                                                                           "every_steps")):
+    c = small_config()
+    with c[block].unlocked():
+      c[block][typo] = 3
+    with pytest.raises(ValueError, match=rf"config\.{block}: unknown field\(s\) \['{typo}'\]") as e:
+      train.check_run_config(c)
+    assert "Fix: " in str(e.value) and (near is None or f"-> '{near}'?" in str(e.value)), str(e.value)
+  c = small_config()
+  with c.data.unlocked():
+    c.data.num_questions, c.data.context_loss_weight, c.data.single_question_fraction = 3, 0.1, 0.5
+  train.check_run_config(c)
+
+
+def test_a_short_validation_split_names_itself_and_the_field():
+  from nsa_jax.training import data as data_lib
+  src = data_lib.WindowSource(np.zeros(5, np.int32), {}, "validation")
+  with pytest.raises(ValueError, match=r"the validation split has 5 tokens.*val_percent"):
+    src.row(np.random.default_rng(0), 10)
+  with pytest.raises(ValueError, match=r"the training split has 5 tokens") as e:
+    data_lib.WindowSource(np.zeros(5, np.int32), {}, "training").row(np.random.default_rng(0), 10)
+  assert "val_percent" not in str(e.value)
 
 
 def test_mismatched_checkpoint_is_refused_without_touching_it(full_run, tmp_path):

@@ -173,7 +173,7 @@ class Checkpointer:
       raise CheckpointError(
           f"checkpoint {self.step_dir(step)} is corrupt: {len(bad)} parameter arrays hold NaN or "
           f"inf after reading (first: {bad[0]}), and training never saves a non-finite state. It "
-          f"was left untouched. Fix: {self._move_away_hint(step)}.")
+          f"was left untouched. Fix: {self.move_away_hint(step)}.")
 
   def check_checksums(self, step: int, state, saved: dict | None, prefix: str = ""):
     """The restored arrays must be bit for bit the saved ones; checkpoints written before the
@@ -189,7 +189,7 @@ class Checkpointer:
       raise CheckpointError(
           f"checkpoint {self.step_dir(step)} is corrupt: {len(differ)} state arrays read back "
           f"differ from what was saved (checksum mismatch; first: {differ[0]}). It was left "
-          f"untouched. Fix: {self._move_away_hint(step)}.")
+          f"untouched. Fix: {self.move_away_hint(step)}.")
 
   def read(self, step: int, what: str, **items):
     """The orbax items of step (e.g. state=ocp.args.StandardRestore()), read with the asyncio
@@ -226,17 +226,23 @@ class Checkpointer:
     self.check_checksums(step, out["state"], meta.get("checksums"))
     return out["state"], out["data"]
 
-  def _move_away_hint(self, step) -> str:
+  def move_away_hint(self, step) -> str:
     earlier = [s for s in self.all_steps() if s < step]
     return (f"move that directory away to resume from step {max(earlier)}" if earlier
             else "move that directory away (or use a fresh --workdir) to start over")
 
   def _broken(self, step, what, err) -> str:
     first = str(err).splitlines()[0] if str(err) else ""
-    first = first.split(" See full TensorStore details")[0].rstrip(".")  # then a repr of the spec
+    # TensorStore appends a repr of its spec, in one phrasing or another (" See full TensorStore
+    # details", " [tensorstore_spec=..."): the cause is what comes before it.
+    for tail in (" See full TensorStore details", " [tensorstore_spec"):
+      first = first.split(tail)[0]
+    first = first.rstrip(".")
+    if len(first) > 400:
+      first = first[:400] + " ..."
     return (f"checkpoint {self.step_dir(step)} is corrupt or incompatible: could not read {what} "
             f"({type(err).__name__}: {first}). "
-            f"It was left untouched. Fix: {self._move_away_hint(step)}.")
+            f"It was left untouched. Fix: {self.move_away_hint(step)}.")
 
   def wait(self):
     self.manager.wait_until_finished()

@@ -116,14 +116,18 @@ def _position_split(tokens, val_fraction):
 class WindowSource:
   """Random windows of a flat token array."""
 
-  def __init__(self, tokens: np.ndarray, fingerprint: dict):
+  def __init__(self, tokens: np.ndarray, fingerprint: dict, split: str = "data"):
     self.tokens = tokens
     self.fingerprint = fingerprint
+    self.split = split
 
   def row(self, rng: np.random.Generator, length: int):
     if len(self.tokens) < length:
-      raise ValueError(f"data split has {len(self.tokens)} tokens, fewer than one window of "
-                       f"{length}. Fix: lower config.data.seq_len or give more data")
+      share = (" or raise config.data.val_percent (the held-out share)"
+               if self.split == "validation" else "")
+      raise ValueError(f"the {self.split} split has {len(self.tokens)} tokens, fewer than one "
+                       f"window of {length}. Fix: lower config.data.seq_len{share} or give more "
+                       "data")
     start = int(rng.integers(0, len(self.tokens) - length + 1))
     seq = np.asarray(self.tokens[start:start + length], dtype=np.int32)
     return seq, np.ones(length - 1, np.float32)
@@ -156,8 +160,8 @@ def corpus_sources(cfg) -> dict[str, WindowSource]:
     extra = dict(path=cfg.path, val_path=cfg.val_path)
   else:
     raise ValueError(f"{cfg.source!r} is not a corpus source")
-  return {"train": WindowSource(train, _fingerprint(cfg.source, train, **extra)),
-          "val": WindowSource(val, _fingerprint(cfg.source, val, **extra))}
+  return {"train": WindowSource(train, _fingerprint(cfg.source, train, **extra), "training"),
+          "val": WindowSource(val, _fingerprint(cfg.source, val, **extra), "validation")}
 
 
 _FILLER = (b"The grass is green. ", b"The sky is blue. ", b"The sun is yellow. ",

@@ -8,6 +8,7 @@ jax.Arrays laid out by the mesh rules (see sharding.py), created sharded and nev
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -309,8 +310,9 @@ def _compile_and_report(train_step, state, batch, workdir, seq_len, is_main):
   return compiled
 
 
-# (field, lowest allowed value, what it means): loop settings a zero or negative value would turn
-# into a ZeroDivisionError mid-run, an empty validation set or a run that silently does nothing.
+# (field, lowest allowed value, what it means): integer settings a zero or negative value would
+# turn into a ZeroDivisionError mid-run, an empty validation set, a run that silently does nothing
+# or data with nothing to score (a loss of 0 reported as perfect).
 _LOOP_MINIMUMS = (("train.num_steps", 1, "optimizer steps"),
                   ("train.log_every", 1, "steps between train metric records"),
                   ("train.eval_every", 1, "steps between validation passes"),
@@ -320,14 +322,78 @@ _LOOP_MINIMUMS = (("train.num_steps", 1, "optimizer steps"),
                   ("data.global_batch_size", 1, "sequences per optimizer step"),
                   ("data.seq_len", 1, "tokens per sequence"),
                   ("optim.grad_accum_steps", 1, "microbatches per step"),
-                  ("optim.warmup_steps", 0, "warmup steps"))
+                  ("optim.warmup_steps", 0, "warmup steps"),
+                  ("train.stop_after", 0, "the step this run ends at, 0 = num_steps"),
+                  ("data.max_bytes", 0, "bytes read per split, 0 = all"),
+                  ("data.num_needles", 1, "facts hidden per needle sequence"),
+                  ("data.num_queries", 1, "queried pairs per mqar sequence"),
+                  ("data.num_questions", 1, "questions per passkey / needle sequence"))
+
+
+# (field, lowest, highest, which ends are open, what it means): numbers whose values outside the
+# range train silently wrong (clip_norm <= 0 zeroes or flips every update, min_lr_ratio < 0 makes
+# the late rate negative, a data field at 0 leaves nothing to score) instead of failing.
+_RANGES = (("train.time_limit_minutes", 0, None, "", "0 = no limit"),
+           ("optim.clip_norm", 0, None, "low", "the global gradient-norm clip"),
+           ("optim.min_lr_ratio", 0, 1, "", "the cosine's end as a fraction of the peak rate"),
+           ("optim.b1", 0, 1, "high", "Adam's first-moment decay"),
+           ("optim.b2", 0, 1, "high", "Adam's second-moment decay"),
+           ("optim.eps", 0, None, "low", "Adam's epsilon"),
+           ("optim.weight_decay", 0, None, "", "AdamW's decoupled decay"),
+           ("data.val_percent", 0, 100, "low high", "the held-out share of the data, in percent"),
+           ("data.context_loss_weight", 0, None, "", "loss weight of the filler tokens"),
+           ("data.single_question_fraction", 0, 1, "", "share of one-question sequences"))
+# Data fields that configs may add to the base config's data block (make_sources reads them with
+# defaults, so older configs lack them).
+OPTIONAL_DATA_FIELDS = ("num_questions", "context_loss_weight", "single_question_fraction")
+
+
+def _check_known_fields(config):
+  """A misspelled field in a config file (the command line already refuses those) would otherwise
+  be ignored while its default runs: each block's fields must be the base config's."""
+  try:
+    from configs.base import get_base_config
+  except ImportError:  # the package used outside this repository: no base config to compare with
+    log.debug("configs.base not importable: config field names not checked")
+    return
+  base = get_base_config()
+  for block in ("data", "optim", "mesh", "train", "checkpoint"):
+    if block not in config:
+      continue
+    known = set(base[block].keys()) | (set(OPTIONAL_DATA_FIELDS) if block == "data" else set())
+    unknown = sorted(set(config[block].keys()) - known)
+    if unknown:
+      near = {u: difflib.get_close_matches(u, known, 1) for u in unknown}
+      hint = "; ".join(f"{u!r} -> {m[0]!r}?" for u, m in near.items() if m)
+      raise ValueError(f"config.{block}: unknown field(s) {unknown}{' (' + hint + ')' if hint else ''}"
+                       f". Fix: spell them as in configs/base.py; valid fields: {sorted(known)}")
+
+
+def _check_range(config, path, low, high, open_ends, what):
+  block, key = path.split(".")
+  if key not in config.get(block, {}):
+    return
+  value = config[block][key]
+  bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+  if not bad:
+    bad = value <= low if "low" in open_ends else value < low
+    if high is not None:
+      bad = bad or (value >= high if "high" in open_ends else value > high)
+  if bad:
+    lo = f"{'>' if 'low' in open_ends else '>='} {low}"
+    hi = f" and {'<' if 'high' in open_ends else '<='} {high}" if high is not None else ""
+    raise ValueError(f"config.{path}={value!r}: expected a number {lo}{hi} ({what}). "
+                     f"Fix: --config.{path}=<a number {lo}{hi}>")
 
 
 def check_run_config(config):
   """The loop, data and optimizer settings that model_config_from does not cover: one clear error
-  naming the field and the fix, before anything is built."""
+  naming the field and the fix, before anything is built or written."""
+  _check_known_fields(config)
   for path, low, what in _LOOP_MINIMUMS:
     block, key = path.split(".")
+    if key not in config.get(block, {}):  # optional data fields (OPTIONAL_DATA_FIELDS)
+      continue
     value = config[block][key]
     if path == "checkpoint.max_to_keep" and value is None:  # orbax: keep every checkpoint
       continue
@@ -338,6 +404,8 @@ def check_run_config(config):
   if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
     raise ValueError(f"config.optim.learning_rate={lr!r}: expected a finite number > 0. "
                      "Fix: e.g. --config.optim.learning_rate=3e-4")
+  for args in _RANGES:
+    _check_range(config, *args)
 
 
 def check_batch_layout(config, mesh, model_cfg):
@@ -404,7 +472,8 @@ def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool, init_from: str
   step = int(to_host(state["step"]))
   if step != latest or train_iter.step != latest:
     raise CheckpointError(f"checkpoint {ckpt.step_dir(latest)} is inconsistent: directory step "
-                          f"{latest}, state step {step}, data step {train_iter.step}")
+                          f"{latest}, state step {step}, data step {train_iter.step}. It was "
+                          f"left untouched. Fix: {ckpt.move_away_hint(latest)}")
   return state, step
 
 
@@ -452,6 +521,9 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   """
   is_main = jax.process_index() == 0
   check_run_config(config)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"workdir {workdir!r} exists and is not a directory. Fix: give a directory "
+                     "(a new one starts a run, an earlier run's resumes it)")
   mesh = shd.make_mesh(config.mesh)
   setup = build_setup(config, mesh, model_factory)
   check_batch_layout(config, mesh, setup.model_cfg)
@@ -483,9 +555,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   eval_step = make_eval_step(setup)
   total = config.train.num_steps
   # This invocation ends at `end` (stop_after) or at the time limit; the schedule spans `total`.
-  stop_after = int(config.train.stop_after)
-  if stop_after < 0:
-    raise ValueError(f"config.train.stop_after={stop_after}: expected 0 (run to num_steps) or a step")
+  stop_after = int(config.train.stop_after)  # >= 0: check_run_config
   end = min(total, stop_after) if stop_after else total
   time_limit = float(config.train.time_limit_minutes) * 60.0
   bar = metrics_lib.Progress(total, start, enabled=config.train.progress_bar, echo=is_main)
@@ -559,6 +629,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
           fetch()  # never save a step whose metrics were not checked
           ckpt.save(s, state, train_iter.state(), {**meta, "step": s})
           last_saved = s
+          speed.reset()  # nor is saving time (the save's device-to-host copy blocks)
         # A planned stop (time limit) is validated like the end; a SIGTERM exits at once.
         if s % config.train.eval_every == 0 or s == end or (stop_now and timed_out):
           fetch()
