@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from nsa_jax import decode, sampling
-from nsa_jax.model import TransformerLM
+from nsa_jax.model import TransformerLM, check_token_ids
 
 log = logging.getLogger("nsa_jax.generate")
 
@@ -138,6 +138,8 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top
                      f"> max_seq_len={model.cfg.max_seq_len}. Fix: shorten the prompt or generate "
                      "less.")
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+  sampling.check_sampling(**kw)  # before compiling anything
+  check_token_ids(np.asarray(prompt_ids), model.cfg.vocab_size)  # the jitted prefill cannot raise
   params, prefill_fn, _ = decode.jit_decode(model)
   graphdef = nnx.graphdef(model)
   key = jax.random.key(seed)
@@ -191,8 +193,13 @@ def main(argv=None):
     ap.error("--num_samples must be >= 1")
   if args.chunk < 1:
     ap.error("--chunk (decode steps per jitted call) must be >= 1")
-  if args.temperature < 0:
-    ap.error("--temperature must be >= 0 (0 = greedy)")
+  if not args.temperature >= 0:  # NaN included
+    ap.error("--temperature must be a number >= 0 (0 = greedy)")
+  if args.workdir and args.attention:
+    ap.error("--attention applies to --config (an untrained model); a checkpoint's attention is "
+             "the one it was trained with")
+  if args.config and args.step is not None:
+    ap.error("--step picks a checkpoint of --workdir; --config builds an untrained model")
   if args.top_k < 0:
     ap.error("--top_k must be >= 0 (0 = off)")
   if not 0 < args.top_p <= 1:
@@ -208,10 +215,17 @@ def main(argv=None):
   except Exception as e:  # a bad path or checkpoint: one line, not a traceback
     print(f"error: {e}", file=sys.stderr)
     return 1
-  byte_level = model.cfg.vocab_size == 256
-  ids = list(args.prompt.encode("utf-8")) if byte_level else [int(x) for x in args.prompt.split()]
+  vocab = model.cfg.vocab_size
+  byte_level = vocab == 256
+  try:
+    ids = list(args.prompt.encode("utf-8")) if byte_level else [int(x) for x in args.prompt.split()]
+  except ValueError:
+    ap.error(f"--prompt={args.prompt!r}: this model's vocabulary is not bytes (vocab_size="
+             f"{vocab}), so the prompt must be space-separated token ids, e.g. --prompt='1 2 3'")
   if not ids:
     ap.error("--prompt must not be empty")
+  if min(ids) < 0 or max(ids) >= vocab:
+    ap.error(f"--prompt holds token ids outside [0, {vocab - 1}] (vocab_size={vocab})")
   prompt = np.tile(np.asarray(ids, np.int32), (args.num_samples, 1))
   print(f"[{what}; attention {model.cfg.attention_kinds}; {len(ids)} prompt tokens]",
         file=sys.stderr)

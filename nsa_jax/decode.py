@@ -28,6 +28,7 @@ from nsa_jax import decode_math as dm
 from nsa_jax.attention import NSAAttention
 from nsa_jax.config import NSAConfig, num_cmp_blocks
 from nsa_jax.layers import apply_rope
+from nsa_jax.model import check_token_ids
 
 
 def _pytree(cls, meta=()):
@@ -210,6 +211,7 @@ def prefill(model, tokens, max_len: int, dtype=None):
   """
   if tokens.ndim != 2 or tokens.shape[1] < 1:
     raise ValueError(f"tokens must be [batch, time] with time >= 1, got shape {tokens.shape}")
+  check_token_ids(tokens, model.cfg.vocab_size)  # eager calls; a jitted prefill cannot raise
   if "nsa" in model.cfg.attention_kinds:
     dm.check_decodable(model.cfg.nsa)
   b, t = tokens.shape
@@ -320,7 +322,9 @@ def decode_step(model, cache: DecodeCache, token, *, select_fn=None, prefix_fn=N
   if check and not isinstance(cache.pos, jax.core.Tracer):
     check_room(cache)
   t = cache.pos
-  x = model.embed(jnp.asarray(token).reshape(-1, 1))
+  token = jnp.asarray(token).reshape(-1, 1)
+  check_token_ids(token, model.cfg.vocab_size)  # eager calls; under jit the ids are sampled ones
+  x = model.embed(token)
   layers = []
   for block, layer_cache in zip(model.blocks, cache.layers):
     h = block.attn_norm(x)

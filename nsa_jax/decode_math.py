@@ -197,8 +197,19 @@ def check_decodable(cfg: NSAConfig):
         "or decode a model trained with selector='nsa' or 'quest'.")
 
 
-def _fits(prefix_fn, cache, block=64):
-  return prefix_fn is not None and cache.shape[2] % block == 0
+def _kernel_takes(fn, what, qg, k, v, block_size=64):
+  """Whether the Pallas decode kernel fn (None: not given) takes these shapes (head dims multiples
+  of 16, whole blocks of block_size slots, blocks of >= 16 tokens); where it does not, the branch
+  runs plain JAX, said once per shape (a warning on a GPU), instead of the kernel raising."""
+  if fn is None:
+    return False
+  from pallas_kernels import decode_attention as kern  # kernels are optional on the plain-JAX path
+  ok, why = kern.supports(qg.shape, k.shape, v.shape, block_size)
+  if not ok:
+    ops.log_once(logging.WARNING if ops.on_gpu() else logging.INFO,
+                 f"Pallas decode kernel not used for the {what} cache k{tuple(k.shape)} ({why}): "
+                 "plain JAX")
+  return ok
 
 
 def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, prefix_fn=None,
@@ -236,7 +247,7 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
     if "cmp" in cfg.branches:
       outs["cmp"] = o_cmp
   elif "cmp" in cfg.branches or (want_slc and cfg.selector == "nsa"):
-    if _fits(prefix_fn, caches["k_cmp"]):
+    if _kernel_takes(prefix_fn, "compressed", qg, caches["k_cmp"], caches["v_cmp"]):
       o_cmp, _, p_cmp = compressed_decode_with(prefix_fn, qg, caches["k_cmp"], caches["v_cmp"], t,
                                                cfg, scale)
     else:
@@ -248,19 +259,23 @@ def nsa_decode(q, caches, t, gates, cfg: NSAConfig, scale=None, select_fn=None, 
     elif idx is None:
       idx = select_blocks_decode(quest_block_scores(qg, caches["k_slc"], t, cfg.sel_block), t, cfg)
     k_win = caches.get("k_win")
-    if (select_window_fn is not None and "win" in cfg.branches and k_win is not None
-        and k_win.shape[2] <= cfg.window and k_win.shape[2] % cfg.sel_block == 0):
+    slc_kernel = _kernel_takes(select_fn or select_window_fn, "selection", qg, caches["k_slc"],
+                               caches["v_slc"], cfg.sel_block)
+    if (select_window_fn is not None and slc_kernel and "win" in cfg.branches and k_win is not None
+        and k_win.shape[2] <= cfg.window
+        and _kernel_takes(select_window_fn, "window", qg, k_win, caches["v_win"], cfg.sel_block)):
       live = jnp.minimum(t, k_win.shape[2] - 1)  # ring slots <= min(t, W - 1) hold positions
       outs["slc"], _, outs["win"], _ = select_window_fn(
           qg, caches["k_slc"], caches["v_slc"], idx, t, k_win, caches["v_win"], live,
           cfg.sel_block, scale)
     else:
-      fn = select_fn or select_decode
+      fn = select_fn if select_fn is not None and slc_kernel else select_decode
       outs["slc"], _ = fn(qg, caches["k_slc"], caches["v_slc"], idx, t, cfg.sel_block, scale)
     aux["block_idx"] = idx
   if "win" in cfg.branches and "win" not in outs:
     k_win = caches.get("k_win")
-    if k_win is not None and _fits(prefix_fn, k_win) and k_win.shape[2] <= cfg.window:
+    if (k_win is not None and k_win.shape[2] <= cfg.window
+        and _kernel_takes(prefix_fn, "window", qg, k_win, caches["v_win"])):
       # A ring of W <= w slots holds only in-window positions: slots <= min(t, W - 1) are live.
       live = jnp.minimum(t, k_win.shape[2] - 1)
       outs["win"], _ = prefix_fn(qg, k_win, caches["v_win"], live, scale)

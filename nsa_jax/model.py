@@ -69,7 +69,8 @@ class Block(nnx.Module):
 def check_token_ids(tokens, vocab_size: int):
   """Token ids must be integers in [0, vocab_size): the one-hot embedding would give a zero row
   for an id outside it, and a float id would be truncated, both silently. The range is checked
-  where the ids are concrete (eager calls); under jit the data pipeline and decoding guard it."""
+  where the ids are concrete (eager calls, decode.prefill / decode_step, experiments.generate's
+  prompt); under jit nothing can raise, and the training data pipeline refuses such ids."""
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}. Fix: cast them to "
                      "int32 (e.g. tokens.astype(jnp.int32)).")

@@ -150,6 +150,58 @@ def test_sampling_filters():
   assert not all(np.isin(draw[:, r], top3[r]).all() for r in range(4))
 
 
+def test_sampling_refuses_bad_settings_and_survives_a_tiny_temperature():
+  """A NaN temperature passed `temperature < 0` and sampled token 0; a temperature below ~1e-38
+  overflowed logits / temperature to +-inf (token 0 again); at temperature 0 top_p / top_k went
+  unchecked, and a negative top_k was silently off (review of 2026-12-05)."""
+  logits = jnp.asarray([[1.0, 2.0, 0.5], [0.3, -1.0, 0.2]])
+  for kw, what in ((dict(temperature=float("nan")), "temperature=nan"),
+                   (dict(temperature=-1.0), "temperature=-1.0"),
+                   (dict(temperature=0.0, top_p=5.0), "top_p=5.0"),
+                   (dict(temperature=0.0, top_p=float("nan")), "top_p=nan"),
+                   (dict(top_k=-2), "top_k=-2"), (dict(top_k=1.5), "top_k=1.5")):
+    with pytest.raises(ValueError, match=rf"{what}: must be"):
+      sampling.sample(fresh_key(20), logits, **kw)
+  keys = jax.random.split(fresh_key(21), 200)
+  for t in (1e-39, 1e-45, 1e-30):
+    draw = np.asarray(jax.vmap(lambda k: sampling.sample(k, logits, temperature=t))(keys))
+    assert (draw == np.asarray([1, 0])).all(), (t, np.unique(draw))
+  np.testing.assert_array_equal(sampling.sample(fresh_key(22), logits, top_k=np.int64(1)), [1, 0])
+
+
+def test_out_of_vocabulary_ids_are_refused_by_prefill_and_eager_steps():
+  """model(tokens) refused them, but prefill / decode_step embedded them (NaN logits for an id >=
+  vocab_size, the last row for -1)."""
+  model = tiny_model(n_layers=1)
+  tokens = jax.random.randint(fresh_key(23), (2, 6), 0, VOCAB)
+  _, cache = decode.prefill(model, tokens, 8)
+  for bad in (VOCAB, -1):
+    with pytest.raises(ValueError, match=rf"token ids span .*vocab_size={VOCAB}"):
+      decode.prefill(model, tokens.at[0, 3].set(bad), 8)
+    with pytest.raises(ValueError, match=rf"token ids span .*vocab_size={VOCAB}"):
+      decode.decode_step(model, cache, jnp.asarray([1, bad]))
+  decode.decode_step(model, cache, jnp.asarray([1, VOCAB - 1]))  # in range: decodes
+
+
+def test_pallas_decode_kernels_fall_back_where_they_do_not_take_the_shape(caplog):
+  """The split-K kernels refuse head dims that are not multiples of 16 and blocks under 16 tokens;
+  the step then runs those branches in plain JAX (logged) instead of raising, and equals the
+  plain-JAX step (interpret mode runs the kernels' own shape checks)."""
+  import logging
+  caplog.set_level(logging.INFO, logger="nsa_jax")
+  for kw in (dict(head_dim=8), dict(head_dim=16, head_dim_v=8, sel_block=8, cmp_block=8,
+                                     cmp_stride=4)):
+    model = tiny_model(n_layers=1, window=64, **kw)
+    tokens = jax.random.randint(fresh_key(24), (1, 12), 0, VOCAB)
+    _, cache = decode.prefill(model, tokens[:, :10], 64)
+    want, _ = decode.decode_step(model, cache, tokens[:, 10])
+    got, _ = decode.decode_step(model, cache, tokens[:, 10],
+                                **decode.pallas_decode_kernels(interpret=True))
+    assert_close(got, want, f"kernels refused, plain JAX ({kw})", tol=1e-6)
+  assert "Pallas decode kernel not used for the selection cache" in caplog.text
+  assert "Pallas decode kernel not used for the compressed cache" in caplog.text
+
+
 @pytest.mark.parametrize("heads,kv_heads,dk,dv,splits", [(16, 1, 32, 16, 4), (4, 2, 48, 32, 2)])
 def test_pallas_decode_kernel_interpret_matches_plain_jax(heads, kv_heads, dk, dv, splits):
   from pallas_kernels import decode_attention as kern

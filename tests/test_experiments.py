@@ -225,6 +225,9 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
   a training run gives `error: ...` and exit status 1 (generate's bad flags: argparse's 2)."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   nowhere = str(tmp_path / "nowhere")
+  vocab64 = tmp_path / "vocab64.py"  # a model whose tokens are ids, not bytes
+  vocab64.write_text("from configs.tiny_cpu import get_config as tiny\n\n"
+                     "def get_config():\n  c = tiny()\n  c.model.vocab_size = 64\n  return c\n")
   cases = [
       (["experiments.needle_eval", f"--workdirs={nowhere}", f"--out={tmp_path}/n.png"], 1),
       (["experiments.visualize_selection", f"--workdir={nowhere}", f"--out={tmp_path}/v.png"], 1),
@@ -233,6 +236,17 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
       (["experiments.generate", f"--workdir={nowhere}"], 1),
       (["experiments.generate", "--config=configs/tiny_cpu.py", "--chunk=0"], 2),
       (["experiments.generate", "--config=configs/tiny_cpu.py", "--num_samples=0"], 2),
+      # silently ignored or accepted before (review of 2026-12-05)
+      (["experiments.generate", f"--workdir={nowhere}", "--attention=dense"], 2,
+       "--attention applies to --config"),
+      (["experiments.generate", "--config=configs/tiny_cpu.py", "--step=3"], 2,
+       "--step picks a checkpoint of --workdir"),
+      (["experiments.generate", "--config=configs/tiny_cpu.py", "--temperature=nan"], 2,
+       "--temperature must be a number >= 0"),
+      (["experiments.generate", f"--config={vocab64}", "--max_new_tokens=2"], 2,
+       "must be space-separated token ids"),
+      (["experiments.generate", f"--config={vocab64}", "--prompt=1 2 999"], 2,
+       "token ids outside [0, 63]"),
       (["experiments.needle_eval", f"--out={tmp_path}/n.png"], 2),  # a required flag missing
       (["experiments.visualize_selection", f"--out={tmp_path}/v.png"], 2),
       # a short --labels list silently dropped the runs past it
