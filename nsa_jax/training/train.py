@@ -313,26 +313,26 @@ def _compile_and_report(train_step, state, batch, workdir, seq_len, is_main):
 # (field, lowest allowed value, what it means): integer settings a zero or negative value would
 # turn into a ZeroDivisionError mid-run, an empty validation set, a run that silently does nothing
 # or data with nothing to score (a loss of 0 reported as perfect).
-_LOOP_MINIMUMS = (("train.num_steps", 1, "optimizer steps"),
-                  ("train.log_every", 1, "steps between train metric records"),
-                  ("train.eval_every", 1, "steps between validation passes"),
-                  ("train.eval_batches", 1, "validation batches per pass"),
-                  ("checkpoint.every_steps", 1, "steps between checkpoints"),
-                  ("checkpoint.max_to_keep", 1, "checkpoints kept"),
-                  ("data.global_batch_size", 1, "sequences per optimizer step"),
-                  ("data.seq_len", 1, "tokens per sequence"),
-                  ("optim.grad_accum_steps", 1, "microbatches per step"),
-                  ("optim.warmup_steps", 0, "warmup steps"),
-                  ("train.stop_after", 0, "the step this run ends at, 0 = num_steps"),
-                  ("data.max_bytes", 0, "bytes read per split, 0 = all"),
-                  ("data.num_needles", 1, "facts hidden per needle sequence"),
-                  ("data.num_queries", 1, "queried pairs per mqar sequence"),
-                  ("data.num_questions", 1, "questions per passkey / needle sequence"))
+_INT_MINIMUMS = (("train.num_steps", 1, "optimizer steps"),
+                 ("train.log_every", 1, "steps between train metric records"),
+                 ("train.eval_every", 1, "steps between validation passes"),
+                 ("train.eval_batches", 1, "validation batches per pass"),
+                 ("checkpoint.every_steps", 1, "steps between checkpoints"),
+                 ("checkpoint.max_to_keep", 1, "checkpoints kept"),
+                 ("data.global_batch_size", 1, "sequences per optimizer step"),
+                 ("data.seq_len", 1, "tokens per sequence"),
+                 ("optim.grad_accum_steps", 1, "microbatches per step"),
+                 ("optim.warmup_steps", 0, "warmup steps"),
+                 ("train.stop_after", 0, "the step this run ends at, 0 = num_steps"),
+                 ("data.max_bytes", 0, "bytes read per split, 0 = all"),
+                 ("data.num_needles", 1, "facts hidden per needle sequence"),
+                 ("data.num_queries", 1, "queried pairs per mqar sequence"),
+                 ("data.num_questions", 1, "questions per passkey / needle sequence"))
 
 
 # (field, lowest, highest, which ends are open, what it means): numbers whose values outside the
 # range train silently wrong (clip_norm <= 0 zeroes or flips every update, min_lr_ratio < 0 makes
-# the late rate negative, a data field at 0 leaves nothing to score) instead of failing.
+# the late rate negative) or fail late with an error that names neither the field nor the fix.
 _RANGES = (("train.time_limit_minutes", 0, None, "", "0 = no limit"),
            ("optim.clip_norm", 0, None, "low", "the global gradient-norm clip"),
            ("optim.min_lr_ratio", 0, 1, "", "the cosine's end as a fraction of the peak rate"),
@@ -390,7 +390,7 @@ def check_run_config(config):
   """The loop, data and optimizer settings that model_config_from does not cover: one clear error
   naming the field and the fix, before anything is built or written."""
   _check_known_fields(config)
-  for path, low, what in _LOOP_MINIMUMS:
+  for path, low, what in _INT_MINIMUMS:
     block, key = path.split(".")
     if key not in config.get(block, {}):  # optional data fields (OPTIONAL_DATA_FIELDS)
       continue
