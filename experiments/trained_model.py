@@ -58,7 +58,7 @@ def load_model(workdir: str, max_seq_len: int | None = None, step: int | None = 
   from nsa_jax.model import TransformerLM
   from nsa_jax.training import sharding as shd
   from nsa_jax.training.checkpointing import Checkpointer
-  from nsa_jax.training.train import RESUMABLE_MODEL_FIELDS, build_setup
+  from nsa_jax.training.train import MODEL_DEFAULTS, RESUMABLE_MODEL_FIELDS, build_setup
 
   config = load_config(workdir)
   mesh = shd.make_mesh(config.mesh)
@@ -75,7 +75,7 @@ def load_model(workdir: str, max_seq_len: int | None = None, step: int | None = 
       # How-to-compute fields may differ (e.g. layer_loop, added after older runs were saved)
       state, _ = ckpt.restore(step, setup.abstract_state,
                               {"model": dataclasses.asdict(setup.model_cfg)},
-                              ignore=RESUMABLE_MODEL_FIELDS)
+                              ignore=RESUMABLE_MODEL_FIELDS, defaults=MODEL_DEFAULTS)
   finally:
     ckpt.close()
   model_cfg = setup.model_cfg

@@ -20,7 +20,7 @@ import pytest
 from configs.tiny_cpu import get_config as tiny_cpu_config
 from nsa_jax.training import sharding as shd
 from nsa_jax.training import train
-from nsa_jax.training.checkpointing import Checkpointer, CheckpointError
+from nsa_jax.training.checkpointing import Checkpointer, CheckpointError, config_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = int.from_bytes(os.urandom(3), "little")  # fresh every run; printed in failure messages
@@ -271,6 +271,33 @@ def test_mismatched_checkpoint_is_refused_without_touching_it(full_run, tmp_path
   with pytest.raises(CheckpointError, match=r"ffn_dim: checkpoint has 128, config has 192"):
     train.train_and_evaluate(c, workdir)
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "6"]
+
+
+def test_a_model_field_newer_than_the_checkpoint_matches_at_its_default(full_run, tmp_path):
+  """Checkpoints written before a ModelConfig field existed (selection_from_layer, 2026-12-05) lack
+  it in their metadata; needle_eval and visualize_selection then refused the project's own runs.
+  The field matches while the config leaves it at its default, and is refused when set."""
+  from experiments import trained_model
+  workdir = str(tmp_path / "run")
+  subprocess.run(["cp", "-r", full_run[0], workdir], check=True)
+  for step in ("4", "6"):
+    path = os.path.join(workdir, "checkpoints", step, "meta", "metadata")
+    with open(path) as f:
+      meta = json.load(f)
+    del meta["model"]["selection_from_layer"]
+    with open(path, "w") as f:
+      json.dump(meta, f)
+  trained_model.load_model(workdir)  # the evaluation tools' loader
+  assert train.train_and_evaluate(small_config(num_steps=8), workdir)["step"] == 8  # resumed at 6
+  saved = {"n_layers": 2, "nsa": {"window": 32}}
+  current = {"n_layers": 2, "selection_from_layer": None, "nsa": {"window": 32, "new": False}}
+  defaults = {"n_layers": 4, "selection_from_layer": None, "nsa": {"window": 64, "new": False}}
+  assert config_diff(saved, current, defaults=defaults) == []
+  assert len(config_diff(saved, current)) == 2  # without defaults both new fields differ
+  current["selection_from_layer"], current["nsa"]["new"] = 0, True  # not the default: refused
+  assert config_diff(saved, current, defaults=defaults) == [
+      "nsa.new: checkpoint has '<missing>', config has True",
+      "selection_from_layer: checkpoint has '<missing>', config has 0"]
 
 
 def test_warm_start_takes_the_parameters_only_and_trains_at_another_length(full_run, tmp_path):

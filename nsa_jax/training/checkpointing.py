@@ -46,16 +46,24 @@ def quiet_reads():
 
 
 def config_diff(saved: dict, current: dict, prefix: str = "", ignore=(),
-          fmt="{key}: checkpoint has {a!r}, config has {b!r}") -> list[str]:
+                fmt="{key}: checkpoint has {a!r}, config has {b!r}", defaults=None) -> list[str]:
   """Human-readable differences between two JSON-like dicts (dotted paths in ignore skipped),
-  one fmt line (key = dotted path, a = saved, b = current) each."""
+  one fmt line (key = dotted path, a = saved, b = current) each.
+
+  defaults: a dict shaped like current holding each field's default. A field the saved dict lacks
+  (added to the config after it was written) matches when current holds its default: defaults
+  keep the behaviour of the code that wrote it."""
   out = []
+  defaults = defaults or {}
   for key in sorted(set(saved) | set(current)):
     if f"{prefix}{key}" in ignore:
       continue
     a, b = saved.get(key, "<missing>"), current.get(key, "<missing>")
+    if a == "<missing>" and key in defaults and b == defaults[key]:
+      continue
     if isinstance(a, dict) and isinstance(b, dict):
-      out += config_diff(a, b, f"{prefix}{key}.", ignore, fmt)
+      sub = defaults.get(key) if isinstance(defaults.get(key), dict) else None
+      out += config_diff(a, b, f"{prefix}{key}.", ignore, fmt, sub)
     elif a != b:
       out.append(fmt.format(key=f"{prefix}{key}", a=a, b=b))
   return out
@@ -204,15 +212,18 @@ class Checkpointer:
     self.require_step(step)
     return self.read(step, "its metadata", meta=ocp.args.JsonRestore())["meta"]
 
-  def restore(self, step: int, abstract_state, expected_meta: dict, ignore=()):
+  def restore(self, step: int, abstract_state, expected_meta: dict, ignore=(), defaults=None):
     """Checks meta against expected_meta, then restores (state, data_state) at step.
 
     ignore: dotted model fields that may change on resume (how to compute, not what is learned).
+    defaults: the model fields' defaults (config_diff): a field newer than the checkpoint matches
+    at its default.
     abstract_state: a tree of jax.ShapeDtypeStruct carrying the target NamedShardings, so every
     array is read directly into its shards.
     """
     meta = self.read_meta(step)
-    problems = config_diff(meta.get("model", {}), _jsonable(expected_meta["model"]), ignore=ignore)
+    problems = config_diff(meta.get("model", {}), _jsonable(expected_meta["model"]), ignore=ignore,
+                           defaults=_jsonable(defaults) if defaults else None)
     if problems:
       raise CheckpointError(
           f"checkpoint {self.step_dir(step)} was written for a different model:\n  "

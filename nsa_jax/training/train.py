@@ -43,6 +43,9 @@ RESUMABLE_MODEL_FIELDS = ("remat", "layer_loop", "dtype", "max_seq_len", "nsa.im
 # A warm start (config.checkpoint.init_from) may also change what NSA attends to with the same
 # parameters: n and w (e.g. a curriculum whose short first stage selects fewer blocks).
 WARM_START_FREE_FIELDS = RESUMABLE_MODEL_FIELDS + ("nsa.num_selected", "nsa.window")
+# A model field added after a checkpoint was written (e.g. selection_from_layer) is absent from its
+# metadata; it matches while the config leaves it at this default, which keeps the old behaviour.
+MODEL_DEFAULTS = dataclasses.asdict(ModelConfig())
 
 
 class NonFiniteError(FloatingPointError):
@@ -444,7 +447,8 @@ def warm_start(setup, meta, init_from: str) -> dict:
       raise CheckpointError(f"config.checkpoint.init_from={init_from!r} holds no checkpoint. Fix: "
                             "give the --workdir of a run that saved one")
     try:
-      loaded, _ = src.restore(latest, setup.abstract_state, meta, ignore=WARM_START_FREE_FIELDS)
+      loaded, _ = src.restore(latest, setup.abstract_state, meta, ignore=WARM_START_FREE_FIELDS,
+                              defaults=MODEL_DEFAULTS)
     except CheckpointError as e:  # the resume message's fixes do not apply to a warm start
       reason = str(e).split("\nFix:")[0].split(" Fix:")[0]
       raise CheckpointError(f"config.checkpoint.init_from={init_from!r} cannot start this run: "
@@ -467,7 +471,8 @@ def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool, init_from: str
                           "config.checkpoint.resume is False. Fix: use a fresh --workdir, or resume")
   if latest is None:  # a fresh run (a warm-started run that saved once resumes from its own)
     return (warm_start(setup, meta, init_from) if init_from else create_train_state(setup)), 0
-  state, data_state = ckpt.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS)
+  state, data_state = ckpt.restore(latest, setup.abstract_state, meta, ignore=RESUMABLE_MODEL_FIELDS,
+                                   defaults=MODEL_DEFAULTS)
   train_iter.restore(data_state)
   step = int(to_host(state["step"]))
   if step != latest or train_iter.step != latest:
