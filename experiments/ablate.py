@@ -168,11 +168,28 @@ def config_hash(config: ConfigDict) -> str:
   return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _joined_flags(argv: list[str]) -> list[str]:
+  """argv[1:] with each `--flag value` pair (the space form absl accepts) as one `--flag=value`."""
+  out, args = [], argv[1:]
+  i = 0
+  while i < len(args):
+    a = args[i]
+    if (a.startswith("--") and "=" not in a and i + 1 < len(args)
+        and not args[i + 1].startswith("--")):
+      out.append(f"{a}={args[i + 1]}")
+      i += 2
+    else:
+      out.append(a)
+      i += 1
+  return out
+
+
 def command_for(config_path: str, run: str, argv: list[str]) -> str:
   """The command that reruns this row: --config as given (with any ':scale'), the user's
-  --config.* overrides kept, --run set."""
-  given = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")]
-  keep = [a for a in argv[1:] if a.startswith("--config.") or a.startswith("--runs_root")
+  --config.* overrides kept (with their values, in either flag form), --run set."""
+  flags_given = _joined_flags(argv)
+  given = [a.split("=", 1)[1] for a in flags_given if a.startswith("--config=")]
+  keep = [a for a in flags_given if a.startswith("--config.") or a.startswith("--runs_root")
           or a.startswith("--out_dir")]
   return shlex.join(["python", "-m", "experiments.ablate", f"--config={given[0] if given else config_path}",
                      f"--run={run}", *keep])
@@ -200,6 +217,22 @@ def read_tokens_per_s(workdir: str) -> float:
   return float(_median(tps))
 
 
+def _summary_from_logs(workdir: str, summary: dict) -> dict:
+  """summary with the final train / validation metrics of a run that had already finished, read
+  from its metrics.jsonl (its validation at the final step)."""
+  from nsa_jax.training.plotting import read_metrics
+  recs = read_metrics(workdir)
+  val = [r for r in recs if "val/loss" in r]
+  train = [r for r in recs if "train/loss" in r]
+  if not val or val[-1]["step"] != summary["step"] or not train:
+    raise ValueError(f"run in {workdir} is at step {summary['step']}, but its metrics.jsonl holds no "
+                     "validation at that step. Fix: move the workdir away to retrain this row")
+  v = val[-1]
+  return {**summary, "train": {"loss": train[-1]["train/loss"]},
+          "val": {"loss": v["val/loss"], "perplexity": v["val/perplexity"],
+                  "accuracy": v["val/accuracy"]}}
+
+
 def train_run(config: ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) one run; returns its metrics record (saved in the workdir too)."""
   from nsa_jax.training import train
@@ -213,6 +246,8 @@ def train_run(config: ConfigDict, workdir: str) -> dict:
   wall = time.time() - t0
   if summary.get("stopped"):
     raise RuntimeError(f"run in {workdir} stopped early ({summary['stopped']}); rerun to resume")
+  if not summary["val"]:  # it had finished (its record file lost, e.g. killed right after the
+    summary, wall = _summary_from_logs(workdir, summary), float("nan")  # last save): read the logs
   tokens = config.train.num_steps * config.data.global_batch_size * config.data.seq_len
   rec = dict(val_loss=summary["val"]["loss"], val_ppl=summary["val"]["perplexity"],
              val_acc=summary["val"]["accuracy"], train_loss=summary["train"]["loss"],
@@ -241,15 +276,17 @@ def records_by_hash(paths: list[str]) -> dict[str, dict]:
   return out
 
 
-def read_results(out_dir: str) -> dict[str, dict]:
-  """Latest record per run name."""
+def read_results(out_dir: str, hashes: dict[str, str] | None = None) -> dict[str, dict]:
+  """Latest record per run name; with hashes ({run: config hash of this command's settings}), the
+  latest record made with those settings (a run recorded only with others is left out)."""
   path = os.path.join(out_dir, "results.jsonl")
   out = {}
   if os.path.exists(path):
     with open(path) as f:
       for line in f:
         rec = json.loads(line)
-        out[rec["run"]] = rec
+        if hashes is None or hashes.get(rec["run"]) == rec.get("config_hash"):
+          out[rec["run"]] = rec
   return out
 
 
@@ -282,10 +319,21 @@ def markdown_table(results: dict[str, dict], order: list[str], reference: str | 
   return head + "\n".join(rows) + "\n"
 
 
-def write_report(out_dir: str, order: list[str], reference: str | None, title: str):
+def write_report(out_dir: str, order: list[str], reference: str | None, title: str,
+                 hashes: dict[str, str] | None = None):
+  """results.md and loss_curves.png. hashes ({run: config hash}, as main passes them): rows only
+  from records made with these settings, so a row rerun with other overrides (say more steps)
+  never sits beside, or is compared with, rows of the earlier settings; the rest are named below
+  the table."""
   from nsa_jax.training.plotting import plot_runs
-  results = read_results(out_dir)
+  results = read_results(out_dir, hashes)
   table = markdown_table(results, order, reference)
+  if hashes is not None:
+    other = sorted(set(read_results(out_dir)) - set(results))
+    if other:
+      table += (f"\nNot in this table: {', '.join(other)}, recorded only with other settings "
+                "than this command's (other --config.* overrides); rerun them with these "
+                "settings, or pass the earlier overrides to see those rows.\n")
   # Curves only for runs whose logs are here (a record reused from another machine has none).
   names = [n for n in order if n in results
            and os.path.exists(os.path.join(results[n]["workdir"], "metrics.jsonl"))]
@@ -304,15 +352,17 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)
   path = config_flags.get_config_filename(flags.FLAGS["config"])
-  given = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), path)
+  given = next((a.split("=", 1)[1] for a in _joined_flags(sys.argv) if a.startswith("--config=")),
+               path)
   module = load_sweep(path)
   name = sweep_name(given)  # keeps the ':scale' suffix: gpu results never mix with cpu ones
   out_dir = _OUT.value or os.path.join("runs", "ablate", name)
   reference = getattr(module, "REFERENCE", None)
   runs = resolve_runs(module, _CONFIG.value)
   order = list(runs)
+  hashes = {run: config_hash(config) for run, (_, config) in runs.items()}
   if _REPORT.value:
-    print(write_report(out_dir, order, reference, f"sweep {name}"))
+    print(write_report(out_dir, order, reference, f"sweep {name}", hashes))
     return 0
   reuse = records_by_hash(_REUSE.value)
   wanted = order if _RUN.value == "all" else _RUN.value.split(",")
@@ -341,7 +391,7 @@ def main(argv):
     print(f"=== {name}/{run}: val loss {rec['val_loss']:.4f}, {rec['tokens_per_s']:,.0f} tok/s, "
           f"{rec['wall_s']:.0f} s{' (reused)' if rec['reused'] else ''}", flush=True)
   if not _LIST.value:
-    print(write_report(out_dir, order, reference, f"sweep {name}"))
+    print(write_report(out_dir, order, reference, f"sweep {name}", hashes))
   return 0
 
 

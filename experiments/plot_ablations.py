@@ -4,22 +4,33 @@
       docs/results/design_gpu/results.jsonl docs/results/blocks_gpu/results.jsonl \
       --extra=docs/results/nsa_vs_dense_gpu.jsonl:dense --out=docs/figures/ablations_gpu.png
 
-Inputs are `experiments.ablate` results files. A run recorded in several files (the shared `nsa`
-reference) is drawn once: records are keyed by config hash, the last one read wins. `--extra`
-adds single runs (FILE:RUN) from other sweeps, e.g. the dense baseline. Prints the Markdown table
-the chart shows.
+Inputs are `experiments.ablate` results files. Each run is its latest record in its sweep (a
+rerun with other settings replaces the earlier record instead of adding a bar), and a run recorded
+in several sweeps (the shared `nsa` reference) is drawn once: those records are keyed by config
+hash, the last one read wins. `--extra` adds single runs (FILE:RUN) from other sweeps, e.g. the
+dense baseline. Prints the Markdown table the chart shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 
+def _latest_per_run(path: str) -> dict[tuple, dict]:
+  """{(sweep, run): the last record of that run} in one results file."""
+  out = {}
+  with open(path) as f:
+    for line in f:
+      rec = json.loads(line)
+      out[(rec.get("sweep"), rec["run"])] = rec
+  return out
+
+
 def load_records(paths: list[str], extra: list[str] = ()) -> list[dict]:
-  """Records from results.jsonl files (all runs) and FILE:RUN entries (that run only), one per
-  config hash (the last one read wins)."""
-  from experiments.ablate import records_by_hash
+  """Records from results.jsonl files (all runs) and FILE:RUN entries (that run only): each run's
+  latest record, then one per config hash (the last one read wins)."""
   picks = []
   for item in extra:
     path, sep, run = item.rpartition(":")
@@ -29,12 +40,14 @@ def load_records(paths: list[str], extra: list[str] = ()) -> list[dict]:
   for path in [*paths, *(p for p, _ in picks)]:
     if not os.path.exists(path):
       raise FileNotFoundError(f"{path}: no such results file (an experiments.ablate results.jsonl)")
-  by_hash = records_by_hash(paths)
+  by_hash = {}
+  for path in paths:
+    by_hash.update({r["config_hash"]: r for r in _latest_per_run(path).values()})
   for path, run in picks:
-    chosen = {h: r for h, r in records_by_hash([path]).items() if r["run"] == run}
+    chosen = [r for (_, name), r in _latest_per_run(path).items() if name == run]
     if not chosen:
       raise ValueError(f"{path} has no run named {run!r}")
-    by_hash.update(chosen)
+    by_hash.update({r["config_hash"]: r for r in chosen})
   return list(by_hash.values())
 
 
@@ -98,4 +111,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  from experiments.cli import run_main
+  run_main(main)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -150,6 +151,11 @@ def test_command_keeps_overrides_and_names_the_run():
                             "--config.model.d_model=512", "--out_dir=/o"])
   assert cmd == ("python -m experiments.ablate --config=configs/sweep_x.py:gpu --run=dense "
                  "--config.model.d_model=512 --out_dir=/o")
+  # the space form (absl takes `--flag value`) kept its flags but dropped their values
+  spaced = ablate.command_for("configs/sweep_x.py", "dense",
+                              ["ablate.py", "--config", "configs/sweep_x.py:gpu", "--run", "all",
+                               "--config.model.d_model", "512", "--out_dir", "/o"])
+  assert spaced == cmd, spaced
   assert ablate.sweep_name("configs/sweep_x.py:gpu") == "x_gpu"
   assert ablate.sweep_name("configs/sweep_x.py") == "x"
 
@@ -185,6 +191,15 @@ def test_train_run_records_metrics_and_reuses_a_finished_run(trained, tmp_path):
   assert rec["params"] == ablate.count_params(config) and rec["wall_s"] > 0
   again = ablate.train_run(config, workdir)
   assert again["reused"] and again["val_loss"] == rec["val_loss"]
+  # A finished run whose record file was lost (killed right after its last save): the record is
+  # rebuilt from its logs instead of a KeyError (its wall time is unknown).
+  lost = str(tmp_path / "lost")
+  shutil.copytree(workdir, lost)
+  os.remove(os.path.join(lost, "ablate_result.json"))
+  rebuilt = ablate.train_run(config, lost)
+  assert not rebuilt["reused"] and math.isnan(rebuilt["wall_s"])
+  for k in ("val_loss", "val_ppl", "val_acc", "train_loss", "steps"):
+    assert rebuilt[k] == pytest.approx(rec[k], rel=1e-6), k
   # Table and curves from results.jsonl; deltas against the reference.
   out = str(tmp_path)
   for name, loss in (("nsa", rec["val_loss"]), ("dense", rec["val_loss"] + 0.5)):
@@ -195,6 +210,14 @@ def test_train_run_records_metrics_and_reuses_a_finished_run(trained, tmp_path):
   rows = [r for r in table.splitlines() if r.startswith("| nsa") or r.startswith("| dense")]
   assert len(rows) == 2 and "+0.5000" in rows[1] and "`cmd dense`" in rows[1]
   assert os.path.getsize(os.path.join(out, "loss_curves.png")) > 10_000
+  # nsa rerun with other settings (another config hash): with this command's hashes the table
+  # holds only the records made with them, so dense's row (old settings) is named, not compared.
+  ablate.append_result(out, dict(rec, run="nsa", overrides={}, workdir=workdir, command="cmd nsa2",
+                                 config_hash="new", val_loss=rec["val_loss"] - 0.25))
+  table = ablate.write_report(out, ["nsa", "dense"], "nsa", "t", {"nsa": "new", "dense": "new-d"})
+  rows = [r for r in table.splitlines() if r.startswith("| nsa") or r.startswith("| dense")]
+  assert len(rows) == 1 and "`cmd nsa2`" in rows[0], table
+  assert "Not in this table: dense, recorded only with other settings" in table
 
 
 def test_cli_lists_runs_with_overrides(sweep_file):
@@ -1286,6 +1309,13 @@ def test_plot_ablations_chart_table_and_errors(tmp_path):
     plot_ablations.load_records([], [f"{b}:zzz"])
   with pytest.raises(ValueError, match="expected FILE:RUN"):
     plot_ablations.load_records([], ["nocolon"])
+  # A rerun of x with other settings (another hash) replaces x's bar instead of adding one, and the
+  # reference is drawn against its own latest record only.
+  with open(a, "a") as f:
+    f.write(json.dumps(rec("x", "h9", 1.6)) + "\n" + json.dumps(rec("nsa", "h8", 1.45)) + "\n")
+  ref, rows = plot_ablations.deltas(plot_ablations.load_records([str(a)]))
+  assert ref["config_hash"] == "h8" and [(n, round(d, 4)) for n, d, _ in rows] == [("x", 0.15)]
+  assert plot_ablations.load_records([], [f"{a}:x"])[0]["config_hash"] == "h9"
 
 
 def test_profile_step_times_both_configs_and_groups_kernels(tmp_path):
