@@ -159,11 +159,13 @@ def record(*, op, impl, pass_, t, batch, q_heads, kv_heads, d_k, d_v, ms, cudnn_
   """One result row with the base fields filled in (hardware, date, command, speedup)."""
   rec = dict(op=op, impl=impl, T=t, batch=batch, q_heads=q_heads, kv_heads=kv_heads, d_k=d_k,
              d_v=d_v, ms=round(ms, 4), cudnn_ms=None if cudnn_ms is None else round(cudnn_ms, 4),
-             speedup=None if not cudnn_ms else round(cudnn_ms / ms, 3), hardware=hardware(),
-             date=utc_now(), command=command_line())
+             speedup=None if not cudnn_ms or ms <= 0 else round(cudnn_ms / ms, 3),
+             hardware=hardware(), date=utc_now(), command=command_line())
   rec["pass"] = pass_
   rec = {f: rec[f] for f in BASE_FIELDS}
   rec["code_commit"] = code_commit()
+  if ms <= 0:  # e.g. a backward read as (fwd + bwd) - fwd, below the two timings' noise
+    rec["note"] = "non-positive time: a difference of two timings within their noise; no speed-up"
   rec.update(extra)
   return rec
 

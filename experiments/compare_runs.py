@@ -91,6 +91,13 @@ def compare(records: list[dict], baseline: str | None) -> None:
   for r in records:
     if base is None:
       continue
+    # Scaling and loss agreement mean something only between layouts of one model.
+    differ = [k for k in ("params", "attention") if r.get(k) != base.get(k)]
+    if differ:
+      r["not_compared"] = f"{' and '.join(differ)} differ from {baseline}'s (another model)"
+      print(f"note: {r['label']}: {r['not_compared']}: no scaling efficiency or loss difference",
+            file=sys.stderr)
+      continue
     if r.get("tokens_per_s") and base.get("tokens_per_s_per_device"):
       r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * base["tokens_per_s_per_device"])
     common = sorted(set(r["losses"]) & set(base["losses"]))
@@ -115,7 +122,7 @@ COLS = [("label", "run"), ("devices", "GPUs"), ("mesh", "mesh"), ("last_step", "
         ("scaling_efficiency", "scaling eff."), ("max_abs_loss_diff_vs_baseline", "max |dloss|"),
         ("train_loss", "train loss"), ("val_loss", "val loss"), ("peak_memory_gb", "peak GB"),
         ("collectives", "collectives"), ("collectives_with_seq_dim", "with T dim"),
-        ("collectives_in_attention", "in attention")]
+        ("collectives_in_attention", "in attention"), ("not_compared", "not compared")]
 
 
 def markdown(records: list[dict]) -> str:

@@ -568,6 +568,26 @@ def parse_force_layers(values: list[str], mode: str) -> list[int]:
   return layers
 
 
+# Which modes read each mode-specific flag: given for another mode it was silently ignored.
+MODE_FLAGS = {"lengths": ("needle", "blocks"), "depths": ("needle", "blocks"),
+              "samples": ("needle", "blocks"), "seed": ("needle", "blocks"),
+              "bucket": ("position",), "batches": ("position",), "val_seed": ("position",)}
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def check_mode_flags(mode: str, given: set[str], out: str):
+  """Refuses flags of another mode (they were ignored while the defaults ran) and, before any
+  evaluation, an --out the plot cannot be written to (a .json failed after the whole grid)."""
+  stray = sorted(f for f in given if f in MODE_FLAGS and mode not in MODE_FLAGS[f])
+  if stray:
+    raise ValueError(f"{', '.join('--' + f for f in stray)} not used by --mode={mode} (they belong "
+                     f"to {', '.join(sorted({m for f in stray for m in MODE_FLAGS[f]}))}). Fix: "
+                     "drop them, or pick the mode they are for.")
+  if mode != "blocks" and os.path.splitext(out)[1].lower() not in IMAGE_SUFFIXES:
+    raise ValueError(f"--out={out}: the {mode} plot needs an image name ({', '.join(IMAGE_SUFFIXES)};"
+                     " the numbers go to a .json beside it). Fix: e.g. --out=needle.png")
+
+
 def check_run_flags(n_runs: int, labels: list[str], labels_given: bool, **counts):
   """One label per run, no two alike (results and plots are keyed by label: a short or repeated
   list silently dropped runs), and every count flag (samples, bucket, batches) at least 1."""
@@ -588,6 +608,8 @@ def main(argv):
   from experiments.cli import quiet_libraries
   quiet_libraries()
   from experiments.trained_model import jit_logits, load_model, resolve_workdir, val_batches
+  check_mode_flags(_MODE.value, {name for name in MODE_FLAGS if flags.FLAGS[name].present},
+                   _OUT.value)
   specs = [resolve_workdir(w) for w in _WORKDIRS.value]
   labels = _LABELS.value or [label for _, label, _ in specs]
   check_run_flags(len(specs), labels, bool(_LABELS.value),

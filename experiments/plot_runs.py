@@ -6,7 +6,7 @@ Labels default to "<dir name> (<attention>, <layers>L d<width>)"; --labels=a,b o
 
 import argparse
 
-from nsa_jax.training.plotting import plot_runs
+from nsa_jax.training.plotting import plot_runs, read_metrics
 
 
 def main(argv=None):
@@ -19,6 +19,11 @@ def main(argv=None):
   labels = args.labels.split(",") if args.labels else None
   if labels and len(labels) != len(args.workdirs):
     parser.error(f"{len(labels)} labels for {len(args.workdirs)} work directories")
+  empty = [wd for wd in args.workdirs
+           if not any("train/loss" in r or "val/loss" in r for r in read_metrics(wd))]
+  if empty:  # they would be a blank plot, or silently missing from the legend
+    raise ValueError(f"no loss records yet in {empty} (a run that has not logged a step). Fix: "
+                     "plot it once it has trained, or leave it out")
   print(plot_runs(args.workdirs, args.out, labels=labels, smoothing=args.smoothing))
 
 

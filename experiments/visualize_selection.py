@@ -173,6 +173,9 @@ def main(argv):
   from experiments.cli import quiet_libraries
   quiet_libraries()
   from experiments.trained_model import forward_with_aux, load_model, resolve_workdir, val_batches
+  if _ROW.value < 0 or _STAT_ROWS.value < 1:
+    raise ValueError(f"--row={_ROW.value} / --stat_rows={_STAT_ROWS.value}: need a row >= 0 and "
+                     "at least 1 statistic row. Fix: e.g. --row=0 --stat_rows=8")
   workdir, label, step = resolve_workdir(_WORKDIR.value)
   model, config, model_cfg = load_model(workdir, step=step)
   per_batch = config.data.global_batch_size

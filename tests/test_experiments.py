@@ -271,6 +271,15 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
       (["experiments.generate", f"--config={vocab64}", "--prompt=1 2 999"], 2,
        "token ids outside [0, 63]"),
       (["experiments.needle_eval", f"--out={tmp_path}/n.png"], 2),  # a required flag missing
+      # another mode's flags were silently ignored; a .json --out failed after the whole grid
+      (["experiments.needle_eval", "--mode=position", f"--workdirs={nowhere}", "--lengths=1024",
+        f"--out={tmp_path}/n.png"], 1, "--lengths not used by --mode=position"),
+      (["experiments.needle_eval", f"--workdirs={nowhere}", "--bucket=3", "--val_seed=7",
+        f"--out={tmp_path}/n.png"], 1, "--bucket, --val_seed not used by --mode=needle"),
+      (["experiments.needle_eval", f"--workdirs={nowhere}", f"--out={tmp_path}/n.json"], 1,
+       "needs an image name"),
+      (["experiments.visualize_selection", f"--workdir={nowhere}", "--row=-1",
+        f"--out={tmp_path}/v.png"], 1, "--row=-1"),
       (["experiments.visualize_selection", f"--out={tmp_path}/v.png"], 2),
       # a short --labels list silently dropped the runs past it
       (["experiments.needle_eval", f"--workdirs={nowhere},{nowhere}@2", "--labels=one",
@@ -582,11 +591,11 @@ def test_plots_are_written(tmp_path):
 def test_compare_runs_table_scaling_and_loss_agreement(tmp_path):
   from experiments import compare_runs
 
-  def fake_run(name, devices, tok_s, losses, colls=None):
+  def fake_run(name, devices, tok_s, losses, colls=None, attention="nsa"):
     d = tmp_path / name
     d.mkdir()
     recs = [{"event": "start", "devices": devices, "mesh": {"data": devices, "fsdp": 1, "tensor": 1},
-             "device_kind": "fake", "params": 10, "attention": ["nsa"]}]
+             "device_kind": "fake", "params": 10, "attention": [attention]}]
     recs += [{"step": s, "train/loss": l, "train/tokens_per_s": tok_s, "train/step_time_s": 0.5}
              for s, l in losses.items()]
     recs += [{"step": max(losses), "val/loss": 2.0}, {"event": "end", "peak_memory_gb": 1.0}]
@@ -605,6 +614,12 @@ def test_compare_runs_table_scaling_and_loss_agreement(tmp_path):
   assert recs["two"]["max_abs_loss_diff_vs_baseline"] == pytest.approx(0.01)
   assert recs["two"]["collectives_in_attention"] == 0 and recs["two"]["collective_mb"] == 1.0
   assert "| two | 2 |" in (tmp_path / "cmp.md").read_text()
+  # another model (here dense): shown, but no scaling or loss agreement against the baseline
+  dense = fake_run("dense", 2, 180.0, {10: 3.3, 20: 2.9}, attention="dense")
+  compare_runs.main([one, dense, "--baseline=one", f"--out_dir={tmp_path}", "--name=cmp2"])
+  rec = {r["label"]: r for r in json.loads((tmp_path / "cmp2.json").read_text())}["dense"]
+  assert "scaling_efficiency" not in rec and "max_abs_loss_diff_vs_baseline" not in rec
+  assert rec["not_compared"] == "attention differ from one's (another model)"
   with pytest.raises(SystemExit, match="no run has that label"):
     compare_runs.main([one, "--baseline=nope"])
   with pytest.raises(SystemExit, match="no train window at or below --max_step=5"):
@@ -1602,3 +1617,15 @@ def test_bench_fla_refuses_clearly_without_torch_or_gpu(monkeypatch, capsys):
   with pytest.raises(SystemExit) as e:
     bench_fla.main(["--T", "1024"])
   assert "PyTorch is missing" in str(e.value) and "Fix" in str(e.value)
+
+
+def test_a_non_positive_benchmark_time_gets_no_speedup():
+  """A backward read as (fwd + bwd) - fwd can come out <= 0 within timing noise (a CPU dry run
+  printed -0.34 ms and a speed-up of -7.81): no speed-up then, and a note saying why."""
+  from experiments import bench_common as bc
+  kw = dict(op="window", impl="x", pass_="bwd", t=256, batch=1, q_heads=4, kv_heads=1, d_k=16,
+            d_v=16, cudnn_ms=2.0)
+  bad = bc.record(ms=-0.3424, **kw)
+  assert bad["speedup"] is None and "non-positive time" in bad["note"]
+  good = bc.record(ms=0.5, **kw)
+  assert good["speedup"] == 4.0 and "note" not in good

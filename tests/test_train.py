@@ -94,6 +94,11 @@ def test_plot_runs_overlays_several_workdirs(full_run, tmp_path):
   out = str(tmp_path / "overlay.png")
   plot_runs.main([full_run[0], full_run[0], f"--out={out}", "--labels=nsa,again"])
   assert os.path.getsize(out) > 10_000
+  started = tmp_path / "started"  # only the start event: a blank plot before, exit status 0
+  started.mkdir()
+  (started / "metrics.jsonl").write_text(json.dumps({"event": "start", "step": 0}) + "\n")
+  with pytest.raises(ValueError, match=r"no loss records yet in \[.*started"):
+    plot_runs.main([full_run[0], str(started), f"--out={tmp_path / 'x.png'}"])
 
 
 def test_sigterm_then_resume_reproduces_the_uninterrupted_losses(full_run, tmp_path):
