@@ -212,7 +212,12 @@ def selection_scores(p_cmp, num_kv_heads, seq_len, cfg: NSAConfig):
 
 def quest_scores(q, k, sel_block, segment_ids=None):
   """Quest-style heuristic importance [B, T, K, Ns] (paper section 6.1 ablation): for each selection
-  block, sum over channels of max(q * k_max, q * k_min), summed over the group's heads."""
+  block, sum over channels of max(q * k_max, q * k_min), summed over the group's heads.
+
+  segment_ids is not read: a block's key bounds span the whole block, so with packed documents a
+  block straddling a document start scores with the earlier document's keys too (the choice only:
+  select_blocks and the attention mask keep other documents out; docs/STATUS.md, known gaps). The
+  argument keeps the selectors' common signature."""
   b, t, h, dk = q.shape
   kh = k.shape[2]
   ns = -(-t // sel_block)
@@ -419,6 +424,18 @@ def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NS
       "gates": (b, t, h, 3)}
   got = dict(k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win,
              gates=gates)
+  # Inputs no enabled branch reads may be None; one that is read may not (the plain-JAX path took
+  # a missing k_cmp for "no compressed blocks": a zero branch and forced-only selection).
+  needed = {"gates"} | ({"k_slc", "v_slc"} if "slc" in cfg.branches else set()) | (
+      {"k_win", "v_win"} if "win" in cfg.branches else set())
+  if "cmp" in cfg.branches or ("slc" in cfg.branches and cfg.selector == "nsa"):
+    needed |= {"k_cmp", "v_cmp"}  # the NSA selector reads the compression softmax
+  missing = [n for n in got if n in needed and got[n] is None]
+  if missing:
+    raise ValueError(f"{', '.join(missing)} is None, but branches={cfg.branches!r} with "
+                     f"selector={cfg.selector!r} read it. Fix: pass it (shapes: k_cmp/v_cmp "
+                     "[B, Nc, K, D] from mlp_compress, the others [B, T, K, D], gates [B, T, H, 3]), "
+                     "or drop the branch that reads it.")
   for name, a in {"q": q, **got}.items():
     if a is not None and not jnp.issubdtype(a.dtype, jnp.floating):
       raise ValueError(f"{name} has dtype {a.dtype}; NSA attention needs floating-point inputs "

@@ -165,6 +165,29 @@ def test_mismatched_shape_names_the_tensor(name, shape):
       assert str(GOOD[name]) in msg, f"message does not give the expected shape: {msg}"
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas-triton"])
+def test_a_missing_input_that_a_branch_reads_is_named(impl):
+  """A None that an enabled branch reads is refused by every path (the plain-JAX path took a missing
+  k_cmp for "no compressed blocks": a zero compression branch and forced-only selection; the
+  others failed with AttributeError); one that nothing reads stays allowed."""
+  import dataclasses
+  from nsa_jax import ops
+  cfg = dataclasses.replace(CFG, head_dim=16, head_dim_v=16)  # shapes the kernels take
+  shapes = dict(GOOD, q=(B, T, 4, 16), k_cmp=(B, NC, 2, 16), v_cmp=(B, NC, 2, 16),
+                k_slc=(B, T, 2, 16), v_slc=(B, T, 2, 16), k_win=(B, T, 2, 16), v_win=(B, T, 2, 16))
+  args = dict(zip(NAMES, nsa_inputs(**shapes)))
+  for branches, selector, missing in (
+      (("cmp", "slc", "win"), "nsa", "k_cmp"), (("slc", "win"), "nsa", "v_cmp"),
+      (("cmp", "slc"), "nsa", "v_slc"), (("cmp", "win"), "nsa", "k_win"),
+      (("cmp", "slc", "win"), "nsa", "gates")):
+    c = dataclasses.replace(cfg, branches=branches, selector=selector)
+    with pytest.raises(ValueError, match=rf"{missing} is None, but branches=.* read it\. Fix: "):
+      ops.nsa_attention(**dict(args, **{missing: None}), cfg=c, implementation=impl)
+  c = dataclasses.replace(cfg, branches=("slc", "win"), selector="quest")  # nothing reads k/v_cmp
+  o = ops.nsa_attention(**dict(args, k_cmp=None, v_cmp=None), cfg=c, implementation=impl)
+  assert o.shape == (B, T, 4, 16)
+
+
 def test_mismatched_segment_ids_named():
   for bad in ((B, T + 1), (T,), (1, T)):
     with pytest.raises(ValueError, match=r"segment_ids.*expected"):
