@@ -10,7 +10,15 @@ ok_python() {  # prints the path if $1 is Python >= 3.12
 
 find_python() {
   local c
-  for c in ${NSA_PYTHON:-} python3.12 python3.13 /root/.pyenv/versions/3.12*/bin/python3 \
+  if [ -n "${NSA_PYTHON:-}" ]; then  # the user's choice: used, or refused with the reason
+    if ok_python "$NSA_PYTHON"; then return 0; fi
+    local found="not found"
+    if command -v "$NSA_PYTHON" >/dev/null 2>&1; then found=$("$NSA_PYTHON" --version 2>&1); fi
+    echo "setup: NSA_PYTHON=$NSA_PYTHON is not a Python >= 3.12 ($found)." >&2
+    echo "setup: point it at Python 3.12 or newer, or unset it to search the usual places." >&2
+    return 2
+  fi
+  for c in python3.12 python3.13 /root/.pyenv/versions/3.12*/bin/python3 \
            /root/.pyenv/versions/3.13*/bin/python3 /usr/local/bin/python3.1[2-9] python3 python; do
     [ -n "$c" ] || continue
     command -v "$c" >/dev/null 2>&1 || [ -x "$c" ] || continue
@@ -22,7 +30,9 @@ find_python() {
 if [ -x .venv/bin/python ] && ok_python .venv/bin/python >/dev/null; then
   PY=.venv/bin/python
 else
-  if ! SYS_PY=$(find_python); then
+  SYS_PY=$(find_python) || rc=$?
+  if [ "${rc:-0}" = 2 ]; then exit 1; fi
+  if [ "${rc:-0}" != 0 ]; then
     echo "setup: no Python >= 3.12 found (jax 0.11.2 needs it)." >&2
     echo "setup: tried NSA_PYTHON, python3.13, python3.12, ~/.pyenv versions, python3." >&2
     echo "setup: install Python 3.12 or newer (e.g. 'pyenv install 3.12', 'apt-get install python3.12-venv')," >&2
