@@ -193,17 +193,15 @@ def main(argv=None):
     ap.error("--num_samples must be >= 1")
   if args.chunk < 1:
     ap.error("--chunk (decode steps per jitted call) must be >= 1")
-  if not args.temperature >= 0:  # NaN included
-    ap.error("--temperature must be a number >= 0 (0 = greedy)")
   if args.workdir and args.attention:
     ap.error("--attention applies to --config (an untrained model); a checkpoint's attention is "
              "the one it was trained with")
   if args.config and args.step is not None:
     ap.error("--step picks a checkpoint of --workdir; --config builds an untrained model")
-  if args.top_k < 0:
-    ap.error("--top_k must be >= 0 (0 = off)")
-  if not 0 < args.top_p <= 1:
-    ap.error("--top_p must be in (0, 1] (1 = off)")
+  try:  # the library's own check (a NaN temperature fails it too)
+    sampling.check_sampling(args.temperature, args.top_k, args.top_p)
+  except ValueError as e:
+    ap.error(f"--{e}")
   if args.kernel == "pallas" and jax.default_backend() != "gpu":
     ap.error(f"--kernel=pallas needs a GPU (this backend: {jax.default_backend()}); use "
              "--kernel=auto or --kernel=xla")

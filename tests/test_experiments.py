@@ -265,7 +265,7 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
       (["experiments.generate", "--config=configs/tiny_cpu.py", "--step=3"], 2,
        "--step picks a checkpoint of --workdir"),
       (["experiments.generate", "--config=configs/tiny_cpu.py", "--temperature=nan"], 2,
-       "--temperature must be a number >= 0"),
+       "--temperature=nan: must be a number >= 0"),
       (["experiments.generate", f"--config={vocab64}", "--max_new_tokens=2"], 2,
        "must be space-separated token ids"),
       (["experiments.generate", f"--config={vocab64}", "--prompt=1 2 999"], 2,
