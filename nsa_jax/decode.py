@@ -323,6 +323,10 @@ def decode_step(model, cache: DecodeCache, token, *, select_fn=None, prefix_fn=N
     check_room(cache)
   t = cache.pos
   token = jnp.asarray(token).reshape(-1, 1)
+  leaves = jax.tree.leaves(cache.layers)
+  if leaves and token.shape[0] != leaves[0].shape[0]:  # shapes are static: this holds under jit
+    raise ValueError(f"token holds {token.shape[0]} ids but the cache holds {leaves[0].shape[0]} "
+                     f"sequences. Fix: pass one token per cached sequence, shape [{leaves[0].shape[0]}]")
   check_token_ids(token, model.cfg.vocab_size)  # eager calls; under jit the ids are sampled ones
   x = model.embed(token)
   layers = []

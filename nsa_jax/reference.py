@@ -413,6 +413,9 @@ def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NS
     raise ValueError(f"q must be [batch, time, heads, head_dim], got shape {q.shape}. Fix: reshape "
                      "q to 4 dimensions (layout of jax.nn.dot_product_attention).")
   b, t, h, dk = q.shape
+  if t < 1 or b < 1:
+    raise ValueError(f"q has shape {q.shape}: batch and time must be at least 1. Fix: pass at "
+                     "least one token per sequence.")
   if h != cfg.num_heads or dk != cfg.head_dim:
     raise ValueError(f"q has {h} heads of dim {dk} but the config says num_heads={cfg.num_heads}, "
                      f"head_dim={cfg.head_dim}. Fix: reshape q or set the config to match.")

@@ -188,6 +188,16 @@ def test_a_missing_input_that_a_branch_reads_is_named(impl):
   assert o.shape == (B, T, 4, 16)
 
 
+def test_an_empty_sequence_is_refused_by_every_path():
+  """T = 0 failed deep inside each path with an unrelated error."""
+  from nsa_jax import ops
+  shapes = {n: (B, 0) + GOOD[n][2:] for n in NAMES}
+  shapes["k_cmp"], shapes["v_cmp"] = (B, 0, 2, 8), (B, 0, 2, 6)
+  for impl in ("reference", "xla"):
+    with pytest.raises(ValueError, match=r"batch and time must be at least 1\. Fix: "):
+      ops.nsa_attention(*nsa_inputs(**shapes), CFG, implementation=impl)
+
+
 def test_mismatched_segment_ids_named():
   for bad in ((B, T + 1), (T,), (1, T)):
     with pytest.raises(ValueError, match=r"segment_ids.*expected"):

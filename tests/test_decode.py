@@ -181,6 +181,11 @@ def test_out_of_vocabulary_ids_are_refused_by_prefill_and_eager_steps():
     with pytest.raises(ValueError, match=rf"token ids span .*vocab_size={VOCAB}"):
       decode.decode_step(model, cache, jnp.asarray([1, bad]))
   decode.decode_step(model, cache, jnp.asarray([1, VOCAB - 1]))  # in range: decodes
+  # a token batch that is not the cache's failed with an unclear TypeError; refused under jit too
+  params, _, step_fn = decode.jit_decode(model)
+  for fn in (lambda c, x: decode.decode_step(model, c, x), lambda c, x: step_fn(params, c, x)):
+    with pytest.raises(ValueError, match=r"token holds 3 ids but the cache holds 2 sequences"):
+      fn(cache, jnp.asarray([1, 2, 3]))
 
 
 def test_pallas_decode_kernels_fall_back_where_they_do_not_take_the_shape(caplog):
