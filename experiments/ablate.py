@@ -265,29 +265,24 @@ def append_result(out_dir: str, record: dict):
     f.write(json.dumps(record) + "\n")
 
 
+def read_records(path: str) -> list[dict]:
+  """The records of one results.jsonl file, in the order they were appended."""
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
 def records_by_hash(paths: list[str]) -> dict[str, dict]:
   """config_hash -> the latest record with that hash in the given results.jsonl files."""
-  out = {}
-  for path in paths:
-    with open(path) as f:
-      for line in f:
-        rec = json.loads(line)
-        out[rec["config_hash"]] = rec
-  return out
+  return {rec["config_hash"]: rec for path in paths for rec in read_records(path)}
 
 
 def read_results(out_dir: str, hashes: dict[str, str] | None = None) -> dict[str, dict]:
   """Latest record per run name; with hashes ({run: config hash of this command's settings}), the
   latest record made with those settings (a run recorded only with others is left out)."""
   path = os.path.join(out_dir, "results.jsonl")
-  out = {}
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        rec = json.loads(line)
-        if hashes is None or hashes.get(rec["run"]) == rec.get("config_hash"):
-          out[rec["run"]] = rec
-  return out
+  records = read_records(path) if os.path.exists(path) else []
+  return {rec["run"]: rec for rec in records
+          if hashes is None or hashes.get(rec["run"]) == rec.get("config_hash")}
 
 
 # ----------------------------------------------------------------------------- report -----------

@@ -14,18 +14,13 @@ dense baseline. Prints the Markdown table the chart shows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 
 def _latest_per_run(path: str) -> dict[tuple, dict]:
   """{(sweep, run): the last record of that run} in one results file."""
-  out = {}
-  with open(path) as f:
-    for line in f:
-      rec = json.loads(line)
-      out[(rec.get("sweep"), rec["run"])] = rec
-  return out
+  from experiments.ablate import read_records
+  return {(rec.get("sweep"), rec["run"]): rec for rec in read_records(path)}
 
 
 def load_records(paths: list[str], extra: list[str] = ()) -> list[dict]:

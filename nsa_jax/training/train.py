@@ -372,21 +372,25 @@ def _check_known_fields(config):
                        f". Fix: spell them as in configs/base.py; valid fields: {sorted(known)}")
 
 
-def _check_range(config, path, low, high, open_ends, what):
+def _check_bound(config, path, low, high=None, open_ends="", what="", integer=False):
+  """One clear error unless config.<path> is a number (an integer with integer=True) within the
+  bounds; absent optional fields (OPTIONAL_DATA_FIELDS) pass."""
   block, key = path.split(".")
   if key not in config.get(block, {}):
     return
   value = config[block][key]
-  bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+  kinds = (int,) if integer else (int, float)
+  bad = isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value)
   if not bad:
     bad = value <= low if "low" in open_ends else value < low
     if high is not None:
       bad = bad or (value >= high if "high" in open_ends else value > high)
   if bad:
+    kind = "an integer" if integer else "a number"
     lo = f"{'>' if 'low' in open_ends else '>='} {low}"
     hi = f" and {'<' if 'high' in open_ends else '<='} {high}" if high is not None else ""
-    raise ValueError(f"config.{path}={value!r}: expected a number {lo}{hi} ({what}). "
-                     f"Fix: --config.{path}=<a number {lo}{hi}>")
+    raise ValueError(f"config.{path}={value!r}: expected {kind} {lo}{hi} ({what}). "
+                     f"Fix: --config.{path}=<{kind} {lo}{hi}>")
 
 
 def check_run_config(config):
@@ -394,21 +398,15 @@ def check_run_config(config):
   naming the field and the fix, before anything is built or written."""
   _check_known_fields(config)
   for path, low, what in _INT_MINIMUMS:
-    block, key = path.split(".")
-    if key not in config.get(block, {}):  # optional data fields (OPTIONAL_DATA_FIELDS)
-      continue
-    value = config[block][key]
-    if path == "checkpoint.max_to_keep" and value is None:  # orbax: keep every checkpoint
-      continue
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise ValueError(f"config.{path}={value!r}: expected an integer >= {low} ({what}). "
-                       f"Fix: --config.{path}=<an integer >= {low}>")
+    if path == "checkpoint.max_to_keep" and config.checkpoint.max_to_keep is None:
+      continue  # orbax: keep every checkpoint
+    _check_bound(config, path, low, what=what, integer=True)
   lr = config.optim.learning_rate
   if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
     raise ValueError(f"config.optim.learning_rate={lr!r}: expected a finite number > 0. "
                      "Fix: e.g. --config.optim.learning_rate=3e-4")
   for args in _RANGES:
-    _check_range(config, *args)
+    _check_bound(config, *args)
 
 
 def check_batch_layout(config, mesh, model_cfg):
