@@ -160,6 +160,7 @@ class Bench:
       ex.update(flop_fields(op, pass_, t, cfg, ms, dms))
       ex["cmp_tiling"] = CMP_TILING
       ex["fold_cudnn_backward"] = ops.FOLD_CUDNN_BACKWARD
+      ex["window_backend"] = os.environ.get("NSA_WINDOW_BACKEND") or "rule"
       self.records.append(bc.record(op=op, impl=impl, pass_=pass_, ms=ms, cudnn_ms=dms, **base,
                                     **ex))
     self.flush()
@@ -223,7 +224,8 @@ def bench_branches(bench, key, t, cfg, dense, args):
   bench.add("select", "pallas", t, cfg, bench.time_pair(sel, [q, ks_, vs_, idx], ct), dense,
             pattern="nsa-topn", mean_union4=round(float(C.mean_union(idx, C.UNION_TOKENS)), 2))
   win = lambda q, k, v: (ops.window_attention(q, k, v, w),)
-  impl = "cudnn-window" if ON_GPU else "xla"
+  impl = {"cudnn": "cudnn-window", "xla": "xla"}.get(ops.window_backend(q, vw),
+                                                     "window-" + ops.window_backend(q, vw))
   bench.add("window", impl, t, cfg, bench.time_pair(win, [q, kw, vw], ct), dense)
 
 

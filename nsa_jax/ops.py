@@ -177,43 +177,81 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
   return impl
 
 
+# The window branch on a GPU. "cudnn": cuDNN's sliding window, forward and backward (jax.nn's
+# local_window_size; no segment ids, 16-bit inputs, d_v zero-padded to d_k when they differ);
+# "cudnn-fwd": cuDNN's sliding-window forward with its float32 softmax statistics and the Triton
+# backward of pallas_kernels.window_attention; "triton": that module's kernels, forward and
+# backward (segment ids, float32, d_k != d_v unpadded). Off a GPU: "xla" (nsa_jax.xla, banded).
+# NSA_WINDOW_BACKEND forces one of the GPU choices (benchmarks, A/B runs).
+WINDOW_BACKENDS = ("cudnn", "cudnn-fwd", "triton")
+
+
+def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
+  """The window branch's implementation for these inputs (see WINDOW_BACKENDS); logged."""
+  if not on_gpu():
+    return "xla"
+  forced = os.environ.get("NSA_WINDOW_BACKEND", "")
+  if forced and forced not in WINDOW_BACKENDS:
+    raise ValueError(f"NSA_WINDOW_BACKEND={forced!r}: expected one of {WINDOW_BACKENDS} (or "
+                     "unset for the measured rule)")
+  cudnn_ok = allow_cudnn and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16)
+  if forced and (cudnn_ok or forced == "triton"):
+    be, why = forced, "NSA_WINDOW_BACKEND"
+  elif cudnn_ok:
+    be, why = "cudnn", "no segment ids and 16-bit inputs"
+  else:
+    be, why = "triton", ("segment ids" if segment_ids is not None else
+                         "cuDNN not allowed" if not allow_cudnn else
+                         f"dtype {jnp.dtype(q.dtype).name}")
+    if forced:
+      why += f"; NSA_WINDOW_BACKEND={forced} needs cuDNN"
+  log_once(logging.INFO, f"NSA window branch for q{tuple(q.shape)} v{tuple(v.shape)}: {be} ({why})")
+  return be
+
+
 def window_uses_cudnn(q, segment_ids=None, allow_cudnn=True) -> bool:
-  """Whether window_attention takes cuDNN's left window (a GPU, no segment ids, 16-bit inputs)."""
+  """Whether window_attention runs cuDNN's whole sliding window (forward and backward)."""
   return (allow_cudnn and on_gpu() and segment_ids is None
-          and q.dtype in (jnp.bfloat16, jnp.float16))
+          and q.dtype in (jnp.bfloat16, jnp.float16)
+          and os.environ.get("NSA_WINDOW_BACKEND", "") in ("", "cudnn"))
 
 
 def _window_flat(q, v, segment_ids):
   """(flat, why) for _on_stream: the window branch is one cuDNN call only when cuDNN applies and
-  d_k == d_v (otherwise jnp.pad, or the plain-JAX path, adds nested jits)."""
+  d_k == d_v (otherwise jnp.pad, the Pallas kernels' layout or the plain-JAX path adds nested
+  jits)."""
   if not window_uses_cudnn(q, segment_ids):
-    return False, ("the window branch runs plain JAX here (segment ids or a dtype cuDNN does not "
-                   "take)")
+    return False, ("the window branch runs Pallas kernels or plain JAX here (segment ids, a dtype "
+                   "cuDNN does not take, or NSA_WINDOW_BACKEND)")
   if q.shape[-1] != v.shape[-1]:
     return False, f"the window branch pads d_v={v.shape[-1]} to d_k={q.shape[-1]} for cuDNN"
   return True, ""
 
 
-def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True):
-  """Sliding-window branch: cuDNN's left window on a GPU when it applies, else plain JAX.
+def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True,
+                     backend=None):
+  """Sliding-window branch, by window_backend(...) unless `backend` names one of
+  WINDOW_BACKENDS or "xla" (any device; the Pallas kernels run interpreted off a GPU).
 
   cuDNN needs d_k == d_v: the smaller of the two is zero-padded (zero query/key columns leave the
   logits unchanged; zero value columns give zero outputs that are sliced off)."""
   from nsa_jax import xla
-  if window_uses_cudnn(q, segment_ids, allow_cudnn):
+  be = backend or window_backend(q, v, segment_ids, allow_cudnn)
+  if be == "cudnn":
     dk, dv = q.shape[-1], v.shape[-1]
     dim = max(dk, dv)
     scale = dk ** -0.5 if scale is None else scale
     pad = lambda x: (x if x.shape[-1] == dim  # no jnp.pad (a nested jit) when nothing is padded
                      else jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),)))
-    log_once(logging.INFO, f"NSA window branch: cuDNN local window for q{tuple(q.shape)}"
-             + (f" (head dims padded to {dim})" if dk != dv else ""))
     o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, is_causal=True,
                                      local_window_size=(window - 1, 0), implementation="cudnn")
     return o[..., :dv]
-  if on_gpu():
-    log_once(logging.WARNING, f"NSA window branch on GPU uses plain JAX for q{tuple(q.shape)} "
-             "(segment ids or a dtype cuDNN does not take)")
+  if be in ("triton", "cudnn-fwd"):
+    from pallas_kernels import window_attention as wk
+    return wk.window_attention(q, k, v, window, segment_ids, scale, interpret=not on_gpu(),
+                               backend=be)[0]
+  if be != "xla":
+    raise ValueError(f"window backend {be!r}: expected one of {WINDOW_BACKENDS + ('xla',)}")
   o, _ = xla.window_attention(q, k, v, window, segment_ids, scale)
   return o
 
@@ -315,7 +353,7 @@ def _auto_cmp_backend(q, v_cmp, segment_ids):
 
 
 def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
-                return_aux, block_idx=None, kernels="auto", cmp_backend=None):
+                return_aux, block_idx=None, kernels="auto", cmp_backend=None, win_backend=None):
   from pallas_kernels.compress_attention import compress_attention
   from pallas_kernels.select_attention import select_attention as select_kernel
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
@@ -366,8 +404,10 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
     if "win" in cfg.branches:
       with jax.named_scope("win"):
         flat, why = _window_flat(q, v_win, segment_ids)
+        # win_backend (tests, benchmarks): one of WINDOW_BACKENDS or "xla" instead of the rule.
         outs["win"] = _on_stream("win", lambda q, k, v: window_attention(
-            q, k, v, cfg.window, segment_ids, scale), q, k_win, v_win, flat=flat, why=why)
+            q, k, v, cfg.window, segment_ids, scale, backend=win_backend), q, k_win, v_win,
+            flat=flat and win_backend in (None, "cudnn"), why=why or "win_backend")
   with jax.named_scope("combine"):
     o = reference.combine(outs, gates, cfg.branches).astype(q.dtype)
   if return_aux:

@@ -140,9 +140,21 @@ def num_visible(pos, block, stride, nc):
   return jnp.minimum(n, nc)
 
 
-def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc):
-  """[m, bk] mask: block kidx is in pos's past, exists, and (with segments) in pos's document."""
-  vis = (kidx[None, :] * stride + (block - 1) <= pos[:, None]) & (kidx < nc)[None, :]
+def first_visible(pos, block, stride, window):
+  """The first compressed block `pos` sees: 0, or with a window w the first block whose last key
+  lies in (pos - w, pos]."""
+  if not window:
+    return jnp.zeros_like(pos)
+  return jnp.maximum((pos - window - block + 1) // stride + 1, 0)
+
+
+def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc, window=0):
+  """[m, bk] mask: block kidx is in pos's past (and, with a window w, its last key is one of the
+  last w positions up to pos), exists, and (with segments) in pos's document."""
+  end = kidx * stride + (block - 1)
+  vis = (end[None, :] <= pos[:, None]) & (kidx < nc)[None, :]
+  if window:
+    vis = vis & (end[None, :] > pos[:, None] - window)
   if seg_q is not None:
     vis = vis & (seg_q[:, None] == bseg[None, :]) & (bpure != 0)[None, :]
   return vis
@@ -175,13 +187,14 @@ def _group(*shape):
 # ----------------------------------------------------------------------------- forward
 
 def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tq, g, gp, m,
-                t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale, has_seg):
+                t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale, has_seg, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs = load_rows(q_ref, row, dk_pieces)
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
+  first = jnp.minimum(first_visible(tile * tq, block, stride, window) // bk, steps)
 
   def body(i, carry):
     m_i, l_i, accs = carry
@@ -191,7 +204,8 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
     bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
     bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
-    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc,
+                      window=window)
     s = jnp.where(vis, s, -jnp.inf)
     return softmax_step((m_i, l_i, accs), s, vs)
 
@@ -199,7 +213,7 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
   # One masked loop: a mask-free loop over the leading chunks (tried 2026-11-30) was no faster here
   # and 13% slower in the dq kernel (nsa_h200_profile_3511786.json).
-  m_i, l_i, accs = lax.fori_loop(0, steps, body, init)
+  m_i, l_i, accs = lax.fori_loop(first, steps, body, init)
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   for (off, _), a in zip(dv_pieces, accs):
@@ -207,7 +221,8 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
   lse_ref[row] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
-def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, has_seg, interpret):
+def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, has_seg, interpret,
+             window=0):
   """q [B,T,H,Dk]; kc/vc [B,K,Ncp,D] (group-major, padded); seg [B,T]; bseg/bpure [B,Ncp]."""
   b, t, h, dk = q.shape
   kh, ncp, dv = kc.shape[1], kc.shape[2], vc.shape[3]
@@ -216,7 +231,7 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
   kernel = functools.partial(
       _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
       bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
-      has_seg=has_seg)
+      has_seg=has_seg, window=window)
   o, lse = pl.pallas_call(
       kernel,
       grid=(cdiv(t, tq), kh, b),
@@ -228,7 +243,7 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
       compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                            num_stages=tiling.num_stages),
       interpret=interpret,
-      name="nsa_cmp_fwd",
+      name="nsa_win_fwd" if window else "nsa_cmp_fwd",
   )(seg, bseg, bpure, q.reshape(b, t * h, dk), kc, vc)
   return o.reshape(b, t, h, dv), lse.reshape(b, t, h)
 
@@ -237,7 +252,7 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
 
 def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale,
-               has_seg):
+               has_seg, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs, dos = load_rows(q_ref, row, dk_pieces), load_rows(do_ref, row, dv_pieces)
@@ -247,6 +262,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
+  first = jnp.minimum(first_visible(tile * tq, block, stride, window) // bk, steps)
 
   def body(i, accs):
     start = pl.multiple_of(i * bk, bk)
@@ -255,13 +271,14 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
     bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
     bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)
-    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc,
+                      window=window)
     p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
     return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
-  accs = lax.fori_loop(0, steps, body, init)
+  accs = lax.fori_loop(first, steps, body, init)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
@@ -270,7 +287,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
 
 def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref, *, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces,
-                dv_pieces, scale, has_seg, splits, unmasked_tiles):
+                dv_pieces, scale, has_seg, splits, unmasked_tiles, window):
   pid, kk = pl.program_id(0), pl.program_id(1)
   j, part = pid // splits, pid % splits
   start = pl.multiple_of(j * bk, bk)
@@ -279,18 +296,25 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
   bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
   nt = cdiv(t, tq)
-  first_tile = jnp.minimum(start * stride + block - 1, t) // tq  # first query that sees key `start`
-  # This program's share of the query tiles [first_tile, nt).
-  share = cdiv(nt - first_tile, splits)
-  lo = jnp.minimum(first_tile + part * share, nt)
-  hi = jnp.minimum(lo + share, nt)
+  end_first = start * stride + block - 1  # the last key of block `start`
+  end_last = (start + bk - 1) * stride + block - 1  # ... and of this tile's last block
+  first_tile = jnp.minimum(end_first, t) // tq  # first query that sees key `start`
+  # With a window w, the last query that sees this tile's last block is end_last + w - 1.
+  last_tile = nt if not window else jnp.minimum(nt, (end_last + window - 1) // tq + 1)
+  # This program's share of the query tiles [first_tile, last_tile).
+  share = cdiv(last_tile - first_tile, splits)
+  lo = jnp.minimum(first_tile + part * share, last_tile)
+  hi = jnp.minimum(lo + share, last_tile)
   # Tiles [full_lo, full_hi) see every key of the tile and hold only real rows: no mask there.
   if has_seg or g != gp or m != tq * gp or not unmasked_tiles:  # m > tq*gp: wrapped copy rows
     full_lo = full_hi = lo
   else:
-    full_lo = jnp.clip(cdiv((start + bk - 1) * stride + block - 1, tq), lo, hi)
+    full_lo = jnp.clip(cdiv(end_last, tq), lo, hi)
     full_lo = jnp.where(start + bk <= nc, full_lo, hi)
-    full_hi = jnp.clip(t // tq, full_lo, hi)
+    # With a window, a tile sees the whole key tile only while its last position is within w - 1
+    # of the tile's first block.
+    full_hi = t // tq if not window else jnp.minimum(t // tq, (end_first + window) // tq)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
 
   def body(i, accs, masked):
     dk_accs, dv_accs = accs
@@ -303,7 +327,8 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       seg_q = seg_ref[pos] if has_seg else None
-      vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc)
+      vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc,
+                        window=window)
       vis = vis & valid[:, None]  # copied rows must not count twice
       p = jnp.where(vis, p, 0.0)
     pt = p.astype(dos[0].dtype)
@@ -325,7 +350,7 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 
 
 def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, stride, scale, tiling,
-              has_seg, interpret):
+              has_seg, interpret, window=0):
   b, t, h, dk = q.shape
   kh, ncp, dv = kc.shape[1], kc.shape[2], vc.shape[3]
   g = h // kh
@@ -335,7 +360,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   lse_f = lse.reshape(b, t * h)
   qf, dof = q.reshape(b, t * h, dk), do.astype(q.dtype).reshape(b, t * h, dv)
   common = dict(g=g, t=t, h=h, nc=nc, block=block, stride=stride, dk_pieces=dim_pieces(dk),
-                dv_pieces=dim_pieces(dv), scale=scale, has_seg=has_seg)
+                dv_pieces=dim_pieces(dv), scale=scale, has_seg=has_seg, window=window)
   ins = [_whole(t), _whole(ncp), _whole(ncp), _whole(t * h, dk), _group(ncp, dk), _group(ncp, dv),
          _whole(t * h, dv), _whole(t * h), _whole(t * h)]
   args = (seg, bseg, bpure, qf, kc, vc, dof, lse_f, delta)
@@ -351,7 +376,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
       compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
                                            num_stages=tiling.bwd_num_stages),
       interpret=interpret,
-      name="nsa_cmp_dq",
+      name="nsa_win_dq" if window else "nsa_cmp_dq",
   )(*args)
 
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
@@ -368,7 +393,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
                  jax.ShapeDtypeStruct((b, kh, splits * ncp, dv), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=interpret,
-      name="nsa_cmp_dkv",
+      name="nsa_win_dkv" if window else "nsa_cmp_dkv",
   )(*args)
   # Partial sums added in a fixed order: deterministic.
   dkc = jnp.sum(dkc.reshape(b, kh, splits, ncp, dk), axis=2).astype(kc.dtype)

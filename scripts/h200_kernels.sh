@@ -131,6 +131,13 @@
 #          (one-stream first and last), checks every layout's output and gradients against the
 #          one-stream layout's, cuDNN dense in the same run; at 64k 128/128, without and with
 #          XLA's command buffers ("group": one XLA scheduling group, ops.STREAM_GROUP).
+# window   the sliding-window branch by backend (experiments/bench_window.py: cuDNN's sliding
+#          window, its forward + the Pallas Triton backward, the Pallas kernels both ways) with a
+#          compiled check of each, at 64k both head dims, 32k, 16k and the 8k training layer;
+#          then packed documents (the Pallas kernels against the plain-JAX path that a GPU ran
+#          before them) at the 8k training layer and 64k 192/128.
+# winnsa   the whole op at 64k, both head dims, with the window branch on each backend
+#          (NSA_WINDOW_BACKEND unset, triton, cudnn-fwd, unset again), each its own process.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -401,6 +408,20 @@ streams() {
     benchmarks/stream_overlap_trial.py "$OUT/streams/64k_nocmdbuf" --layouts ",win:1,win:1+group,slc:1,"
   XLA_FLAGS=$f timeout 200 python3 benchmarks/stream_overlap_trial.py "$OUT/streams/64k" \
     --layouts ",win:1+group,slc:1,win:1+slc:2+group,"
+}
+
+window() {
+  timeout 330 python3 -m experiments.bench_window --check --iters 10 --out "$OUT/window"
+  timeout 200 python3 -m experiments.bench_window --segments --iters 5 --out "$OUT/window" \
+    --shapes 8192:8:16/1:64/64,65536:1:64/4:192/128
+}
+winnsa() {
+  local be
+  for be in rule triton cudnn-fwd rule2; do
+    NSA_WINDOW_BACKEND=$(case $be in rule*) ;; *) echo $be ;; esac) timeout 200 python3 -m \
+      experiments.bench_nsa --T 65536 --dims 128/128,192/128 --breakdown_T '' --iters 5 \
+      --out "$OUT/winnsa/$be"
+  done
 }
 
 ncuprof() {

@@ -551,8 +551,8 @@ _XLA_REFUSES = pytest.mark.skipif(ON_GPU, reason="XLA 0.11.2 refuses or aborts c
 
 
 def _stream_case(ks, case):
-  """whole_op_case with segment ids in float32 ("seg_f32": on a GPU the window branch runs plain
-  JAX), or without segment ids in bfloat16 with d_k = d_v ("bf16_equal_dims": on a GPU it is
+  """whole_op_case with segment ids in float32 ("seg_f32": on a GPU the window branch runs the
+  Pallas window kernels, not one flat cuDNN call), or without segment ids in bfloat16 with d_k = d_v ("bf16_equal_dims": on a GPU it is
   one cuDNN call, the only window call ops._on_stream puts on a stream there)."""
   if case == "seg_f32":
     return (*whole_op_case(ks), _segments(ks[8], 1, 100), 1e-6)

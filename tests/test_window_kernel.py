@@ -1,0 +1,218 @@
+"""Pallas sliding-window kernels (pallas_kernels.window_attention; interpret mode on CPU, compiled
+by scripts/gpu_tests.sh) against nsa_jax.reference.window_attention, forward and gradients; the
+window branch's backend rule in nsa_jax.ops; the whole op with the window kernels; CUDA lowering.
+
+Fresh random inputs every run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa_jax import ops, reference
+from pallas_kernels import window_attention as wk
+from pallas_kernels.compress_attention import CmpTiling
+try:
+  from tests.gpu_mode import INTERPRET, ON_GPU
+except ImportError:  # pytest's rootdir-less import puts tests/ itself on sys.path
+  from gpu_mode import INTERPRET, ON_GPU
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _seed():
+  return int.from_bytes(os.urandom(4), "little")
+
+
+def _close(a, b, tol, what, seed):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  err = np.max(np.abs(a - b), initial=0.0)
+  scale = max(1.0, np.max(np.abs(b), initial=0.0))
+  assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol * scale:.3g} (seed {seed})"
+
+
+def _segments(key, b, t, docs=3):
+  """`docs` contiguous documents per row at random cut points (some may be empty)."""
+  cuts = jnp.sort(jax.random.randint(key, (b, docs - 1), 1, t), axis=-1)
+  return jnp.sum(jnp.arange(t)[None, :, None] >= cuts[:, None, :], axis=-1).astype(jnp.int32)
+
+
+def _case(seed, b, t, h, kv, dk, dv, use_seg, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(ks[0], (b, t, h, dk), dtype)
+  k = jax.random.normal(ks[1], (b, t, kv, dk), dtype)
+  v = jax.random.normal(ks[2], (b, t, kv, dv), dtype)
+  seg = _segments(ks[3], b, t) if use_seg else None
+  w_o = jax.random.normal(ks[4], (b, t, h, dv))
+  w_l = jax.random.normal(ks[5], (b, t, h))
+  return q, k, v, seg, w_o, w_l
+
+
+def _outputs_and_grads(ours, ref, q, k, v, w_o, w_l):
+  @jax.jit  # one program: interpreted kernels run eagerly are much slower
+  def run(q, k, v):
+    (o, lse), vjp = jax.vjp(ours, q, k, v)
+    (ro, rlse), ref_vjp = jax.vjp(ref, q, k, v)
+    cts = (w_o.astype(o.dtype), w_l)  # lse's cotangent is exercised too
+    return (o, lse, vjp(cts)), (ro, rlse, ref_vjp(cts))
+  return run(q, k, v)
+
+
+# Small key tiles: T of a few hundred then has dK/dV programs whose query walk has unmasked
+# inner tiles on both sides of the band, and forward / dq walks that start past key 0.
+SMALL = dataclasses.replace(wk.WINDOW_TILING, rows=16, block_k=16, bwd_block_k=16, bwd_rows=32)
+
+
+@pytest.mark.parametrize("g,kv,t,dk,dv,window,use_seg,tiling", [
+    (1, 2, 70, 32, 16, 16, True, None),
+    (2, 2, 130, 16, 32, 40, False, None),
+    (4, 2, 301, 32, 32, 64, False, SMALL),
+    (16, 1, 260, 32, 16, 48, False, SMALL),
+    (16, 1, 200, 16, 16, 33, True, SMALL),
+    (3, 1, 200, 32, 32, 100, False, SMALL),  # G = 3: padded head rows
+    (4, 1, 90, 16, 16, 500, True, None),  # window past T: the whole causal past
+    (1, 1, 150, 16, 16, 1, False, SMALL),  # w = 1: each query sees only itself
+    (4, 1, 301, 16, 16, 64, False, dataclasses.replace(SMALL, bwd_unmasked_tiles=False)),
+    # 8 rows (G = 1): the tile wraps copies of its rows up to 16, which only the mask drops.
+    (1, 2, 160, 16, 16, 24, False, dataclasses.replace(SMALL, bwd_rows=8)),
+    # dq and dK/dV with their own tiles.
+    (4, 2, 328, 32, 16, 70, True, dataclasses.replace(SMALL, dq_block_k=32, dkv_rows=16)),
+])
+def test_window_kernels_match_reference(g, kv, t, dk, dv, window, use_seg, tiling):
+  seed = _seed()
+  q, k, v, seg, w_o, w_l = _case(seed, 1 if g > 1 else 2, t, g * kv, kv, dk, dv, use_seg)
+  ours = lambda q, k, v: wk.window_attention(q, k, v, window, seg, interpret=INTERPRET,
+                                             tiling=tiling)
+  ref = lambda q, k, v: reference.window_attention(q, k, v, window, seg)
+  (o, lse, grads), (ro, rlse, rgrads) = _outputs_and_grads(ours, ref, q, k, v, w_o, w_l)
+  _close(o, ro, 1e-5, "o", seed)
+  _close(lse, rlse, 1e-5, "lse", seed)
+  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
+    _close(a, r, 1e-4, name, seed)
+
+
+def test_cudnn_forward_backend_matches_reference():
+  """backend="cudnn-fwd": cuDNN's sliding-window forward (its float32 softmax statistics feed the
+  Triton backward). On a GPU compiled in bfloat16, d_k != d_v (cuDNN pads d_v); off a GPU the
+  interpreted Triton forward stands in for cuDNN, which checks the VJP wiring."""
+  seed = _seed()
+  dtype = jnp.bfloat16 if ON_GPU else jnp.float32
+  t, window = (1000, 256) if ON_GPU else (130, 40)
+  q, k, v, _, w_o, w_l = _case(seed, 1, t, 8, 2, 64, 32, False, dtype)
+  ours = lambda q, k, v: wk.window_attention(q, k, v, window, interpret=INTERPRET,
+                                             backend="cudnn-fwd")
+  ref = lambda q, k, v: reference.window_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                                   window)
+  (o, lse, grads), (ro, rlse, rgrads) = _outputs_and_grads(ours, ref, q, k, v, w_o, w_l)
+  tol_o, tol_g = (2e-2, 3e-2) if ON_GPU else (1e-5, 1e-4)
+  _close(o, ro, tol_o, "o", seed)
+  _close(lse, rlse, 1e-3 if ON_GPU else 1e-5, "lse", seed)
+  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
+    _close(a, r, tol_g, name, seed)
+
+
+def test_window_backend_rule_and_override(monkeypatch, caplog):
+  """ops.window_backend on a (pretended) GPU: cuDNN's whole sliding window where it applies, the
+  Pallas kernels for segment ids, float32 or allow_cudnn=False; NSA_WINDOW_BACKEND forces a
+  choice where it can apply and is refused when unknown; off a GPU the banded plain-JAX path."""
+  bf, f32 = jnp.zeros((1, 8, 4, 32), jnp.bfloat16), jnp.zeros((1, 8, 4, 32), jnp.float32)
+  v = jnp.zeros((1, 8, 1, 32), jnp.bfloat16)
+  seg = jnp.zeros((1, 8), jnp.int32)
+  monkeypatch.delenv("NSA_WINDOW_BACKEND", raising=False)
+  assert ops.window_backend(bf, v) == "xla"  # no GPU here
+  monkeypatch.setattr(ops, "on_gpu", lambda: True)
+  ops.log_once.cache_clear()
+  with caplog.at_level(logging.INFO, logger="nsa_jax"):
+    assert ops.window_backend(bf, v) == "cudnn"
+    assert ops.window_backend(bf, v, seg) == "triton"
+    assert ops.window_backend(f32, v) == "triton"
+    assert ops.window_backend(bf, v, allow_cudnn=False) == "triton"
+  assert "triton (segment ids)" in caplog.text and "triton (dtype float32)" in caplog.text
+  for forced in ("triton", "cudnn-fwd"):
+    monkeypatch.setenv("NSA_WINDOW_BACKEND", forced)
+    assert ops.window_backend(bf, v) == forced
+    assert not ops.window_uses_cudnn(bf)
+    assert ops.window_backend(bf, v, seg) == "triton"  # cuDNN cannot take segment ids
+  monkeypatch.setenv("NSA_WINDOW_BACKEND", "flash")
+  with pytest.raises(ValueError, match="NSA_WINDOW_BACKEND='flash': expected one of"):
+    ops.window_backend(bf, v)
+
+
+@pytest.mark.parametrize("use_seg", [True, False])
+def test_whole_op_with_window_kernels_matches_reference(use_seg):
+  """nsa_attention(implementation="pallas") with the window branch on the Pallas window kernels
+  (win_backend="triton", what a GPU runs with segment ids or float32): loss and all eight
+  gradients equal the reference's."""
+  from tests.test_compress_kernels import whole_op_case
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 10)
+  cfg, args = whole_op_case(ks)
+  cfg = dataclasses.replace(cfg, branches=("win",))  # only the window branch differs here
+  b, t, h = args[0].shape[:3]
+  seg = _segments(ks[8], b, t) if use_seg else None
+  w = jax.random.normal(ks[9], (b, t, h, cfg.dim_v))
+
+  def run(fn):
+    f = lambda *a: jnp.sum(fn(*a) * w)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 5, 6, 7)))(*args)
+
+  val, grads = run(lambda *a: ops._pallas_nsa(*a, cfg, seg, None, False, kernels="triton",
+                                              win_backend="triton"))
+  rval, rgrads = run(lambda *a: ops.nsa_attention(*a, cfg, segment_ids=seg,
+                                                  implementation="reference"))
+  _close(val, rval, 1e-5, "loss", seed)
+  for name, a, r in zip(("q", "k_win", "v_win", "gates"), grads, rgrads):
+    _close(a, r, 1e-4, "d" + name, seed)
+
+
+@pytest.mark.parametrize("h,kv,dk,dv,use_seg", [(64, 4, 128, 128, False), (64, 4, 192, 128, True),
+                                                (16, 1, 64, 64, True), (8, 8, 64, 32, False)])
+def test_window_kernels_lower_for_cuda(h, kv, dk, dv, use_seg):
+  """Forward and backward lower to CUDA for an abstract H100 (no GPU needed): every kernel is in
+  the program, under its own name."""
+  t, window = 1024, 512
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  args = (spec(1, t, h, dk), spec(1, t, kv, dk), spec(1, t, kv, dv), spec(1, t, dt=jnp.int32))
+
+  def grad(q, k, v, seg):
+    f = lambda q, k, v: jnp.sum(wk.window_attention(q, k, v, window, seg if use_seg else None)[0]
+                                .astype(jnp.float32))
+    return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  for name in ("nsa_win_fwd", "nsa_win_dq", "nsa_win_dkv"):
+    assert name in text, f"{name} missing from the CUDA lowering"
+  assert "nsa_cmp_" not in text
+
+
+def test_bad_inputs_raise_with_the_fix():
+  q, k, v = jnp.zeros((1, 32, 4, 16)), jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 2, 16))
+  seg = jnp.zeros((1, 32), jnp.int32)
+  run = lambda *a, **kw: wk.window_attention(*a, interpret=True, **kw)
+  for bad in (0, -3, True, 2.0):
+    with pytest.raises(ValueError, match="window=.*expected a positive int"):
+      run(q, k, v, bad)
+  with pytest.raises(ValueError, match="expected 'triton' or 'cudnn-fwd'"):
+    run(q, k, v, 8, backend="cudnn")
+  with pytest.raises(ValueError, match=r"cudnn-fwd\] does not take segment ids.*backend='triton'"):
+    run(q, k, v, 8, seg, backend="cudnn-fwd")
+  with pytest.raises(ValueError, match="do not match q"):
+    run(q, k[:, :16], v[:, :16], 8)
+  with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
+    run(q, jnp.zeros((1, 32, 3, 16)), jnp.zeros((1, 32, 3, 16)), 8)
+  with pytest.raises(ValueError, match="d_v=8: needs a multiple of 16"):
+    run(q, k, jnp.zeros((1, 32, 2, 8)), 8)
+  with pytest.raises(TypeError, match="segment_ids has dtype float32"):
+    run(q, k, v, 8, seg.astype(jnp.float32))
+  with pytest.raises(ValueError, match="window backend 'flash'"):
+    ops.window_attention(q, k, v, 8, backend="flash")
