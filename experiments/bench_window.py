@@ -65,8 +65,33 @@ def inputs(key, t, b, h, k, dk, dv, segments):
   return q, kk, v, ct, seg
 
 
-def window_fn(backend, window, seg):
-  return lambda q, k, v: (ops.window_attention(q, k, v, window, seg, backend=backend),)
+def window_fn(backend, window, seg, tiling=None):
+  if tiling is None:  # what the op runs
+    return lambda q, k, v: (ops.window_attention(q, k, v, window, seg, backend=backend),)
+  from pallas_kernels import window_attention as wk
+  interpret = jax.default_backend() != "gpu"
+  return lambda q, k, v: (wk.window_attention(q, k, v, window, seg, tiling=tiling,
+                                              backend=backend, interpret=interpret)[0],)
+
+
+def parse_tilings(spec):
+  """"name:field=value;field=value,..." -> {name: CmpTiling} over the window kernels' default
+  (pallas_kernels.window_attention.WINDOW_TILING); an unknown field is refused."""
+  import dataclasses
+  from pallas_kernels import window_attention as wk
+  fields = {f.name for f in dataclasses.fields(wk.WINDOW_TILING)}
+  out = {}
+  for item in (x for x in spec.split(",") if x):
+    name, _, body = item.partition(":")
+    kw = {}
+    for pair in (x for x in body.split(";") if x):
+      f, _, v = pair.partition("=")
+      if f not in fields:
+        raise ValueError(f"tiling {item!r}: unknown field {f!r}; expected some of "
+                         f"{sorted(fields)}")
+      kw[f] = v.lower() == "true" if v.lower() in ("true", "false") else int(v)
+    out[name] = dataclasses.replace(wk.WINDOW_TILING, **kw)
+  return out
 
 
 def check(key, window, backends):
@@ -118,6 +143,9 @@ def main(argv=None):
   p.add_argument("--backends", default=",".join(ops.WINDOW_BACKENDS))
   p.add_argument("--segments", action="store_true",
                  help="packed documents: the Pallas kernels against the plain-JAX path")
+  p.add_argument("--tilings", default="",
+                 help="extra Triton tilings, name:field=value;field=value,... (e.g. "
+                      "rows128:rows=128); each runs as backend triton-<name>")
   p.add_argument("--check", action="store_true")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--name", default="", help="file name (default window_<gpu>[_segments])")
@@ -131,6 +159,10 @@ def main(argv=None):
   bad = [b for b in backends if b not in ops.WINDOW_BACKENDS + ("xla",)]
   if bad:
     p.error(f"--backends {bad}: expected some of {ops.WINDOW_BACKENDS + ('xla',)}")
+  try:
+    tilings = parse_tilings(a.tilings)
+  except ValueError as e:
+    p.error(str(e))
   if a.segments:
     backends = [b for b in backends if b == "triton"] + ["xla"]
   bc.require_gpu(p, [s[0] for s in shapes], how=" (e.g. --shapes 256:1:4/1:64/64 --iters 1)")
@@ -156,8 +188,9 @@ def main(argv=None):
                                   [dq, dkk, dkk], dq, iters=a.iters)
     del dq, dkk
     times = {}
-    for be in backends:
-      fn = window_fn(be, a.window, seg)
+    runs = [(be, window_fn(be, a.window, seg)) for be in backends]
+    runs += [(f"triton-{n}", window_fn("triton", a.window, seg, til)) for n, til in tilings.items()]
+    for be, fn in runs:
       try:
         fexe = compiled(fn, q, kk, v)
         bexe = compiled(with_grad(fn), [q, kk, v], ct)

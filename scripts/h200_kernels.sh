@@ -136,6 +136,9 @@
 #          compiled check of each, at 64k both head dims, 32k, 16k and the 8k training layer;
 #          then packed documents (the Pallas kernels against the plain-JAX path that a GPU ran
 #          before them) at the 8k training layer and 64k 192/128.
+# winsweep  the Pallas window kernels' tiles (bench_window --tilings: forward rows, keys a step,
+#          backward rows, keys a dK/dV program, dK/dV warps) at 64k both head dims and the 8k
+#          training layer.
 # winnsa   the whole op at 64k, both head dims, with the window branch on each backend
 #          (NSA_WINDOW_BACKEND unset, triton, cudnn-fwd, unset again), each its own process.
 #
@@ -414,6 +417,11 @@ window() {
   timeout 330 python3 -m experiments.bench_window --check --iters 10 --out "$OUT/window"
   timeout 200 python3 -m experiments.bench_window --segments --iters 5 --out "$OUT/window" \
     --shapes 8192:8:16/1:64/64,65536:1:64/4:192/128
+}
+winsweep() {
+  timeout 400 python3 -m experiments.bench_window --backends triton --iters 5 --name window_sweep \
+    --shapes 65536:1:64/4:128/128,65536:1:64/4:192/128,8192:8:16/1:64/64 --out "$OUT/winsweep" \
+    --tilings "f128:rows=128,fbk32:block_k=32,b64:bwd_rows=64,bk128:bwd_block_k=128,dkvw4:dkv_num_warps=4"
 }
 winnsa() {
   local be
