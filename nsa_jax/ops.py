@@ -236,7 +236,9 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
   cuDNN needs d_k == d_v: the smaller of the two is zero-padded (zero query/key columns leave the
   logits unchanged; zero value columns give zero outputs that are sliced off)."""
   from nsa_jax import xla
-  be = backend or window_backend(q, v, segment_ids, allow_cudnn)
+  from pallas_kernels import window_attention as wk
+  window = wk.check_window(window)
+  be = window_backend(q, v, segment_ids, allow_cudnn) if backend is None else backend
   if be == "cudnn":
     dk, dv = q.shape[-1], v.shape[-1]
     dim = max(dk, dv)
@@ -247,7 +249,6 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
                                      local_window_size=(window - 1, 0), implementation="cudnn")
     return o[..., :dv]
   if be in ("triton", "cudnn-fwd"):
-    from pallas_kernels import window_attention as wk
     return wk.window_attention(q, k, v, window, segment_ids, scale, interpret=not on_gpu(),
                                backend=be)[0]
   if be != "xla":

@@ -112,10 +112,42 @@ _IMPLS = {"triton": _make(_triton_forward), "cudnn-fwd": _make(_cudnn_forward)}
 
 def supports(q_shape, k_shape, v_shape):
   """(ok, reason): whether the kernels handle these shapes."""
+  if not len(q_shape) == len(k_shape) == len(v_shape) == 4:
+    return False, (f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}: each must be "
+                   "[batch, time, heads, head_dim]")
   b, t, h, dk = q_shape
+  if min(b, t, h, k_shape[2]) < 1:
+    return False, f"q {tuple(q_shape)} / k {tuple(k_shape)}: batch, time and heads must be >= 1"
   if tuple(k_shape) != (b, t, k_shape[2], dk) or tuple(v_shape[:3]) != tuple(k_shape[:3]):
     return False, f"k {tuple(k_shape)} / v {tuple(v_shape)} do not match q {tuple(q_shape)}"
   return ca.supports(q_shape, k_shape, v_shape)
+
+
+def _check_tiling(tiling):
+  if not isinstance(tiling, ca.CmpTiling):
+    raise TypeError(f"tiling={tiling!r}: expected a pallas_kernels.compress_attention.CmpTiling "
+                    "(e.g. dataclasses.replace(WINDOW_TILING, rows=128))")
+  for f in ("rows", "block_k", "bwd_block_k", "bwd_rows", "dq_block_k", "dkv_rows"):
+    x = getattr(tiling, f)
+    if (f in ("dq_block_k", "dkv_rows") and x == 0):  # 0: take block_k / bwd_rows
+      continue
+    if x < 1 or x & (x - 1):
+      raise ValueError(f"tiling.{f}={x}: the Triton lowering loads power-of-two tiles. Fix: a "
+                       "power of two (e.g. 64)")
+
+
+def check_window(window):
+  """The window as a Python int >= 1 (a NumPy / 0-d integer array is taken; it is static: it
+  sets the kernels' key bounds), else a ValueError naming the fix."""
+  import operator
+  try:
+    w = None if isinstance(window, bool) else operator.index(window)
+  except TypeError:
+    w = None
+  if w is None or w < 1:
+    raise ValueError(f"window={window!r}: expected a positive static integer (keys t - w < s <= "
+                     "t), e.g. window=512; a traced value cannot set the kernels' bounds")
+  return w
 
 
 def window_attention(q, k, v, window, segment_ids=None, scale=None, *, interpret=False,
@@ -127,19 +159,25 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, interpret
   interpret=True)."""
   if backend not in ("triton", "cudnn-fwd"):
     raise ValueError(f"backend={backend!r}: expected 'triton' or 'cudnn-fwd'")
-  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-    raise ValueError(f"window={window!r}: expected a positive int (keys t - w < s <= t)")
+  window = check_window(window)
   ok, why = supports(q.shape, k.shape, v.shape)
   if not ok:
     raise ValueError(f"window_attention does not support this call: {why}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ValueError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}: the kernels take one "
+                     "dtype (mixed inputs would run at the lower precision). Fix: cast them to "
+                     "one dtype")
   if backend == "cudnn-fwd" and segment_ids is not None:
     raise ValueError("window_attention[cudnn-fwd] does not take segment ids (cuDNN's sliding "
                      "window has no document mask). Fix: backend='triton'")
   if backend == "cudnn-fwd" and not interpret and q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"window_attention[cudnn-fwd] takes bfloat16/float16 (cuDNN), not "
                      f"{jnp.dtype(q.dtype).name}. Fix: backend='triton'")
-  tiling = tiling or WINDOW_TILING
+  tiling = WINDOW_TILING if tiling is None else tiling
+  _check_tiling(tiling)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
   window = min(window, q.shape[1])  # a window past T is the whole causal past
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
   seg, has_seg = segment_ids_int32(segment_ids, q.shape[0], q.shape[1], "window_attention")
   return _IMPLS[backend](q, k, v, seg, window, scale, tiling, has_seg, interpret)

@@ -148,8 +148,8 @@ def test_window_backend_rule_and_override(monkeypatch, caplog):
 @pytest.mark.parametrize("use_seg", [True, False])
 def test_whole_op_with_window_kernels_matches_reference(use_seg):
   """nsa_attention(implementation="pallas") with the window branch on the Pallas window kernels
-  (win_backend="triton", what a GPU runs with segment ids or float32): loss and all eight
-  gradients equal the reference's."""
+  (win_backend="triton", what a GPU runs with segment ids or float32): the output and the
+  gradients of q, k_win, v_win and the gates equal the reference's."""
   from tests.test_compress_kernels import whole_op_case
   seed = _seed()
   ks = jax.random.split(jax.random.key(seed), 10)
@@ -159,15 +159,19 @@ def test_whole_op_with_window_kernels_matches_reference(use_seg):
   seg = _segments(ks[8], b, t) if use_seg else None
   w = jax.random.normal(ks[9], (b, t, h, cfg.dim_v))
 
-  def run(fn):
-    f = lambda *a: jnp.sum(fn(*a) * w)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 5, 6, 7)))(*args)
+  @jax.jit
+  def run():  # the output itself (a float32 sum over it rounds beyond 1e-5) and 4 gradients
+    def outs(fn):
+      call = lambda q, kw, vw, g: fn(q, *args[1:5], kw, vw, g)
+      o, vjp = jax.vjp(call, *[args[i] for i in (0, 5, 6, 7)])
+      return o, vjp(w.astype(o.dtype))
+    return (outs(lambda *a: ops._pallas_nsa(*a, cfg, seg, None, False, kernels="triton",
+                                            win_backend="triton")),
+            outs(lambda *a: ops.nsa_attention(*a, cfg, segment_ids=seg,
+                                              implementation="reference")))
 
-  val, grads = run(lambda *a: ops._pallas_nsa(*a, cfg, seg, None, False, kernels="triton",
-                                              win_backend="triton"))
-  rval, rgrads = run(lambda *a: ops.nsa_attention(*a, cfg, segment_ids=seg,
-                                                  implementation="reference"))
-  _close(val, rval, 1e-5, "loss", seed)
+  (o, grads), (ro, rgrads) = run()
+  _close(o, ro, 1e-5, "o", seed)
   for name, a, r in zip(("q", "k_win", "v_win", "gates"), grads, rgrads):
     _close(a, r, 1e-4, "d" + name, seed)
 
@@ -199,8 +203,8 @@ def test_bad_inputs_raise_with_the_fix():
   q, k, v = jnp.zeros((1, 32, 4, 16)), jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 2, 16))
   seg = jnp.zeros((1, 32), jnp.int32)
   run = lambda *a, **kw: wk.window_attention(*a, interpret=True, **kw)
-  for bad in (0, -3, True, 2.0):
-    with pytest.raises(ValueError, match="window=.*expected a positive int"):
+  for bad in (0, -3, True, 2.0, None):
+    with pytest.raises(ValueError, match="window=.*expected a positive static integer"):
       run(q, k, v, bad)
   with pytest.raises(ValueError, match="expected 'triton' or 'cudnn-fwd'"):
     run(q, k, v, 8, backend="cudnn")
@@ -216,3 +220,22 @@ def test_bad_inputs_raise_with_the_fix():
     run(q, k, v, 8, seg.astype(jnp.float32))
   with pytest.raises(ValueError, match="window backend 'flash'"):
     ops.window_attention(q, k, v, 8, backend="flash")
+  with pytest.raises(ValueError, match="window backend ''"):
+    ops.window_attention(q, k, v, 8, backend="")
+  for bad in (0, "8"):  # every backend checks the window first
+    with pytest.raises(ValueError, match="expected a positive static integer"):
+      ops.window_attention(q, k, v, bad, backend="xla")
+  o, _ = run(q, k, v, np.int64(8))  # NumPy integers are taken
+  np.testing.assert_array_equal(o, run(q, k, v, 8)[0])
+  with pytest.raises(ValueError, match=r"each must be \[batch, time, heads, head_dim\]"):
+    run(q[0], k, v, 8)
+  with pytest.raises(ValueError, match="batch, time and heads must be >= 1"):
+    run(q[:, :0], k[:, :0], v[:, :0], 8)
+  with pytest.raises(ValueError, match="dtypes float32, bfloat16, bfloat16.*cast them"):
+    run(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), 8)
+  with pytest.raises(ValueError, match="tiling.rows=24: .*power of two"):
+    run(q, k, v, 8, tiling=dataclasses.replace(wk.WINDOW_TILING, rows=24))
+  with pytest.raises(TypeError, match="expected a pallas_kernels.compress_attention.CmpTiling"):
+    run(q, k, v, 8, tiling={"rows": 64})
+  np.testing.assert_array_equal(run(q, k, v, 8, list(np.asarray(seg[0])[None]))[0],
+                                run(q, k, v, 8, seg)[0])  # a list of ids is taken
