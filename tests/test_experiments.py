@@ -729,6 +729,32 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
   assert prof["T"] == 128 and isinstance(prof["fwd"], list)  # empty without a GPU trace
 
 
+def test_bench_window_runs_on_cpu(tmp_path):
+  """bench_window's code paths on a tiny shape (interpreted; the numbers mean nothing here): the
+  Pallas backend plus an extra tiling, then packed documents against the plain-JAX path; the
+  records carry the base fields and each shape's dense time; bad shapes / tilings are refused."""
+  from experiments import bench_window
+  bench_window.main(["--shapes", "96:2:4/2:32/16", "--window", "24", "--iters", "1",
+                     "--tilings", "r16:rows=16;bwd_rows=16", "--out", str(tmp_path)])
+  recs = json.load(open(tmp_path / "window_cpu.json"))
+  assert [(r["impl"], r["pass"]) for r in recs] == [
+      (f"window-{i}", p) for i in ("triton", "triton-r16") for p in ("fwd", "bwd")]
+  assert all(r["T"] == 96 and r["batch"] == 2 and (r["d_k"], r["d_v"]) == (32, 16)
+             and r["cudnn_ms"] and r["window"] == 24 and r["hardware"] for r in recs)
+  md = (tmp_path / "window_cpu.md").read_text()
+  assert "| 96 | 2 | 4/2 | 32/16 | fwd |" in md and "dense cuDNN" in md
+  bench_window.main(["--shapes", "64:1:4/1:16/16", "--segments", "--iters", "1", "--out",
+                     str(tmp_path)])
+  seg = json.load(open(tmp_path / "window_cpu_segments.json"))
+  assert {r["impl"] for r in seg} == {"window-triton", "window-xla"}
+  assert all(r["segments"] and "vs_xla" in r for r in seg)
+  for bad in (["--shapes", "64:1:4/3:16/16"], ["--shapes", "64:1:4"],
+              ["--tilings", "x:foo=1"], ["--backends", "flash"]):
+    with pytest.raises(SystemExit) as e:
+      bench_window.main(bad + ["--out", str(tmp_path)])
+    assert e.value.code == 2
+
+
 @pytest.mark.parametrize("t,block,stride,sel_block,n,window", [
     (300, 32, 16, 64, 4, 64), (257, 16, 8, 32, 3, 100), (64, 32, 16, 64, 16, 512)])
 def test_nsa_pair_counts_equal_the_reference_masks(t, block, stride, sel_block, n, window):
@@ -845,7 +871,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "topnvar", "topnsweep",
                                     "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
                                     "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
-                                    "ncuprof", "decodehf", "cmdsched", "streams"}
+                                    "ncuprof", "decodehf", "cmdsched", "streams", "window",
+                                    "winsweep", "winnsa"}
 
 
 def test_needle_key_blocks_and_coverage():
