@@ -238,6 +238,10 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
   from nsa_jax import xla
   from pallas_kernels import window_attention as wk
   window = wk.check_window(window)
+  if segment_ids is not None:  # every backend takes the same ids (the kernels refuse floats)
+    segment_ids = jnp.asarray(segment_ids)
+    reference.require_integers(segment_ids, "segment_ids", "document ids", "pass int32 ids, "
+                               "e.g. the cumulative count of document starts.", allow_bool=True)
   be = window_backend(q, v, segment_ids, allow_cudnn) if backend is None else backend
   if be == "cudnn":
     dk, dv = q.shape[-1], v.shape[-1]

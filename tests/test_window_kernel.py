@@ -220,6 +220,8 @@ def test_bad_inputs_raise_with_the_fix():
     run(q, k, v, 8, seg.astype(jnp.float32))
   with pytest.raises(ValueError, match="window backend 'flash'"):
     ops.window_attention(q, k, v, 8, backend="flash")
+  with pytest.raises(TypeError, match="segment_ids has dtype float32"):  # as the kernels
+    ops.window_attention(q, k, v, 8, seg.astype(jnp.float32), backend="xla")
   with pytest.raises(ValueError, match="window backend ''"):
     ops.window_attention(q, k, v, 8, backend="")
   for bad in (0, "8"):  # every backend checks the window first
