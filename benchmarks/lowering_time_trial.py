@@ -1,7 +1,8 @@
 # Diagnostic (2026-12-01, twelfth session): how long tracing + lowering takes for L layers of the
 # NSA op, forward + backward, with the Pallas kernels lowered for CUDA on an abstract H100 (no GPU
-# needed), at the 8k training-layer shape (B=8, 16/1 heads, 64/64). The window branch runs plain
-# JAX here (cuDNN cannot be traced without a GPU). It splits NSA's start-up (86 s to step 10 at
+# needed), at the 8k training-layer shape (B=8, 16/1 heads, 64/64). The window branch ran plain
+# JAX here when these numbers were taken (cuDNN cannot be traced without a GPU); since
+# 2026-12-06 allow_cudnn=False gives it the Pallas window kernels (3 more Triton calls a layer). It splits NSA's start-up (86 s to step 10 at
 # 8k on one H200, dense 14 s: benchmarks/results/train_startup_1gpu.json) into the Python side,
 # measured here, and XLA's compilation, which is the rest.
 #   PYTHONPATH=. python benchmarks/lowering_time_trial.py 12 [T]

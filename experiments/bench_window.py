@@ -14,8 +14,9 @@ banded path ("xla", what a GPU ran before these kernels).
 --check first compares every backend's output and gradients with the plain-JAX path at a small
 shape, compiled, and stops if one is off. Records: op "window", impl "window-<backend>", pass
 "fwd" / "bwd" (the backward read as (forward + backward) - forward), cudnn_ms the dense causal
-attention of the same shape, plus window_cudnn_ms (the "cudnn" backend's time) and
-vs_cudnn_window (that over this row's ms).
+attention of the same shape, plus vs_cudnn_window (the "cudnn" backend's ms over this row's; with
+--segments vs_xla, the plain-JAX path's). tflops counts the window's query-key pairs without
+document cuts, so with --segments it is an upper bound.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def inputs(key, t, b, h, k, dk, dv, segments):
   v = jax.random.normal(ks[2], (b, t, k, dv), jnp.bfloat16)
   ct = jax.random.normal(ks[3], (b, t, h, dv), jnp.bfloat16)
   seg = None
-  if segments:  # documents of 1-8k tokens, cut at random
+  if segments:  # ~T / 4096 cuts at uniformly random places
     cuts = np.sort(np.asarray(jax.random.randint(ks[4], (b, max(1, t // 4096)), 0, t)), axis=-1)
     seg = jnp.asarray((np.arange(t)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
   return q, kk, v, ct, seg
@@ -218,7 +219,9 @@ def main(argv=None):
         records.append(rec)
         print(f"T={t} B={b} {h}/{k} {dk}/{dv} {be:9s} {pass_}: {ms:8.3f} ms "
               f"(dense cuDNN {dms:8.3f} ms)", flush=True)
-  gpu = jax.devices()[0].device_kind.split()[-1].lower() if on_gpu else jax.default_backend()
+  kind = jax.devices()[0].device_kind
+  gpu = (next((g.lower() for g in ("H200", "H100", "A100", "B200") if g in kind),
+              kind.split()[-1].lower()) if on_gpu else jax.default_backend())
   name = a.name or f"window_{gpu}" + ("_segments" if a.segments else "")
   pre = (f"# Window branch by backend (w = {a.window})\n\n"
          f"Command: `{bc.command_line()}`. {bc.hardware()}, {bc.utc_now()}, code "

@@ -182,6 +182,9 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
 # "cudnn-fwd": cuDNN's sliding-window forward with its float32 softmax statistics and the Triton
 # backward of pallas_kernels.window_attention; "triton": that module's kernels, forward and
 # backward (segment ids, float32, d_k != d_v unpadded). Off a GPU: "xla" (nsa_jax.xla, banded).
+# Where neither applies (head dims that are not multiples of 16, mixed dtypes) the plain-JAX
+# path runs on a GPU too, with a warning. The rule takes cuDNN wherever it applies: the kernels
+# have not been timed against it on the H200 yet (docs/STATUS.md, issue 5).
 # NSA_WINDOW_BACKEND forces one of the GPU choices (benchmarks, A/B runs).
 WINDOW_BACKENDS = ("cudnn", "cudnn-fwd", "triton")
 
@@ -193,7 +196,7 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
   forced = os.environ.get("NSA_WINDOW_BACKEND", "")
   if forced and forced not in WINDOW_BACKENDS:
     raise ValueError(f"NSA_WINDOW_BACKEND={forced!r}: expected one of {WINDOW_BACKENDS} (or "
-                     "unset for the measured rule)")
+                     "unset for the rule)")
   cudnn_ok = allow_cudnn and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16)
   if forced and (cudnn_ok or forced == "triton"):
     be, why = forced, "NSA_WINDOW_BACKEND"
@@ -205,6 +208,15 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
                          f"dtype {jnp.dtype(q.dtype).name}")
     if forced:
       why += f"; NSA_WINDOW_BACKEND={forced} needs cuDNN"
+    from pallas_kernels import window_attention as wk
+    ok, no = wk.supports(q.shape, v.shape[:3] + q.shape[-1:], v.shape)
+    if ok and q.dtype != v.dtype:
+      ok, no = False, f"q and v have dtypes {q.dtype} and {v.dtype}"
+    if not ok:  # the plain-JAX path takes any shape: slow, so said at WARNING
+      log_once(logging.WARNING, f"NSA window branch for q{tuple(q.shape)} v{tuple(v.shape)} on "
+               f"GPU uses plain JAX: cuDNN does not apply ({why}) and the Pallas window kernels "
+               f"refuse the call ({no})")
+      return "xla"
   log_once(logging.INFO, f"NSA window branch for q{tuple(q.shape)} v{tuple(v.shape)}: {be} ({why})")
   return be
 
@@ -244,6 +256,9 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
                                "e.g. the cumulative count of document starts.", allow_bool=True)
   be = window_backend(q, v, segment_ids, allow_cudnn) if backend is None else backend
   if be == "cudnn":
+    if segment_ids is not None:
+      raise ValueError("window backend 'cudnn' does not take segment ids (cuDNN's sliding window "
+                       "has no document mask). Fix: backend='triton' or None (the rule)")
     dk, dv = q.shape[-1], v.shape[-1]
     dim = max(dk, dv)
     scale = dk ** -0.5 if scale is None else scale

@@ -194,7 +194,9 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
-  first = jnp.minimum(first_visible(tile * tq, block, stride, window) // bk, steps)
+  # (a literal 0 without a window: the loop's lower bound stays a constant, as before windows)
+  first = 0 if not window else jnp.minimum(first_visible(tile * tq, block, stride, window) // bk,
+                                           steps)
 
   def body(i, carry):
     m_i, l_i, accs = carry
@@ -262,7 +264,9 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
-  first = jnp.minimum(first_visible(tile * tq, block, stride, window) // bk, steps)
+  # (a literal 0 without a window: the loop's lower bound stays a constant, as before windows)
+  first = 0 if not window else jnp.minimum(first_visible(tile * tq, block, stride, window) // bk,
+                                           steps)
 
   def body(i, accs):
     start = pl.multiple_of(i * bk, bk)

@@ -100,17 +100,20 @@ def unfold(x, t, block, stride, kv_heads, fill):
   return jnp.concatenate([head, y], axis=1)
 
 
-def _attention(qf, k, v, scale, implementation):
+def _attention(qf, k, v, scale, implementation, sliding_window=None):
   """Causal attention with the log-sum-exp: (o [B, N, Hq, D], lse [B, N, Hq] float32).
 
   "cudnn" calls jax's own cuDNN flash-attention wrapper below the public
   jax.nn.dot_product_attention, because the public one returns the log-sum-exp cast to the
   output dtype (bfloat16: ~3% error in p = exp(s - lse), enough to reorder the top-n); this one
-  returns cuDNN's float32 softmax statistics. It is a private module (checked by `supports`)."""
+  returns cuDNN's float32 softmax statistics. It is a private module (checked by `supports`).
+  sliding_window=w: only the keys m with n - w < m <= n (pallas_kernels.window_attention's
+  "cudnn-fwd" backend); None: causal."""
   if implementation == "cudnn":
     from jax._src.cudnn import fused_attention_stablehlo as fa
     o, lse = fa.dot_product_attention(qf, k, v, scale=scale, mask_type=fa.MaskType.CAUSAL,
-                                      qkv_layout="BTNH", return_residual=True)
+                                      qkv_layout="BTNH", return_residual=True,
+                                      sliding_window_length=sliding_window)
     b, n, hq, _ = qf.shape
     # jax 0.11 returns [B, heads, T]; a different layout fails here, except when heads == T,
     # which only the jax-version gate in `supports` covers.
@@ -125,6 +128,8 @@ def _attention(qf, k, v, scale, implementation):
     qg = qf.reshape(b, n, kh, hq // kh, dim)
     s = jnp.einsum("bnkgd,bmkd->bkgnm", qg, k, preferred_element_type=jnp.float32) * scale
     causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+    if sliding_window:  # keys m with n - w < m <= n, as cuDNN's sliding_window_length
+      causal = causal & (jnp.arange(n)[:, None] - jnp.arange(n)[None, :] < sliding_window)
     s = jnp.where(causal, s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, N]
     p = jnp.exp(s - lse[..., None])

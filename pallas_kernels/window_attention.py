@@ -10,10 +10,11 @@ keys they read), d_k != d_v needs no padding, segment ids are honoured, and the 
 deterministic (one program per key tile, no atomics).
 
 Why a kernel of our own beside cuDNN's sliding window (issue 5, deliverable 3): cuDNN takes
-neither segment ids (packed documents ran the plain-JAX path on a GPU) nor d_k != d_v (d_v was
+neither segment ids (packed documents ran the plain-JAX path on a GPU) nor d_k != d_v (d_v is
 padded to d_k). Where cuDNN applies, `backend` picks the forward: "triton", or "cudnn-fwd"
 (cuDNN's sliding-window forward with its float32 softmax statistics, this module's backward).
-nsa_jax.ops chooses between these and cuDNN's own forward + backward by measured rules.
+nsa_jax.ops.window_backend chooses between these and cuDNN's own forward + backward (cuDNN
+wherever it applies until these kernels are timed on the H200).
 
 Contract: window_attention(q [B,T,H,Dk], k [B,T,K,Dk], v [B,T,K,Dv], window, segment_ids=None,
 scale=None) -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32), equal to
@@ -59,27 +60,19 @@ def _triton_forward(q, k, v, seg, window, scale, tiling, has_seg, interpret):
 
 
 def _cudnn_forward(q, k, v, seg, window, scale, tiling, has_seg, interpret):
-  """cuDNN's sliding-window forward with its float32 softmax statistics (jax's private cuDNN
-  module, as pallas_kernels.compress_fold uses it). Head dims that differ are zero-padded to
-  the larger (logits and kept columns unchanged). interpret=True (no GPU, no cuDNN): the Triton
-  forward, interpreted, stands in, so that CPU tests check this path's VJP wiring; the cuDNN call
-  itself is checked compiled (scripts/gpu_tests.sh)."""
+  """cuDNN's sliding-window forward with its float32 softmax statistics, through the private
+  call of pallas_kernels.compress_fold (checked there by `supports`). Head dims that differ are
+  zero-padded to the larger (logits and kept columns unchanged). interpret=True (no GPU): that
+  module's plain-JAX attention stands in for cuDNN, so CPU tests check this path's VJP."""
+  from pallas_kernels import compress_fold as cf
   if interpret:
-    return _triton_forward(q, k, v, seg, window, scale, tiling, has_seg, interpret)
-  from jax._src.cudnn import fused_attention_stablehlo as fa
-  b, t, h, dk = q.shape
+    return cf._attention(q, k, v, scale, "xla", sliding_window=window)
   dv = v.shape[-1]
-  dim = max(dk, dv)
+  dim = max(q.shape[-1], dv)
   pad = lambda x: x if x.shape[-1] == dim else jnp.pad(  # noqa: E731
       x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
-  o, lse = fa.dot_product_attention(pad(q), pad(k), pad(v), scale=scale,
-                                    mask_type=fa.MaskType.CAUSAL, qkv_layout="BTNH",
-                                    sliding_window_length=window, return_residual=True)
-  if lse.shape != (b, h, t):
-    raise NotImplementedError(f"cuDNN softmax stats of shape {lse.shape} for q {q.shape}: not "
-                              "the [B, heads, T] layout this was checked with (jax 0.11.2). "
-                              "Fix: backend='triton'")
-  return o[..., :dv], jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
+  o, lse = cf._attention(pad(q), pad(k), pad(v), scale, "cudnn", sliding_window=window)
+  return o[..., :dv], lse
 
 
 def _make(forward):
@@ -155,8 +148,8 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, interpret
   """Sliding-window attention; see the module docstring. Returns (o, lse).
 
   backend: "triton" (forward and backward kernels) or "cudnn-fwd" (cuDNN's sliding-window forward,
-  the Triton backward; no segment ids; 16-bit inputs; the Triton forward in place of cuDNN when
-  interpret=True)."""
+  the Triton backward; no segment ids; where compress_fold.supports allows cuDNN; plain-JAX
+  attention in place of cuDNN when interpret=True)."""
   if backend not in ("triton", "cudnn-fwd"):
     raise ValueError(f"backend={backend!r}: expected 'triton' or 'cudnn-fwd'")
   window = check_window(window)
@@ -170,9 +163,12 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, interpret
   if backend == "cudnn-fwd" and segment_ids is not None:
     raise ValueError("window_attention[cudnn-fwd] does not take segment ids (cuDNN's sliding "
                      "window has no document mask). Fix: backend='triton'")
-  if backend == "cudnn-fwd" and not interpret and q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise ValueError(f"window_attention[cudnn-fwd] takes bfloat16/float16 (cuDNN), not "
-                     f"{jnp.dtype(q.dtype).name}. Fix: backend='triton'")
+  if backend == "cudnn-fwd" and not interpret:
+    from pallas_kernels import compress_fold as cf
+    ok, why = cf.supports(q.shape[-1], v.shape[-1], q.dtype, False)
+    if not ok:
+      raise ValueError(f"window_attention[cudnn-fwd] does not support this call: {why}. Fix: "
+                       "backend='triton'")
   tiling = WINDOW_TILING if tiling is None else tiling
   _check_tiling(tiling)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)

@@ -120,8 +120,9 @@ def test_cudnn_forward_backend_matches_reference():
 
 def test_window_backend_rule_and_override(monkeypatch, caplog):
   """ops.window_backend on a (pretended) GPU: cuDNN's whole sliding window where it applies, the
-  Pallas kernels for segment ids, float32 or allow_cudnn=False; NSA_WINDOW_BACKEND forces a
-  choice where it can apply and is refused when unknown; off a GPU the banded plain-JAX path."""
+  Pallas kernels for segment ids, float32 or allow_cudnn=False, the plain-JAX path (warned) for
+  what the kernels refuse; NSA_WINDOW_BACKEND forces a choice where it can apply and is refused
+  when unknown; off a GPU the banded plain-JAX path."""
   bf, f32 = jnp.zeros((1, 8, 4, 32), jnp.bfloat16), jnp.zeros((1, 8, 4, 32), jnp.float32)
   v = jnp.zeros((1, 8, 1, 32), jnp.bfloat16)
   seg = jnp.zeros((1, 8), jnp.int32)
@@ -132,9 +133,18 @@ def test_window_backend_rule_and_override(monkeypatch, caplog):
   with caplog.at_level(logging.INFO, logger="nsa_jax"):
     assert ops.window_backend(bf, v) == "cudnn"
     assert ops.window_backend(bf, v, seg) == "triton"
-    assert ops.window_backend(f32, v) == "triton"
+    assert ops.window_backend(f32, v.astype(jnp.float32)) == "triton"
     assert ops.window_backend(bf, v, allow_cudnn=False) == "triton"
   assert "triton (segment ids)" in caplog.text and "triton (dtype float32)" in caplog.text
+  # shapes / dtypes the kernels refuse: the plain-JAX path, with a warning (it took any shape)
+  odd, v_odd = jnp.zeros((1, 8, 4, 40), jnp.float32), jnp.zeros((1, 8, 1, 40), jnp.float32)
+  with caplog.at_level(logging.WARNING, logger="nsa_jax"):
+    assert ops.window_backend(odd, v_odd, seg) == "xla"
+    assert ops.window_backend(f32, v) == "xla"  # float32 q, bfloat16 v
+  assert "uses plain JAX" in caplog.text and "d_k=40" in caplog.text
+  assert "dtypes float32 and bfloat16" in caplog.text
+  o = ops.window_attention(odd, v_odd, v_odd, 3, seg)
+  np.testing.assert_allclose(o, reference.window_attention(odd, v_odd, v_odd, 3, seg)[0])
   for forced in ("triton", "cudnn-fwd"):
     monkeypatch.setenv("NSA_WINDOW_BACKEND", forced)
     assert ops.window_backend(bf, v) == forced
@@ -222,6 +232,8 @@ def test_bad_inputs_raise_with_the_fix():
     ops.window_attention(q, k, v, 8, backend="flash")
   with pytest.raises(TypeError, match="segment_ids has dtype float32"):  # as the kernels
     ops.window_attention(q, k, v, 8, seg.astype(jnp.float32), backend="xla")
+  with pytest.raises(ValueError, match="'cudnn' does not take segment ids"):  # not dropped
+    ops.window_attention(q, k, v, 8, seg, backend="cudnn")
   with pytest.raises(ValueError, match="window backend ''"):
     ops.window_attention(q, k, v, 8, backend="")
   for bad in (0, "8"):  # every backend checks the window first
