@@ -224,8 +224,8 @@ def bench_branches(bench, key, t, cfg, dense, args):
   bench.add("select", "pallas", t, cfg, bench.time_pair(sel, [q, ks_, vs_, idx], ct), dense,
             pattern="nsa-topn", mean_union4=round(float(C.mean_union(idx, C.UNION_TOKENS)), 2))
   win = lambda q, k, v: (ops.window_attention(q, k, v, w),)
-  impl = {"cudnn": "cudnn-window", "xla": "xla"}.get(ops.window_backend(q, vw),
-                                                     "window-" + ops.window_backend(q, vw))
+  be = ops.window_backend(q, vw)
+  impl = {"cudnn": "cudnn-window", "xla": "xla"}.get(be, "window-" + be)
   bench.add("window", impl, t, cfg, bench.time_pair(win, [q, kw, vw], ct), dense)
 
 

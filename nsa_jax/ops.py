@@ -189,6 +189,11 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
 WINDOW_BACKENDS = ("cudnn", "cudnn-fwd", "triton")
 
 
+def _cudnn_window_applies(q, segment_ids, allow_cudnn):
+  """cuDNN's sliding window takes the call: allowed, no segment ids, 16-bit inputs."""
+  return allow_cudnn and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
 def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
   """The window branch's implementation for these inputs (see WINDOW_BACKENDS); logged."""
   if not on_gpu():
@@ -197,7 +202,7 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
   if forced and forced not in WINDOW_BACKENDS:
     raise ValueError(f"NSA_WINDOW_BACKEND={forced!r}: expected one of {WINDOW_BACKENDS} (or "
                      "unset for the rule)")
-  cudnn_ok = allow_cudnn and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16)
+  cudnn_ok = _cudnn_window_applies(q, segment_ids, allow_cudnn)
   if forced and (cudnn_ok or forced == "triton"):
     be, why = forced, "NSA_WINDOW_BACKEND"
   elif cudnn_ok:
@@ -223,8 +228,7 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
 
 def window_uses_cudnn(q, segment_ids=None, allow_cudnn=True) -> bool:
   """Whether window_attention runs cuDNN's whole sliding window (forward and backward)."""
-  return (allow_cudnn and on_gpu() and segment_ids is None
-          and q.dtype in (jnp.bfloat16, jnp.float16)
+  return (on_gpu() and _cudnn_window_applies(q, segment_ids, allow_cudnn)
           and os.environ.get("NSA_WINDOW_BACKEND", "") in ("", "cudnn"))
 
 
@@ -259,13 +263,13 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
     if segment_ids is not None:
       raise ValueError("window backend 'cudnn' does not take segment ids (cuDNN's sliding window "
                        "has no document mask). Fix: backend='triton' or None (the rule)")
+    from pallas_kernels.compress_fold import pad_head_dim
     dk, dv = q.shape[-1], v.shape[-1]
     dim = max(dk, dv)
     scale = dk ** -0.5 if scale is None else scale
-    pad = lambda x: (x if x.shape[-1] == dim  # no jnp.pad (a nested jit) when nothing is padded
-                     else jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),)))
-    o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, is_causal=True,
-                                     local_window_size=(window - 1, 0), implementation="cudnn")
+    o = jax.nn.dot_product_attention(*(pad_head_dim(x, dim) for x in (q, k, v)), scale=scale,
+                                     is_causal=True, local_window_size=(window - 1, 0),
+                                     implementation="cudnn")
     return o[..., :dv]
   if be in ("triton", "cudnn-fwd"):
     return wk.window_attention(q, k, v, window, segment_ids, scale, interpret=not on_gpu(),

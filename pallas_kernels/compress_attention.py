@@ -140,12 +140,15 @@ def num_visible(pos, block, stride, nc):
   return jnp.minimum(n, nc)
 
 
-def first_visible(pos, block, stride, window):
-  """The first compressed block `pos` sees: 0, or with a window w the first block whose last key
-  lies in (pos - w, pos]."""
+def first_step(first_pos, steps, *, block, stride, window, bk):
+  """The first key step (of bk blocks) of a query tile starting at `first_pos` that can hold a
+  visible block: with a window w, the step holding the first block whose last key lies in
+  (first_pos - w, first_pos], at most `steps`; without one a literal 0, so that the loop's lower
+  bound stays a constant (the program as before windows)."""
   if not window:
-    return jnp.zeros_like(pos)
-  return jnp.maximum((pos - window - block + 1) // stride + 1, 0)
+    return 0
+  first = jnp.maximum((first_pos - window - block + 1) // stride + 1, 0)
+  return jnp.minimum(first // bk, steps)
 
 
 def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc, window=0):
@@ -194,9 +197,7 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
-  # (a literal 0 without a window: the loop's lower bound stays a constant, as before windows)
-  first = 0 if not window else jnp.minimum(first_visible(tile * tq, block, stride, window) // bk,
-                                           steps)
+  first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
 
   def body(i, carry):
     m_i, l_i, accs = carry
@@ -264,9 +265,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
   seg_q = seg_ref[pos] if has_seg else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
-  # (a literal 0 without a window: the loop's lower bound stays a constant, as before windows)
-  first = 0 if not window else jnp.minimum(first_visible(tile * tq, block, stride, window) // bk,
-                                           steps)
+  first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
 
   def body(i, accs):
     start = pl.multiple_of(i * bk, bk)

@@ -71,6 +71,15 @@ def supports(dk, dv, dtype, has_seg, capability=None):
   return True, "ok"
 
 
+def pad_head_dim(x, dim):
+  """x [..., D] zero-padded on its last axis to `dim` (cuDNN needs d_k == d_v; zero columns leave
+  the logits unchanged and give zero outputs, sliced off). x itself when already that wide: no
+  jnp.pad, a nested jit."""
+  if x.shape[-1] == dim:
+    return x
+  return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, dim - x.shape[-1]),))
+
+
 def padded_groups(nc):
   """Query groups (= keys) after padding Nc: even, and a multiple of 64 beyond 64."""
   return -(-nc // 64) * 64 if nc > 64 else nc + nc % 2
@@ -152,7 +161,7 @@ def compressed_attention(q, k_cmp, v_cmp, block, stride, scale=None, *, implemen
     return jnp.zeros((b, t, h, dv), q.dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32)
   scale = float(dk ** -0.5 if scale is None else scale)
   dim = max(dk, dv)
-  pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
+  pad = lambda x: pad_head_dim(x, dim)  # noqa: E731
   # cuDNN's training path refuses odd lengths; a multiple of 64 also fills its tiles. Extra zero
   # keys k >= Nc are seen only by the extra query groups g >= Nc (causal), which are sliced off.
   ncp = padded_groups(nc)

@@ -69,9 +69,8 @@ def _cudnn_forward(q, k, v, seg, window, scale, tiling, has_seg, interpret):
     return cf._attention(q, k, v, scale, "xla", sliding_window=window)
   dv = v.shape[-1]
   dim = max(q.shape[-1], dv)
-  pad = lambda x: x if x.shape[-1] == dim else jnp.pad(  # noqa: E731
-      x, ((0, 0),) * 3 + ((0, dim - x.shape[-1]),))
-  o, lse = cf._attention(pad(q), pad(k), pad(v), scale, "cudnn", sliding_window=window)
+  o, lse = cf._attention(*(cf.pad_head_dim(x, dim) for x in (q, k, v)), scale, "cudnn",
+                         sliding_window=window)
   return o[..., :dv], lse
 
 
