@@ -195,7 +195,14 @@ def _cudnn_window_applies(q, segment_ids, allow_cudnn):
 
 
 def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
-  """The window branch's implementation for these inputs (see WINDOW_BACKENDS); logged."""
+  """The window branch's implementation for these inputs (see WINDOW_BACKENDS); logged.
+
+  The rule: cuDNN's whole sliding window where it takes the call (16-bit, no segment ids) and
+  d_k == d_v; the Pallas Triton kernels otherwise. With d_k != d_v cuDNN needs d_v padded to d_k,
+  and the kernels (no padding) were faster: 64k, 64/4 heads, 192/128, H100 (bench_window,
+  2026-12-06, benchmarks/results/window_h100.md) forward 4.49 vs 5.01 ms, backward 16.50 vs
+  21.64 ms; at 128/128 and at the 8k training layer (64/64) cuDNN was faster (forward 3.06 vs
+  3.93 ms, backward 12.09 vs 13.13 ms at 64k)."""
   if not on_gpu():
     return "xla"
   forced = os.environ.get("NSA_WINDOW_BACKEND", "")
@@ -205,19 +212,22 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
   cudnn_ok = _cudnn_window_applies(q, segment_ids, allow_cudnn)
   if forced and (cudnn_ok or forced == "triton"):
     be, why = forced, "NSA_WINDOW_BACKEND"
-  elif cudnn_ok:
-    be, why = "cudnn", "no segment ids and 16-bit inputs"
+  elif cudnn_ok and q.shape[-1] == v.shape[-1]:
+    be, why = "cudnn", "no segment ids, 16-bit inputs, d_k == d_v"
   else:
     be, why = "triton", ("segment ids" if segment_ids is not None else
                          "cuDNN not allowed" if not allow_cudnn else
-                         f"dtype {jnp.dtype(q.dtype).name}")
+                         f"dtype {jnp.dtype(q.dtype).name}" if not cudnn_ok else
+                         f"d_k={q.shape[-1]} != d_v={v.shape[-1]}: cuDNN would pad d_v")
     if forced:
       why += f"; NSA_WINDOW_BACKEND={forced} needs cuDNN"
     from pallas_kernels import window_attention as wk
     ok, no = wk.supports(q.shape, v.shape[:3] + q.shape[-1:], v.shape)
     if ok and q.dtype != v.dtype:
       ok, no = False, f"q and v have dtypes {q.dtype} and {v.dtype}"
-    if not ok:  # the plain-JAX path takes any shape: slow, so said at WARNING
+    if not ok and cudnn_ok:  # cuDNN (padding d_v) rather than plain JAX
+      be, why = "cudnn", f"no segment ids and 16-bit inputs; the Pallas kernels refuse ({no})"
+    elif not ok:  # the plain-JAX path takes any shape: slow, so said at WARNING
       log_once(logging.WARNING, f"NSA window branch for q{tuple(q.shape)} v{tuple(v.shape)} on "
                f"GPU uses plain JAX: cuDNN does not apply ({why}) and the Pallas window kernels "
                f"refuse the call ({no})")
@@ -226,19 +236,13 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
   return be
 
 
-def window_uses_cudnn(q, segment_ids=None, allow_cudnn=True) -> bool:
-  """Whether window_attention runs cuDNN's whole sliding window (forward and backward)."""
-  return (on_gpu() and _cudnn_window_applies(q, segment_ids, allow_cudnn)
-          and os.environ.get("NSA_WINDOW_BACKEND", "") in ("", "cudnn"))
-
-
 def _window_flat(q, v, segment_ids):
-  """(flat, why) for _on_stream: the window branch is one cuDNN call only when cuDNN applies and
-  d_k == d_v (otherwise jnp.pad, the Pallas kernels' layout or the plain-JAX path adds nested
-  jits)."""
-  if not window_uses_cudnn(q, segment_ids):
+  """(flat, why) for _on_stream: the window branch is one cuDNN call only when the rule picks
+  cuDNN and d_k == d_v (otherwise jnp.pad, the Pallas kernels' layout or the plain-JAX path adds
+  nested jits)."""
+  if window_backend(q, v, segment_ids) != "cudnn":
     return False, ("the window branch runs Pallas kernels or plain JAX here (segment ids, a dtype "
-                   "cuDNN does not take, or NSA_WINDOW_BACKEND)")
+                   "cuDNN does not take, d_k != d_v, or NSA_WINDOW_BACKEND)")
   if q.shape[-1] != v.shape[-1]:
     return False, f"the window branch pads d_v={v.shape[-1]} to d_k={q.shape[-1]} for cuDNN"
   return True, ""

@@ -613,7 +613,7 @@ def test_whole_op_on_branch_streams_equals_one_stream(streams, group, case, monk
 
 def test_window_stream_only_for_one_flat_cudnn_call(monkeypatch, caplog):
   """On a GPU (on_gpu patched) the window branch counts as flat only for bf16/fp16, no segment
-  ids and d_k == d_v; a call that is not flat runs fn directly (no compute_on), with a warning."""
+  ids and d_k == d_v (the rule's cuDNN, unpadded); a call that is not flat runs fn directly (no compute_on), with a warning."""
   monkeypatch.setattr(ops, "on_gpu", lambda: True)
   q = jnp.zeros((1, 8, 2, 32), jnp.bfloat16)
   v_eq, v_ne = jnp.zeros((1, 8, 1, 32), jnp.bfloat16), jnp.zeros((1, 8, 1, 16), jnp.bfloat16)
@@ -623,7 +623,11 @@ def test_window_stream_only_for_one_flat_cudnn_call(monkeypatch, caplog):
   assert not flat and "plain JAX" in why
   assert not ops._window_flat(q.astype(jnp.float32), v_eq, None)[0]
   flat, why = ops._window_flat(q, v_ne, None)
+  assert not flat and "d_k != d_v" in why  # the rule runs the Pallas kernels there
+  monkeypatch.setenv("NSA_WINDOW_BACKEND", "cudnn")
+  flat, why = ops._window_flat(q, v_ne, None)
   assert not flat and "pads d_v=16 to d_k=32" in why
+  monkeypatch.delenv("NSA_WINDOW_BACKEND")
   monkeypatch.setattr(ops, "BRANCH_STREAMS", {"win": 3})
   ops.log_once.cache_clear()
   calls = []

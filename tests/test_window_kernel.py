@@ -60,8 +60,9 @@ def _outputs_and_grads(ours, ref, q, k, v, w_o, w_l):
   def run(q, k, v):
     (o, lse), vjp = jax.vjp(ours, q, k, v)
     (ro, rlse), ref_vjp = jax.vjp(ref, q, k, v)
-    cts = (w_o.astype(o.dtype), w_l)  # lse's cotangent is exercised too
-    return (o, lse, vjp(cts)), (ro, rlse, ref_vjp(cts))
+    # lse's cotangent is exercised too; o's in each function's output dtype
+    return ((o, lse, vjp((w_o.astype(o.dtype), w_l))),
+            (ro, rlse, ref_vjp((w_o.astype(ro.dtype), w_l))))
   return run(q, k, v)
 
 
@@ -121,13 +122,14 @@ def test_cudnn_forward_backend_matches_reference():
 def test_window_backend_rule_and_override(monkeypatch, caplog):
   """ops.window_backend on a (pretended) GPU: cuDNN's whole sliding window where it applies, the
   Pallas kernels for segment ids, float32 or allow_cudnn=False, the plain-JAX path (warned) for
-  what the kernels refuse; NSA_WINDOW_BACKEND forces a choice where it can apply and is refused
+  what the kernels refuse, the kernels for d_k != d_v; NSA_WINDOW_BACKEND forces a choice where it can apply and is refused
   when unknown; off a GPU the banded plain-JAX path."""
   bf, f32 = jnp.zeros((1, 8, 4, 32), jnp.bfloat16), jnp.zeros((1, 8, 4, 32), jnp.float32)
   v = jnp.zeros((1, 8, 1, 32), jnp.bfloat16)
   seg = jnp.zeros((1, 8), jnp.int32)
   monkeypatch.delenv("NSA_WINDOW_BACKEND", raising=False)
-  assert ops.window_backend(bf, v) == "xla"  # no GPU here
+  monkeypatch.setattr(ops, "on_gpu", lambda: False)
+  assert ops.window_backend(bf, v) == "xla"  # no GPU
   monkeypatch.setattr(ops, "on_gpu", lambda: True)
   ops.log_once.cache_clear()
   with caplog.at_level(logging.INFO, logger="nsa_jax"):
@@ -135,7 +137,12 @@ def test_window_backend_rule_and_override(monkeypatch, caplog):
     assert ops.window_backend(bf, v, seg) == "triton"
     assert ops.window_backend(f32, v.astype(jnp.float32)) == "triton"
     assert ops.window_backend(bf, v, allow_cudnn=False) == "triton"
+    # d_k != d_v: cuDNN would pad d_v, the kernels were faster (192/128 at 64k on an H100); where
+    # the kernels refuse the head dims, cuDNN with the padding rather than plain JAX
+    assert ops.window_backend(bf, v[..., :16]) == "triton"
+    assert ops.window_backend(bf[..., :24], v[..., :16]) == "cudnn"
   assert "triton (segment ids)" in caplog.text and "triton (dtype float32)" in caplog.text
+  assert "d_k=32 != d_v=16: cuDNN would pad d_v" in caplog.text
   # shapes / dtypes the kernels refuse: the plain-JAX path, with a warning (it took any shape)
   odd, v_odd = jnp.zeros((1, 8, 4, 40), jnp.float32), jnp.zeros((1, 8, 1, 40), jnp.float32)
   with caplog.at_level(logging.WARNING, logger="nsa_jax"):
@@ -148,8 +155,10 @@ def test_window_backend_rule_and_override(monkeypatch, caplog):
   for forced in ("triton", "cudnn-fwd"):
     monkeypatch.setenv("NSA_WINDOW_BACKEND", forced)
     assert ops.window_backend(bf, v) == forced
-    assert not ops.window_uses_cudnn(bf)
+    assert not ops._window_flat(bf, v, None)[0]
     assert ops.window_backend(bf, v, seg) == "triton"  # cuDNN cannot take segment ids
+  monkeypatch.setenv("NSA_WINDOW_BACKEND", "cudnn")
+  assert ops.window_backend(bf, v[..., :16]) == "cudnn"
   monkeypatch.setenv("NSA_WINDOW_BACKEND", "flash")
   with pytest.raises(ValueError, match="NSA_WINDOW_BACKEND='flash': expected one of"):
     ops.window_backend(bf, v)
