@@ -30,8 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (cdiv, dim_pieces, dot_pieces, next_pow2, softmax_step,
-                                    store_rows)
+from pallas_kernels._common import (atomic_add_rows, cdiv, dim_pieces, dot_pieces, next_pow2,
+                                    softmax_step, store_rows)
 from pallas_kernels._common import load_pieces as load_rows
 from pallas_kernels._common import segment_ids_int32
 from pallas_kernels import select_attention_mgpu as mgpu
@@ -59,6 +59,10 @@ class CmpTiling:
   dq_block_k, dkv_rows, dkv_num_warps, dkv_num_stages: the dq kernel's keys per step and the dK/dV
     kernel's own rows / warps / stages; 0 takes block_k and bwd_rows, and for warps / stages
     dkv_launch()'s choice (bwd_num_warps / bwd_num_stages except for small heads).
+  bwd_fused_dq: no dq kernel; the dK/dV kernel, which already has dS for each (query tile, key
+    tile) pair, adds dS @ K into a float32 dq with atomic adds (as FlashAttention-2's backward):
+    five matmuls a pair instead of seven, but dq's summation order varies from run to run (not
+    bitwise deterministic; dK/dV stay deterministic).
   Defaults from a sweep on the H200 at T=65536, 64/4 heads, 192/128 (benchmarks/results/
   nsa_sweep.json): 128-row backward tiles with 8 warps took the fwd+bwd from 122 to 83 ms.
   """
@@ -76,6 +80,7 @@ class CmpTiling:
   dkv_rows: int = 0
   dkv_num_warps: int = 0
   dkv_num_stages: int = 0
+  bwd_fused_dq: bool = False
 
 
 # The dK/dV kernel at small heads (16-bit inputs, d_k, d_v <= 64, tiles of <= 128 rows, <= 64 keys
@@ -289,8 +294,11 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
 # ----------------------------------------------------------------------------- backward: dK, dV
 
 def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces,
-                dv_pieces, scale, has_seg, splits, unmasked_tiles, window):
+                *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces, dv_pieces, scale,
+                has_seg, splits, unmasked_tiles, window, fused_dq):
+  # fused_dq: refs = (dq_in, dk, dv, dq): dq_in and dq alias one float32 buffer of zeros.
+  dk_ref, dv_ref = refs[-3:-1] if fused_dq else refs
+  dq_ref = refs[-1] if fused_dq else None
   pid, kk = pl.program_id(0), pl.program_id(1)
   j, part = pid // splits, pid % splits
   start = pl.multiple_of(j * bk, bk)
@@ -338,6 +346,12 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     dv_accs = tuple(a + plgpu.dot(pt, dp, trans_a=True) for a, dp in zip(dv_accs, dos))
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(qs[0].dtype)
     dk_accs = tuple(a + plgpu.dot(ds, qp, trans_a=True) for a, qp in zip(dk_accs, qs))
+    if fused_dq:
+      # Copied rows (ds = 0) go to rows of their own past T*H: the interpreter's atomic add keeps
+      # one of several writes to a row, and masked atomics do not interpret.
+      drow = jnp.where(valid, row, t * h + lax.iota(jnp.int32, m))
+      for (off, _), kp in zip(dk_pieces, ks):
+        atomic_add_rows(dq_ref, drow, off, plgpu.dot(ds, kp))
     return dk_accs, dv_accs
 
   init = (tuple(jnp.zeros((bk, size), jnp.float32) for _, size in dk_pieces),
@@ -368,36 +382,48 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
          _whole(t * h, dv), _whole(t * h), _whole(t * h)]
   args = (seg, bseg, bpure, qf, kc, vc, dof, lse_f, delta)
 
-  tq, gp, m = tile_shape(g, tiling.bwd_rows)
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
-                        **common),
-      grid=(cdiv(t, tq), kh, b),
-      in_specs=ins,
-      out_specs=_whole(t * h, dk),
-      out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
-                                           num_stages=tiling.bwd_num_stages),
-      interpret=interpret,
-      name="nsa_win_dq" if window else "nsa_cmp_dq",
-  )(*args)
+  fused = tiling.bwd_fused_dq
+  if not fused:
+    tq, gp, m = tile_shape(g, tiling.bwd_rows)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
+                          **common),
+        grid=(cdiv(t, tq), kh, b),
+        in_specs=ins,
+        out_specs=_whole(t * h, dk),
+        out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
+                                             num_stages=tiling.bwd_num_stages),
+        interpret=interpret,
+        name="nsa_win_dq" if window else "nsa_cmp_dq",
+    )(*args)
 
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
   warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize)
-  dkc, dvc = pl.pallas_call(
+  out_specs = [_group(splits * ncp, dk), _group(splits * ncp, dv)]
+  out_shape = [jax.ShapeDtypeStruct((b, kh, splits * ncp, dk), jnp.float32),
+               jax.ShapeDtypeStruct((b, kh, splits * ncp, dv), jnp.float32)]
+  if fused:  # dq: a float32 buffer of zeros, in and out (aliased), added to atomically; m rows
+    out_specs.append(_whole(t * h + m, dk))  # past T*H take the tiles' copied rows
+    out_shape.append(jax.ShapeDtypeStruct((b, t * h + m, dk), jnp.float32))
+    ins, args = ins + out_specs[-1:], args + (jnp.zeros(out_shape[-1].shape, jnp.float32),)
+  outs = pl.pallas_call(
       functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits,
-                        unmasked_tiles=tiling.bwd_unmasked_tiles, **common),
+                        unmasked_tiles=tiling.bwd_unmasked_tiles, fused_dq=fused, **common),
       grid=(ncp // bk * splits, kh, b),  # low key tiles (seen by the most queries) start first
       in_specs=ins,
-      out_specs=[_group(splits * ncp, dk), _group(splits * ncp, dv)],
-      out_shape=[jax.ShapeDtypeStruct((b, kh, splits * ncp, dk), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kh, splits * ncp, dv), jnp.float32)],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases={len(args) - 1: 2} if fused else {},
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=interpret,
-      name="nsa_win_dkv" if window else "nsa_cmp_dkv",
+      name=("nsa_win_dkv" if window else "nsa_cmp_dkv") + ("_dq_atomic" if fused else ""),
   )(*args)
+  dkc, dvc = outs[:2]
+  if fused:
+    dq = (outs[2][:, :t * h] * scale).astype(q.dtype)
   # Partial sums added in a fixed order: deterministic.
   dkc = jnp.sum(dkc.reshape(b, kh, splits, ncp, dk), axis=2).astype(kc.dtype)
   dvc = jnp.sum(dvc.reshape(b, kh, splits, ncp, dv), axis=2).astype(vc.dtype)

@@ -6,6 +6,7 @@ Fresh random inputs every run; the seed is in every failure message.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -71,6 +72,8 @@ SMALL = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=32, bwd_splits=3)
     # padding (16-key tiles alone would pad to 48), and dq walks two 32-key steps.
     (4, 2, 328, True, CmpTiling(block_k=16, dq_block_k=32, bwd_block_k=16, bwd_rows=32,
                                 dkv_rows=16, bwd_splits=2)),
+    # dq added atomically by the dK/dV programs (split three ways), G = 3: copied rows
+    (3, 1, 200, True, dataclasses.replace(SMALL, bwd_fused_dq=True)),
 ])
 def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
   seed = _seed()

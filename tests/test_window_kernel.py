@@ -85,6 +85,11 @@ SMALL = dataclasses.replace(wk.WINDOW_TILING, rows=16, block_k=16, bwd_block_k=1
     (1, 2, 160, 16, 16, 24, False, dataclasses.replace(SMALL, bwd_rows=8)),
     # dq and dK/dV with their own tiles.
     (4, 2, 328, 32, 16, 70, True, dataclasses.replace(SMALL, dq_block_k=32, dkv_rows=16)),
+    # dq added atomically by the dK/dV programs (no dq kernel): G = 3 and T past the last tile
+    # give copied rows, which must not add to their real rows
+    (3, 1, 200, 32, 16, 100, True, dataclasses.replace(SMALL, bwd_fused_dq=True)),
+    (4, 2, 301, 32, 32, 64, False, dataclasses.replace(SMALL, bwd_fused_dq=True, dkv_rows=16)),
+    (16, 1, 260, 64, 32, 48, False, dataclasses.replace(SMALL, bwd_fused_dq=True, bwd_rows=64)),
 ])
 def test_window_kernels_match_reference(g, kv, t, dk, dv, window, use_seg, tiling):
   seed = _seed()
