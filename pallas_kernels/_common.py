@@ -346,7 +346,8 @@ def store_rows(ref, rows, off, val):
 
 
 def atomic_add_rows(ref, rows, off, val):
-  """Atomic ref[rows, off:off+size] += val (duplicate rows add up)."""
+  """Atomic ref[rows, off:off+size] += val. Keep `rows` distinct: on a GPU duplicates add up, but
+  the CPU interpreter (jax 0.11.2) keeps one of their writes; masks it does not interpret."""
   cols = off + jax.lax.iota(jnp.int32, val.shape[1])
   plgpu.atomic_add(ref, (rows[:, None], cols[None, :]), val)
 
