@@ -136,7 +136,8 @@
 #          compiled check of each, at 64k both head dims, 32k, 16k and the 8k training layer;
 #          then packed documents (the Pallas kernels against the plain-JAX path that a GPU ran
 #          before them) at the 8k training layer and 64k 192/128.
-# winsweep  the Pallas window kernels' tiles (bench_window --tilings: forward rows, keys a step,
+# winsweep  the Pallas window kernels' tiles (bench_window --tilings: dq added atomically by the
+#          dK/dV kernel (bwd_fused_dq) alone and with 64 rows / 4 warps, forward rows, keys a step,
 #          backward rows, keys a dK/dV program, dK/dV warps) at 64k both head dims and the 8k
 #          training layer.
 # winnsa   the whole op at 64k, both head dims, with the window branch on each backend
@@ -421,7 +422,7 @@ window() {
 winsweep() {
   timeout 400 python3 -m experiments.bench_window --backends triton --iters 5 --name window_sweep \
     --shapes 65536:1:64/4:128/128,65536:1:64/4:192/128,8192:8:16/1:64/64 --out "$OUT/winsweep" \
-    --tilings "f128:rows=128,fbk32:block_k=32,b64:bwd_rows=64,bk128:bwd_block_k=128,dkvw4:dkv_num_warps=4"
+    --tilings "fused:bwd_fused_dq=true,fusedr64:bwd_fused_dq=true;dkv_rows=64,fusedw4:bwd_fused_dq=true;dkv_num_warps=4,f128:rows=128,fbk32:block_k=32,b64:bwd_rows=64,bk128:bwd_block_k=128,dkvw4:dkv_num_warps=4"
 }
 winnsa() {
   local be
