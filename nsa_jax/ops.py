@@ -183,8 +183,7 @@ def resolve_implementation(requested, q, k_slc, v_slc, cfg: NSAConfig) -> str:
 # backward of pallas_kernels.window_attention; "triton": that module's kernels, forward and
 # backward (segment ids, float32, d_k != d_v unpadded). Off a GPU: "xla" (nsa_jax.xla, banded).
 # Where neither applies (head dims that are not multiples of 16, mixed dtypes) the plain-JAX
-# path runs on a GPU too, with a warning. The rule takes cuDNN wherever it applies: the kernels
-# have not been timed against it on the H200 yet (docs/STATUS.md, issue 5).
+# path runs on a GPU too, with a warning. The rule: see window_backend.
 # NSA_WINDOW_BACKEND forces one of the GPU choices (benchmarks, A/B runs).
 WINDOW_BACKENDS = ("cudnn", "cudnn-fwd", "triton")
 
@@ -202,7 +201,8 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
   and the kernels (no padding) were faster: 64k, 64/4 heads, 192/128, H100 (bench_window,
   2026-12-06, benchmarks/results/window_h100.md) forward 4.49 vs 5.01 ms, backward 16.50 vs
   21.64 ms; at 128/128 and at the 8k training layer (64/64) cuDNN was faster (forward 3.06 vs
-  3.93 ms, backward 12.09 vs 13.13 ms at 64k)."""
+  3.93 ms, backward 12.09 vs 13.13 ms at 64k). Only 64k 192/128 was timed with d_k != d_v; shorter
+  sequences and small heads with d_k != d_v follow it untimed."""
   if not on_gpu():
     return "xla"
   forced = os.environ.get("NSA_WINDOW_BACKEND", "")

@@ -62,7 +62,8 @@ class CmpTiling:
   bwd_fused_dq: no dq kernel; the dK/dV kernel, which already has dS for each (query tile, key
     tile) pair, adds dS @ K into a float32 dq with atomic adds (as FlashAttention-2's backward):
     five matmuls a pair instead of seven, but dq's summation order varies from run to run (not
-    bitwise deterministic; dK/dV stay deterministic).
+    bitwise deterministic; dK/dV stay deterministic). Costs a float32 dq buffer (twice a 16-bit
+    dq's bytes: 3.2 GB at 64k, 64 heads, d_k = 192), zeroed before and scaled / cast after.
   Defaults from a sweep on the H200 at T=65536, 64/4 heads, 192/128 (benchmarks/results/
   nsa_sweep.json): 128-row backward tiles with 8 warps took the fwd+bwd from 122 to 83 ms.
   """
@@ -295,7 +296,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
 
 def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces, dv_pieces, scale,
-                has_seg, splits, unmasked_tiles, window, fused_dq):
+                has_seg, splits, unmasked_tiles, window, fused_dq, interpret):
   # fused_dq: refs = (dq_in, dk, dv, dq): dq_in and dq alias one float32 buffer of zeros.
   dk_ref, dv_ref = refs[-3:-1] if fused_dq else refs
   dq_ref = refs[-1] if fused_dq else None
@@ -347,9 +348,10 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(qs[0].dtype)
     dk_accs = tuple(a + plgpu.dot(ds, qp, trans_a=True) for a, qp in zip(dk_accs, qs))
     if fused_dq:
-      # Copied rows (ds = 0) go to rows of their own past T*H: the interpreter's atomic add keeps
-      # one of several writes to a row, and masked atomics do not interpret.
-      drow = jnp.where(valid, row, t * h + lax.iota(jnp.int32, m))
+      # Copied rows have ds = 0: on a GPU adding them to their real rows changes nothing; the
+      # interpreter's atomic add keeps one of several writes to a row (and masks it does not
+      # interpret), so there they go to scratch rows of their own past T*H.
+      drow = jnp.where(valid, row, t * h + lax.iota(jnp.int32, m)) if interpret else row
       for (off, _), kp in zip(dk_pieces, ks):
         atomic_add_rows(dq_ref, drow, off, plgpu.dot(ds, kp))
     return dk_accs, dv_accs
@@ -411,7 +413,8 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
     ins, args = ins + out_specs[-1:], args + (jnp.zeros(out_shape[-1].shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits,
-                        unmasked_tiles=tiling.bwd_unmasked_tiles, fused_dq=fused, **common),
+                        unmasked_tiles=tiling.bwd_unmasked_tiles, fused_dq=fused,
+                        interpret=interpret, **common),
       grid=(ncp // bk * splits, kh, b),  # low key tiles (seen by the most queries) start first
       in_specs=ins,
       out_specs=out_specs,

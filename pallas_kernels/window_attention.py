@@ -7,14 +7,15 @@ bound on the keys: a forward / dq program walks only the keys [t0 - w + 1, t1] o
 a dK/dV program only the query tiles [s0, s1 + w - 1] that see its keys, and the unmasked inner
 tiles of that walk skip the mask. GQA heads become tile rows (all heads of a KV group share the
 keys they read), d_k != d_v needs no padding, segment ids are honoured, and the dK/dV sums are
-deterministic (one program per key tile, no atomics).
+deterministic (one program per key tile, no atomics). With CmpTiling.bwd_fused_dq (off by
+default) the dK/dV kernel also adds dq atomically and no dq kernel runs.
 
 Why a kernel of our own beside cuDNN's sliding window (issue 5, deliverable 3): cuDNN takes
 neither segment ids (packed documents ran the plain-JAX path on a GPU) nor d_k != d_v (d_v is
 padded to d_k). Where cuDNN applies, `backend` picks the forward: "triton", or "cudnn-fwd"
 (cuDNN's sliding-window forward with its float32 softmax statistics, this module's backward).
-nsa_jax.ops.window_backend chooses between these and cuDNN's own forward + backward (cuDNN
-wherever it applies until these kernels are timed on the H200).
+nsa_jax.ops.window_backend chooses between these and cuDNN's own forward + backward (cuDNN where
+it applies and d_k == d_v; these kernels for d_k != d_v, where they were faster on an H100).
 
 Contract: window_attention(q [B,T,H,Dk], k [B,T,K,Dk], v [B,T,K,Dv], window, segment_ids=None,
 scale=None) -> (o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32), equal to

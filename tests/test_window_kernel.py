@@ -146,6 +146,8 @@ def test_window_backend_rule_and_override(monkeypatch, caplog):
     # the kernels refuse the head dims, cuDNN with the padding rather than plain JAX
     assert ops.window_backend(bf, v[..., :16]) == "triton"
     assert ops.window_backend(bf[..., :24], v[..., :16]) == "cudnn"
+    assert ops.window_backend(bf, v[..., :16], allow_cudnn=False) == "triton"
+    assert ops.window_backend(f32[..., :24], v[..., :16].astype(jnp.float32)) == "xla"  # warned
   assert "triton (segment ids)" in caplog.text and "triton (dtype float32)" in caplog.text
   assert "d_k=32 != d_v=16: cuDNN would pad d_v" in caplog.text
   # shapes / dtypes the kernels refuse: the plain-JAX path, with a warning (it took any shape)
@@ -162,8 +164,9 @@ def test_window_backend_rule_and_override(monkeypatch, caplog):
     assert ops.window_backend(bf, v) == forced
     assert not ops._window_flat(bf, v, None)[0]
     assert ops.window_backend(bf, v, seg) == "triton"  # cuDNN cannot take segment ids
-  monkeypatch.setenv("NSA_WINDOW_BACKEND", "cudnn")
-  assert ops.window_backend(bf, v[..., :16]) == "cudnn"
+  for forced in ("cudnn", "cudnn-fwd"):  # forcing a cuDNN backend with d_k != d_v
+    monkeypatch.setenv("NSA_WINDOW_BACKEND", forced)
+    assert ops.window_backend(bf, v[..., :16]) == forced
   monkeypatch.setenv("NSA_WINDOW_BACKEND", "flash")
   with pytest.raises(ValueError, match="NSA_WINDOW_BACKEND='flash': expected one of"):
     ops.window_backend(bf, v)
@@ -200,27 +203,33 @@ def test_whole_op_with_window_kernels_matches_reference(use_seg):
     _close(a, r, 1e-4, "d" + name, seed)
 
 
-@pytest.mark.parametrize("h,kv,dk,dv,use_seg", [(64, 4, 128, 128, False), (64, 4, 192, 128, True),
-                                                (16, 1, 64, 64, True), (8, 8, 64, 32, False)])
-def test_window_kernels_lower_for_cuda(h, kv, dk, dv, use_seg):
+@pytest.mark.parametrize("h,kv,dk,dv,use_seg,fused", [
+    (64, 4, 128, 128, False, False), (64, 4, 192, 128, True, False), (16, 1, 64, 64, True, False),
+    (8, 8, 64, 32, False, False), (64, 4, 128, 128, False, True), (12, 4, 64, 32, True, True)])
+def test_window_kernels_lower_for_cuda(h, kv, dk, dv, use_seg, fused):
   """Forward and backward lower to CUDA for an abstract H100 (no GPU needed): every kernel is in
-  the program, under its own name."""
+  the program, under its own name (with bwd_fused_dq the dK/dV kernel adds dq and no dq kernel
+  runs)."""
   t, window = 1024, 512
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = (spec(1, t, h, dk), spec(1, t, kv, dk), spec(1, t, kv, dv), spec(1, t, dt=jnp.int32))
 
   def grad(q, k, v, seg):
-    f = lambda q, k, v: jnp.sum(wk.window_attention(q, k, v, window, seg if use_seg else None)[0]
-                                .astype(jnp.float32))
+    tiling = dataclasses.replace(wk.WINDOW_TILING, bwd_fused_dq=fused)
+    f = lambda q, k, v: jnp.sum(wk.window_attention(q, k, v, window, seg if use_seg else None,
+                                                    tiling=tiling)[0].astype(jnp.float32))
     return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
 
   mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
   with jax.sharding.use_abstract_mesh(mesh):
     text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  for name in ("nsa_win_fwd", "nsa_win_dq", "nsa_win_dkv"):
+  names = ("nsa_win_fwd", "nsa_win_dkv_dq_atomic") if fused else ("nsa_win_fwd", "nsa_win_dq",
+                                                                  "nsa_win_dkv")
+  for name in names:
     assert name in text, f"{name} missing from the CUDA lowering"
   assert "nsa_cmp_" not in text
+  assert ("nsa_win_dq" in text.replace("nsa_win_dkv_dq", "")) == (not fused)
 
 
 def test_bad_inputs_raise_with_the_fix():
