@@ -408,7 +408,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   out_shape = [jax.ShapeDtypeStruct((b, kh, splits * ncp, dk), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, splits * ncp, dv), jnp.float32)]
   if fused:  # dq: a float32 buffer of zeros, in and out (aliased), added to atomically; m rows
-    out_specs.append(_whole(t * h + m, dk))  # past T*H take the tiles' copied rows
+    out_specs.append(_whole(t * h + m, dk))  # past T*H: the interpreter's scratch rows
     out_shape.append(jax.ShapeDtypeStruct((b, t * h + m, dk), jnp.float32))
     ins, args = ins + out_specs[-1:], args + (jnp.zeros(out_shape[-1].shape, jnp.float32),)
   outs = pl.pallas_call(
