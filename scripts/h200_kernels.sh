@@ -140,6 +140,11 @@
 #          dK/dV kernel (bwd_fused_dq) alone and with 64 rows / 4 warps, forward rows, keys a step,
 #          backward rows, keys a dK/dV program, dK/dV warps) at 64k both head dims and the 8k
 #          training layer.
+# winfused  the lean first look at CmpTiling.bwd_fused_dq (dq added atomically by the dK/dV
+#          kernel, no dq kernel): the window kernels with it (8 and 4 dK/dV warps) against their
+#          default and cuDNN at 64k both head dims and the 8k training layer, one process a shape
+#          (~6 min, not measured); then the compression kernels with it (cmp_tiling_trial, 8k
+#          training layer and 64k 192/128).
 # winnsa   the whole op at 64k, both head dims, with the window branch on each backend
 #          (NSA_WINDOW_BACKEND unset, triton, cudnn-fwd, unset again), each its own process.
 #
@@ -420,9 +425,19 @@ window() {
     --shapes 8192:8:16/1:64/64,65536:1:64/4:192/128
 }
 winsweep() {
-  timeout 400 python3 -m experiments.bench_window --backends triton --iters 5 --name window_sweep \
+  timeout 400 python3 -m experiments.bench_window --backends triton,cudnn --iters 5 --name window_sweep \
     --shapes 65536:1:64/4:128/128,65536:1:64/4:192/128,8192:8:16/1:64/64 --out "$OUT/winsweep" \
     --tilings "fused:bwd_fused_dq=true,fusedr64:bwd_fused_dq=true;dkv_rows=64,fusedw4:bwd_fused_dq=true;dkv_num_warps=4,f128:rows=128,fbk32:block_k=32,b64:bwd_rows=64,bk128:bwd_block_k=128,dkvw4:dkv_num_warps=4"
+}
+winfused() {
+  local s
+  for s in 65536:1:64/4:128/128 65536:1:64/4:192/128 8192:8:16/1:64/64; do
+    timeout 120 python3 -m experiments.bench_window --backends triton,cudnn --iters 5 \
+      --name "window_fused_$(echo "$s" | cut -d: -f1,4 | tr :/ __)" --shapes "$s" \
+      --out "$OUT/winfused" --tilings "fused:bwd_fused_dq=true,fusedw4:bwd_fused_dq=true;dkv_num_warps=4"
+  done
+  timeout 150 python3 benchmarks/cmp_tiling_trial.py --out="$OUT/winfused" --shapes=8k,64k-paper \
+    --iters=10 --variants default --extra '{"fused dq": {"bwd_fused_dq": true}}'
 }
 winnsa() {
   local be

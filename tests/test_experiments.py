@@ -872,7 +872,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
                                     "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
                                     "ncuprof", "decodehf", "cmdsched", "streams", "window",
-                                    "winsweep", "winnsa"}
+                                    "winsweep", "winfused", "winnsa"}
 
 
 def test_needle_key_blocks_and_coverage():
