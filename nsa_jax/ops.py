@@ -236,11 +236,11 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
   return be
 
 
-def _window_flat(be, q, v):
-  """(flat, why) for _on_stream, given the window backend `be` that runs: the window branch is
-  one cuDNN call only for "cudnn" with d_k == d_v (otherwise jnp.pad, the Pallas kernels' layout
-  or the plain-JAX path adds nested jits)."""
-  if be != "cudnn":
+def _window_flat(q, v, segment_ids):
+  """(flat, why) for _on_stream: the window branch is one cuDNN call only when the rule picks
+  cuDNN and d_k == d_v (otherwise jnp.pad, the Pallas kernels' layout or the plain-JAX path adds
+  nested jits)."""
+  if window_backend(q, v, segment_ids) != "cudnn":
     return False, ("the window branch runs Pallas kernels or plain JAX here (segment ids, a dtype "
                    "cuDNN does not take, d_k != d_v, or NSA_WINDOW_BACKEND)")
   if q.shape[-1] != v.shape[-1]:
@@ -431,12 +431,11 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
       aux["block_idx"] = idx
     if "win" in cfg.branches:
       with jax.named_scope("win"):
+        flat, why = _window_flat(q, v_win, segment_ids)
         # win_backend (tests, benchmarks): one of WINDOW_BACKENDS or "xla" instead of the rule.
-        be = win_backend or window_backend(q, v_win, segment_ids)
-        flat, why = _window_flat(be, q, v_win)
         outs["win"] = _on_stream("win", lambda q, k, v: window_attention(
-            q, k, v, cfg.window, segment_ids, scale, backend=be), q, k_win, v_win,
-            flat=flat, why=why)
+            q, k, v, cfg.window, segment_ids, scale, backend=win_backend), q, k_win, v_win,
+            flat=flat and win_backend in (None, "cudnn"), why=why or "win_backend")
   with jax.named_scope("combine"):
     o = reference.combine(outs, gates, cfg.branches).astype(q.dtype)
   if return_aux:

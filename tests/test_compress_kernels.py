@@ -621,15 +621,14 @@ def test_window_stream_only_for_one_flat_cudnn_call(monkeypatch, caplog):
   q = jnp.zeros((1, 8, 2, 32), jnp.bfloat16)
   v_eq, v_ne = jnp.zeros((1, 8, 1, 32), jnp.bfloat16), jnp.zeros((1, 8, 1, 16), jnp.bfloat16)
   seg = jnp.zeros((1, 8), jnp.int32)
-  flat_rule = lambda q, v, seg: ops._window_flat(ops.window_backend(q, v, seg), q, v)  # noqa: E731
-  assert flat_rule(q, v_eq, None) == (True, "")
-  flat, why = flat_rule(q, v_eq, seg)
+  assert ops._window_flat(q, v_eq, None) == (True, "")
+  flat, why = ops._window_flat(q, v_eq, seg)
   assert not flat and "plain JAX" in why
-  assert not flat_rule(q.astype(jnp.float32), v_eq, None)[0]
-  flat, why = flat_rule(q, v_ne, None)
+  assert not ops._window_flat(q.astype(jnp.float32), v_eq, None)[0]
+  flat, why = ops._window_flat(q, v_ne, None)
   assert not flat and "d_k != d_v" in why  # the rule runs the Pallas kernels there
   monkeypatch.setenv("NSA_WINDOW_BACKEND", "cudnn")
-  flat, why = flat_rule(q, v_ne, None)
+  flat, why = ops._window_flat(q, v_ne, None)
   assert not flat and "pads d_v=16 to d_k=32" in why
   monkeypatch.delenv("NSA_WINDOW_BACKEND")
   monkeypatch.setattr(ops, "BRANCH_STREAMS", {"win": 3})

@@ -162,7 +162,7 @@ def test_window_backend_rule_and_override(monkeypatch, caplog):
   for forced in ("triton", "cudnn-fwd"):
     monkeypatch.setenv("NSA_WINDOW_BACKEND", forced)
     assert ops.window_backend(bf, v) == forced
-    assert not ops._window_flat(ops.window_backend(bf, v), bf, v)[0]
+    assert not ops._window_flat(bf, v, None)[0]
     assert ops.window_backend(bf, v, seg) == "triton"  # cuDNN cannot take segment ids
   for forced in ("cudnn", "cudnn-fwd"):  # forcing a cuDNN backend with d_k != d_v
     monkeypatch.setenv("NSA_WINDOW_BACKEND", forced)
