@@ -69,6 +69,16 @@ def hardware():
   return f"{d.device_kind} ({d.platform})"
 
 
+def device_tag():
+  """Short name of the machine for default result file names: "h200", "h100", "a100", "b200" (or
+  the device kind's last word, lower case) on a GPU; the backend ("cpu") elsewhere."""
+  if jax.default_backend() != "gpu":
+    return jax.default_backend()
+  kind = jax.devices()[0].device_kind
+  return next((g.lower() for g in ("H200", "H100", "A100", "B200") if g in kind),
+              kind.split()[-1].lower())
+
+
 def measure_peaks(n=8192, copy_mib=2048):
   """Measured bf16 matmul rate (FLOP/s, n^3 matmul) and HBM copy rate (bytes/s, read + write)."""
   key = jax.random.key(0)

@@ -296,7 +296,7 @@ def records_for(dk, dv, t, b, m, peaks):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="benchmarks/results")
-  ap.add_argument("--name", default="decode_h200")
+  ap.add_argument("--name", default="", help="file name (default decode_<gpu>, e.g. decode_h200)")
   ap.add_argument("--max_seconds", type=float, default=150.0, help="stop starting new shapes after")
   ap.add_argument("--lengths", default="65536,8192,16384,32768,131072")
   ap.add_argument("--batches", default="8,1")
@@ -324,6 +324,7 @@ def main():
   else:
     bc.require_gpu(ap, [int(x) for x in args.lengths.split(",") if x],
                    how=" with --interpret (e.g. --lengths 1024)")
+  args.name = args.name or f"decode_{bc.device_tag()}"
   global INTERPRET
   INTERPRET = args.interpret
   TIMING.update(mode=args.timing, steps=args.steps)

@@ -535,7 +535,8 @@ def main(argv=None):
   p.add_argument("--block", type=int, default=64)
   p.add_argument("--d", type=int, default=128)
   p.add_argument("--out", default="benchmarks/results")
-  p.add_argument("--tag", default="h200")
+  p.add_argument("--tag", default="",
+                 help="file name part: <out>/select_<tag>.json (default: the GPU, e.g. h200)")
   p.add_argument("--check", action="store_true")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--no-bench", action="store_true")
@@ -562,6 +563,7 @@ def main(argv=None):
     return
   peaks = bc.measure_peaks()
   print(f"peaks: matmul {peaks[0] / 1e12:.0f} TFLOP/s, copy {peaks[1] / 1e12:.2f} TB/s", flush=True)
+  name = f"select_{a.tag or bc.device_tag()}"
   pre = (f"# Selection kernel vs cuDNN dense causal ({bc.hardware()})\n\nCommand: `{bc.command_line()}`\n"
          f"Measured peaks: bf16 matmul {peaks[0] / 1e12:.0f} TFLOP/s, HBM copy {peaks[1] / 1e12:.2f} TB/s.")
   recs, h, b, cudnn = [], a.heads, a.batch, {}
@@ -579,8 +581,8 @@ def main(argv=None):
       continue
     _show(r)
     recs += r
-    bc.write_results(recs, a.out, f"select_{a.tag}", pre + "\n\n(partial: written after every job)")
-  bc.write_results(recs, a.out, f"select_{a.tag}", pre)
+    bc.write_results(recs, a.out, name, pre + "\n\n(partial: written after every job)")
+  bc.write_results(recs, a.out, name, pre)
   print(bc.markdown_table(recs))
 
 

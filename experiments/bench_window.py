@@ -219,10 +219,7 @@ def main(argv=None):
         records.append(rec)
         print(f"T={t} B={b} {h}/{k} {dk}/{dv} {be:9s} {pass_}: {ms:8.3f} ms "
               f"(dense cuDNN {dms:8.3f} ms)", flush=True)
-  kind = jax.devices()[0].device_kind
-  gpu = (next((g.lower() for g in ("H200", "H100", "A100", "B200") if g in kind),
-              kind.split()[-1].lower()) if on_gpu else jax.default_backend())
-  name = a.name or f"window_{gpu}" + ("_segments" if a.segments else "")
+  name = a.name or f"window_{bc.device_tag()}" + ("_segments" if a.segments else "")
   pre = (f"# Window branch by backend (w = {a.window})\n\n"
          f"Command: `{bc.command_line()}`. {bc.hardware()}, {bc.utc_now()}, code "
          f"{bc.code_commit()}. ms: median of {a.iters}; bwd = (fwd + bwd) - fwd; cudnn_ms: dense "
