@@ -2,7 +2,8 @@
 dense causal attention timed in the same run; peak memory from the compiled executables; optional
 layer-level rows (NSAAttention vs DenseAttention, projections included).
 
-Run on the H200 (writes <out>/nsa_<gpu>.json, e.g. nsa_h200.json, + .md as it goes, prints a table at the end):
+Run on the H200 (writes <out>/nsa_<gpu>.json, e.g. nsa_h200.json, + .md as it goes, prints a
+table at the end):
   python3 -m experiments.bench_nsa --check --T 8192,16384,32768,65536 --dims 128/128,192/128 \
       --breakdown_T 8192,65536 --long_T 131072 --layer_T 16384,65536 --out $OUT
   python3 -m experiments.bench_nsa --plot benchmarks/results/nsa_h200.json  # Markdown + PNG (CPU)
