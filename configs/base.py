@@ -67,6 +67,10 @@ def get_base_config() -> ConfigDict:
   c.data.seq_len = 256             # tokens per training sequence
   c.data.global_batch_size = 16    # sequences per optimizer step, all devices and microbatches
   c.data.seed = 0                  # sampling seed; batch at step s is a function of (seed, s)
+  # Attention stays inside each document of a row (segment ids; positions restart per document):
+  # stdlib/text end documents at file ends, a token file at data.eos_id (required there).
+  c.data.document_mask = False
+  c.data.eos_id = -1               # tokens: the id that ends a document; -1 = the source's default
 
   # --- optim (nsa_jax/training/optim.py) ------------------------------------------------------
   c.optim = ConfigDict()

@@ -44,7 +44,8 @@ _COMPUTE_FIELDS = ("model.layer_loop",)
 # Left out of the hash while they hold their unset values (fields added later: keeps the hashes
 # of the runs recorded before). selection_from_layer=0 is a setting, so only None is unset there.
 _UNSET_FIELDS = {"checkpoint.init_from": ("", None), "data.single_question_fraction": (0, None),
-                 "model.selection_from_layer": (None,)}
+                 "model.selection_from_layer": (None,), "data.document_mask": (False, None),
+                 "data.eos_id": (-1, None)}
 
 _CONFIG = None
 _RUN = None

@@ -494,10 +494,12 @@ def plot_needle(grids: list[dict], labels: list[str], out: str, trained_on: list
 # ----------------------------------------------------------------------------- position loss ----
 
 def position_nll(logits_fn, batches) -> np.ndarray:
-  """Mean token NLL per position [T] over the batches (weights respected)."""
+  """Mean token NLL per position [T] over the batches (weights respected; a batch's segment_ids,
+  from a document-masked run, go to the model)."""
   total, count = None, None
   for b in batches:
-    logits = np.asarray(logits_fn(b["inputs"]), np.float64)
+    seg = (b["segment_ids"],) if "segment_ids" in b else ()
+    logits = np.asarray(logits_fn(b["inputs"], *seg), np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     nll = logz - np.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
     w = b["weights"]

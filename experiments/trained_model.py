@@ -93,14 +93,15 @@ def forward_with_aux(model, tokens):
 
 
 def jit_logits(model):
-  """tokens [B, T] -> float32 logits [B, T, V], jitted (one compile per shape)."""
+  """(tokens [B, T], optional segment_ids [B, T]) -> float32 logits [B, T, V], jitted (one compile
+  per shape)."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
-  def run(state, tokens):
-    return nnx.merge(graphdef, state)(tokens)
+  def run(state, tokens, segment_ids):
+    return nnx.merge(graphdef, state)(tokens, segment_ids=segment_ids)
 
-  return lambda tokens: run(state, tokens)
+  return lambda tokens, segment_ids=None: run(state, tokens, segment_ids)
 
 
 def jit_logits_and_blocks(model, edit_layers=(), edit=None):
@@ -129,10 +130,12 @@ def jit_logits_and_blocks(model, edit_layers=(), edit=None):
 
 
 def val_batches(config, num_batches: int) -> list[dict]:
-  """The run's own validation batches (same source, seed and length as its training)."""
+  """The run's own validation batches (same source, seed and length as its training; with its
+  segment ids when it trained with data.document_mask)."""
   from nsa_jax.training import data as data_lib
   src = data_lib.make_sources(config.data)["val"]
   it = data_lib.BatchIterator(src, split="val", global_batch=config.data.global_batch_size,
                               seq_len=config.data.seq_len, seed=config.data.seed,
-                              vocab_size=config.model.vocab_size)
+                              vocab_size=config.model.vocab_size,
+                              eos_id=data_lib.document_end_id(config.data))
   return [it.batch(i) for i in range(num_batches)]

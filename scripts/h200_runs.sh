@@ -49,7 +49,8 @@
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
 #          20 steps, NSA on GPU 0 and dense on GPU 1 at the same time (each length ~2.5 min of
-#          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample.
+#          runs, mostly start-up and compilation). CTX_STEPS=100 CTX_LOG=10 for a longer sample;
+#          CTX_EXTRA adds flags to both runs (e.g. CTX_EXTRA=--config.data.document_mask=True).
 # context8_1gpu, context16_1gpu, context32_1gpu (context8_1gpu_rev: the 8k pair, dense first)
 #          the same pairs one after another on ONE GPU, for sessions where only the one-GPU kind
 #          is lent (run this script there with `carry=[".whl"]` too): NSA (280 s limit) then
@@ -139,7 +140,7 @@ layouts_kv2() {
 ctx_flags() {  # ctx_flags <seq_len> <batch>: the throughput runs' overrides (CTX_STEPS, CTX_LOG)
   echo "--config.data.seq_len=$1 --config.model.max_seq_len=$1 --config.data.global_batch_size=$2
     --config.train.stop_after=${CTX_STEPS:-20} --config.train.log_every=${CTX_LOG:-5}
-    --config.train.eval_every=100000"
+    --config.train.eval_every=100000 ${CTX_EXTRA:-}"
 }
 
 ctx_run() {  # ctx_run <nsa|dense> <seq_len> <batch> <gpu> <limit_s> <kill_s>: one throughput run

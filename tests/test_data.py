@@ -267,3 +267,47 @@ def test_token_file_problems_name_the_field_and_the_fix(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"config.data.val_path="):
     data.make_sources(data_cfg(source="tokens", path=str(good), token_dtype="uint16",
                                val_path=missing))
+
+
+# ------------------------------------------------------------------ document masking -----------
+
+def test_segment_ids_count_the_end_tokens_before_each_position():
+  rows = np.array([[5, 0, 7, 7, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
+  np.testing.assert_array_equal(data.segment_ids(rows, 0),
+                                [[0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0]])
+  assert data.segment_ids(rows, 0).dtype == np.int32
+
+
+def test_document_mask_batches_carry_segment_ids_of_their_inputs():
+  rng = np.random.default_rng(SEED)
+  tokens = rng.integers(1, 50, 4000).astype(np.int32)
+  tokens[rng.choice(4000, 60, replace=False)] = 7  # documents end at 7
+  src = data.WindowSource(tokens, {"source": "synthetic"})
+  plain = iterator(src, seq_len=256).batch(3)
+  masked = iterator(src, seq_len=256, eos_id=7).batch(3)
+  assert "segment_ids" not in plain
+  for k in plain:  # the same rows, only the ids added
+    np.testing.assert_array_equal(plain[k], masked[k])
+  seg, inp = masked["segment_ids"], masked["inputs"]
+  assert seg.shape == inp.shape and (seg[:, 0] == 0).all()
+  # an id steps up exactly at the position after an end token
+  np.testing.assert_array_equal(np.diff(seg, axis=1), (inp[:, :-1] == 7).astype(np.int32))
+  assert seg.max() > 0, f"no document boundary drawn (seed {SEED})"
+
+
+def test_document_end_id_per_source_and_its_refusals():
+  assert data.document_end_id(data_cfg()) is None  # off unless asked for
+  assert data.document_end_id(data_cfg(document_mask=False, eos_id=3)) is None
+  assert data.document_end_id(data_cfg(document_mask=True, eos_id=-1)) == 0  # stdlib: byte 0
+  assert data.document_end_id(data_cfg(source="text", document_mask=True, eos_id=0)) == 0
+  assert data.document_end_id(data_cfg(source="tokens", document_mask=True, eos_id=50256)) == 50256
+  for cfg, msg in ((data_cfg(source="tokens", document_mask=True, eos_id=-1), "eos_id=<"),
+                   (data_cfg(source="text", document_mask=True, eos_id=5), "byte 0"),
+                   (data_cfg(source="passkey", document_mask=True), "no documents"),
+                   (data_cfg(source="mqar", document_mask=True), "no documents"),
+                   (data_cfg(document_mask=1), "True or False"),
+                   (data_cfg(source="tokens", document_mask=True, eos_id=2.0), "integer")):
+    with pytest.raises(ValueError, match=msg):
+      data.document_end_id(cfg)
+  with pytest.raises(ValueError, match="eos_id=300 is outside the model vocabulary"):
+    iterator(data.WindowSource(np.zeros(100, np.int32), {}), eos_id=300)

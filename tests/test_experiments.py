@@ -1668,3 +1668,15 @@ def test_result_files_are_named_after_the_machine(monkeypatch):
                     ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "4090")):
     monkeypatch.setattr(bc.jax, "devices", lambda kind=kind: [type("D", (), {"device_kind": kind})()])
     assert bc.device_tag() == tag, kind
+
+
+def test_position_nll_hands_a_document_masked_batch_its_segment_ids():
+  """A run trained with data.document_mask is evaluated with its documents kept apart."""
+  seen = []
+  batch = {"inputs": np.zeros((2, 6), np.int32), "targets": np.zeros((2, 6), np.int32),
+           "weights": np.ones((2, 6), np.float32),
+           "segment_ids": np.array([[0, 0, 1, 1, 1, 2]] * 2, np.int32)}
+  fn = lambda tokens, *seg: (seen.append(seg), np.zeros((2, 6, 3), np.float32))[1]  # noqa: E731
+  needle_eval.position_nll(fn, [batch, {k: v for k, v in batch.items() if k != "segment_ids"}])
+  assert len(seen) == 2 and seen[1] == ()
+  np.testing.assert_array_equal(seen[0][0], batch["segment_ids"])

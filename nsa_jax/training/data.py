@@ -13,6 +13,13 @@ Sources (config.data.source):
   "mqar":   multi-query associative recall: key-value pairs, a long gap, then queried keys.
 Because a batch depends only on its step, the iterator state is just the next step (plus a
 fingerprint of the source), and a resumed run sees exactly the batches it would have seen.
+
+Document masking (config.data.document_mask, corpus sources only): a batch also carries
+"segment_ids" [B, T], one id per document within the row, so that attention (every NSA branch and
+dense) never crosses a document boundary and positions restart at each document. A document ends
+with its end token, which belongs to it: byte 0 for stdlib/text (the file separator), and
+config.data.eos_id for a token file. The target after an end token (the next document's first
+token) keeps its loss weight, as in unmasked training.
 """
 
 from __future__ import annotations
@@ -323,6 +330,40 @@ def make_sources(cfg) -> dict:
   return corpus_sources(cfg)
 
 
+def document_end_id(cfg) -> int | None:
+  """The token id that ends a document when config.data.document_mask is on (None when off), with
+  one clear error where masking cannot apply."""
+  if not cfg.get("document_mask", False):
+    return None
+  if not isinstance(cfg.document_mask, bool):
+    raise ValueError(f"config.data.document_mask={cfg.document_mask!r}: expected True or False")
+  eos = cfg.get("eos_id", -1)
+  if isinstance(eos, bool) or not isinstance(eos, int):
+    raise ValueError(f"config.data.eos_id={eos!r}: expected an integer token id (-1: the source's "
+                     "default)")
+  if cfg.source in ("stdlib", "text"):
+    if eos not in (-1, 0):
+      raise ValueError(f"config.data.eos_id={eos}: the {cfg.source} source ends each file with "
+                       "byte 0, its only document end. Fix: leave eos_id at -1 (or 0)")
+    return 0
+  if cfg.source == "tokens":
+    if eos < 0:
+      raise ValueError("config.data.document_mask=True with a token file needs the id that ends a "
+                       "document. Fix: --config.data.eos_id=<your tokenizer's end-of-text id>")
+    return eos
+  raise ValueError(f"config.data.document_mask=True: the {cfg.source!r} source has no documents "
+                   "(one synthetic sequence a row). Fix: turn it off, or train on stdlib, text or "
+                   "tokens")
+
+
+def segment_ids(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+  """[B, T] int32 document ids: position i's id counts the end tokens strictly before it, so an end
+  token belongs to the document it ends."""
+  ends = (inputs == eos_id).astype(np.int32)
+  return np.concatenate([np.zeros_like(ends[:, :1]), np.cumsum(ends[:, :-1], axis=1,
+                                                               dtype=np.int32)], axis=1)
+
+
 class BatchIterator:
   """Yields this process's rows of global batch `step`; state() / restore() for checkpoints.
 
@@ -331,11 +372,16 @@ class BatchIterator:
   """
 
   def __init__(self, source, *, split: str, global_batch: int, seq_len: int, seed: int,
-               vocab_size: int, process_index: int = 0, process_count: int = 1, step: int = 0):
+               vocab_size: int, process_index: int = 0, process_count: int = 1, step: int = 0,
+               eos_id: int | None = None):
     if global_batch % process_count:
       raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
     self.source, self.split, self.seed, self.seq_len = source, split, seed, seq_len
     self.vocab_size = vocab_size
+    if eos_id is not None and not 0 <= eos_id < vocab_size:
+      raise ValueError(f"config.data.eos_id={eos_id} is outside the model vocabulary [0, "
+                       f"{vocab_size}). Fix: give your tokenizer's end-of-text id")
+    self.eos_id = eos_id  # not None: batches carry segment_ids (document masking)
     local = global_batch // process_count
     self.rows = range(process_index * local, (process_index + 1) * local)
     self.step = step
@@ -348,7 +394,10 @@ class BatchIterator:
       raise ValueError(f"{self.split} batch {step} holds token {int(seqs.max())} outside the model "
                        f"vocabulary [0, {self.vocab_size}). Fix: raise config.model.vocab_size or "
                        "check config.data.token_dtype")
-    return {"inputs": seqs[:, :-1], "targets": seqs[:, 1:], "weights": np.stack(weights)}
+    out = {"inputs": seqs[:, :-1], "targets": seqs[:, 1:], "weights": np.stack(weights)}
+    if self.eos_id is not None:
+      out["segment_ids"] = segment_ids(out["inputs"], self.eos_id)
+    return out
 
   def __iter__(self):
     return self

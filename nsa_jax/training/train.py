@@ -142,7 +142,7 @@ def build_setup(config, mesh, model_factory=None) -> Setup:
   bs = shd.batch_sharding(mesh)
   return Setup(mesh=mesh, model_cfg=model_cfg, graphdef=graphdef, tx=tx, schedule=schedule,
                state_shardings=state_sh, abstract_state=abstract_like(abstract, state_sh),
-               batch_shardings={"inputs": bs, "targets": bs, "weights": bs},
+               batch_shardings={"inputs": bs, "targets": bs, "weights": bs, "segment_ids": bs},
                init_fn=init_fn, num_params=total, matmul_params=mats)
 
 
@@ -173,18 +173,25 @@ def _loss_sums(graphdef, params, rest, batch, with_selector=True):
   two are equal and the selector sum is 0."""
   model = nnx.merge(graphdef, params, rest)
   w = batch["weights"]
+  seg = batch.get("segment_ids")  # document masking (config.data.document_mask)
   if with_selector and getattr(model, "uses_aux_selector", False):
-    logits, sel = model(batch["inputs"], return_selector_loss=True)
+    logits, sel = model(batch["inputs"], segment_ids=seg, return_selector_loss=True)
     sel_sum = jnp.sum(sel * w)
     extra = model.cfg.nsa.aux_loss_weight * sel_sum
   else:
-    logits, sel_sum, extra = model(batch["inputs"]), jnp.zeros(()), 0.0
+    logits, sel_sum, extra = model(batch["inputs"], segment_ids=seg), jnp.zeros(()), 0.0
   with jax.named_scope("loss"):
     logits = logits.astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
     nll_sum = jnp.sum(nll * w)
   return nll_sum + extra, (jnp.sum(w), jnp.sum(correct * w), nll_sum, sel_sum)
+
+
+def _rows(setup: Setup):
+  """The batch's sharding as a pytree prefix: every batch array ([B, T] rows: inputs, targets,
+  weights and, with document masking, segment_ids) is split the same way over (data, fsdp)."""
+  return setup.batch_shardings["inputs"]
 
 
 def make_train_step(setup: Setup, grad_accum_steps: int = 1):
@@ -227,7 +234,7 @@ def make_train_step(setup: Setup, grad_accum_steps: int = 1):
       metrics["selector_loss"] = sel_sum / denom
     return new, metrics
 
-  return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
+  return jax.jit(step, in_shardings=(setup.state_shardings, _rows(setup)),
                  out_shardings=(setup.state_shardings, shd.replicated(setup.mesh)),
                  donate_argnums=(0,))
 
@@ -238,7 +245,7 @@ def make_eval_step(setup: Setup):
     _, (w, correct, nll, _) = _loss_sums(setup.graphdef, state["params"], state["rest"], batch,
                                          with_selector=False)
     return {"nll": nll, "weight": w, "correct": correct}
-  return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_shardings),
+  return jax.jit(step, in_shardings=(setup.state_shardings, _rows(setup)),
                  out_shardings=shd.replicated(setup.mesh))
 
 
@@ -426,6 +433,7 @@ def _iterators(config, model_cfg, start_step=0):
   kw = dict(global_batch=config.data.global_batch_size, seq_len=config.data.seq_len,
             seed=config.data.seed, vocab_size=model_cfg.vocab_size,
             process_index=jax.process_index(), process_count=jax.process_count())
+  kw["eos_id"] = data_lib.document_end_id(config.data)
   train = data_lib.BatchIterator(sources["train"], split="train", step=start_step, **kw)
   val = data_lib.BatchIterator(sources["val"], split="val", **kw)
   return train, [val.batch(i) for i in range(config.train.eval_batches)]
