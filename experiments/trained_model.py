@@ -87,9 +87,9 @@ def load_model(workdir: str, max_seq_len: int | None = None, step: int | None = 
   return nnx.merge(graphdef, params, rest), config, model_cfg
 
 
-def forward_with_aux(model, tokens):
+def forward_with_aux(model, tokens, segment_ids=None):
   """TransformerLM forward that also returns, per layer, NSA's aux dict (None for dense layers)."""
-  return model(tokens, return_aux=True)
+  return model(tokens, segment_ids=segment_ids, return_aux=True)
 
 
 def jit_logits(model):

@@ -147,9 +147,12 @@ def overlap_report(model, config, nsa, rows: int) -> str:
   per = config.data.global_batch_size
   batches = val_batches(config, -(-rows // per))
   tokens = np.concatenate([b["inputs"] for b in batches])[:rows]
+  segs = (np.concatenate([b["segment_ids"] for b in batches])[:rows]
+          if "segment_ids" in batches[0] else None)  # a document-masked run's own documents
   stats = {}
   for r in range(rows):
-    _, auxes = forward_with_aux(model, jnp.asarray(tokens[r:r + 1]))
+    _, auxes = forward_with_aux(model, jnp.asarray(tokens[r:r + 1]),
+                                None if segs is None else jnp.asarray(segs[r:r + 1]))
     for li, aux in enumerate(auxes):
       if aux is None or "block_idx" not in aux:
         continue
@@ -181,7 +184,9 @@ def main(argv):
   per_batch = config.data.global_batch_size
   batch = val_batches(config, _ROW.value // per_batch + 1)[-1]
   tokens = batch["inputs"][_ROW.value % per_batch][None]
-  _, auxes = forward_with_aux(model, jax.numpy.asarray(tokens))  # eager: one input, no compile
+  seg = batch.get("segment_ids")  # a document-masked run sees its documents apart, as in training
+  seg = None if seg is None else jax.numpy.asarray(seg[_ROW.value % per_batch][None])
+  _, auxes = forward_with_aux(model, jax.numpy.asarray(tokens), seg)  # eager: no compile
   nsa = model_cfg.nsa
   codes_by_layer, gates_by_layer, report = [], [], []
   for li, aux in enumerate(auxes):

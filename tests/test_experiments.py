@@ -117,6 +117,12 @@ def test_config_hash_ignores_ui_fields_only():
   assert ablate.config_hash(a) == ablate.config_hash(e)
   e.data.single_question_fraction = 0.5
   assert ablate.config_hash(a) != ablate.config_hash(e)
+  # data.document_mask / data.eos_id (added later) count only when set
+  g = tiny_config(seed=1)
+  del g.data["document_mask"], g.data["eos_id"]
+  assert ablate.config_hash(a) == ablate.config_hash(g)
+  g.data.document_mask = True
+  assert ablate.config_hash(a) != ablate.config_hash(g)
   # model.selection_from_layer (added later) counts only when not None: 0 is a setting
   f = tiny_config(seed=1)
   del f.model["selection_from_layer"]
