@@ -1686,3 +1686,21 @@ def test_position_nll_hands_a_document_masked_batch_its_segment_ids():
   needle_eval.position_nll(fn, [batch, {k: v for k, v in batch.items() if k != "segment_ids"}])
   assert len(seen) == 2 and seen[1] == ()
   np.testing.assert_array_equal(seen[0][0], batch["segment_ids"])
+
+
+def test_atomic_sem_trial_patches_one_process_and_runs_the_bench(tmp_path):
+  """benchmarks/atomic_sem_trial.py (relaxed Triton atomics for the fused-dq trial) still finds
+  jax's private default it patches, and runs bench_window under it (CPU: interpret mode)."""
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  bad = subprocess.run([sys.executable, "benchmarks/atomic_sem_trial.py", "--sem", "weak"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "usage" in bad.stderr
+  proc = subprocess.run(
+      [sys.executable, "benchmarks/atomic_sem_trial.py", "--sem", "relaxed", "window",
+       "--backends", "triton", "--shapes", "64:1:4/1:16/16", "--iters", "1", "--window", "16",
+       "--tilings", "fused:bwd_fused_dq=true", "--out", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "RELAXED" in proc.stdout
+  recs = json.load(open(tmp_path / "window_cpu.json"))
+  assert {r["impl"] for r in recs} == {"window-triton", "window-triton-fused"}
