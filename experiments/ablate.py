@@ -166,6 +166,8 @@ def config_hash(config: ConfigDict) -> str:
     group, leaf = dotted.split(".")
     if dotted not in _UNSET_FIELDS or d.get(group, {}).get(leaf) in _UNSET_FIELDS[dotted]:
       d.get(group, {}).pop(leaf, None)
+  if not d.get("data", {}).get("document_mask"):  # eos_id does nothing without document masking
+    d.get("data", {}).pop("eos_id", None)
   return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 

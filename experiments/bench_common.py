@@ -75,7 +75,7 @@ def device_tag():
   if jax.default_backend() != "gpu":
     return jax.default_backend()
   kind = jax.devices()[0].device_kind
-  return next((g.lower() for g in ("H200", "H100", "A100", "B200") if g in kind),
+  return next((g.lower() for g in ("GH200", "GB200", "H200", "H100", "A100", "B200") if g in kind),
               kind.split()[-1].lower())
 
 

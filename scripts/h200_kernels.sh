@@ -291,7 +291,7 @@ foldsweep() {
     --dims 64/64 --batch 8 --T '' --iters 10 --out "$OUT/foldsweep8"
 }
 decode() {
-  timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" --name decode_h200 \
+  timeout 360 python3 -m experiments.bench_decode --out "$OUT/decode" \
     --max_seconds 330 --lengths 65536,8192,16384,32768,131072
 }
 walk() {

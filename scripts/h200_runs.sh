@@ -153,6 +153,7 @@ ctx_run() {  # ctx_run <nsa|dense> <seq_len> <batch> <gpu> <limit_s> <kill_s>: o
 }
 
 context_pair() {  # context_pair <seq_len> <batch>: NSA on GPU 0 and dense on GPU 1 at once
+  rm -rf "$T/context/nsa_$1" "$T/context/dense_$1"  # a rerun must not resume a saved run
   ctx_run nsa "$1" "$2" 0 300 60 &
   ctx_run dense "$1" "$2" 1 300 60 &
   wait_runs

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from configs.sweep_base import MATCH_PARAMS, sweep_base_config
-from experiments import ablate, needle_eval, trained_model, visualize_selection as vis
+from experiments import ablate, bench_common, needle_eval, trained_model, visualize_selection as vis
 from nsa_jax.training import data as data_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -711,7 +711,7 @@ def test_bench_nsa_runs_every_part_on_cpu(tmp_path):
         == (2, 128, 4, 32)
   finally:
     bench_nsa.BATCH = 1
-  recs = json.load(open(tmp_path / "nsa_cpu.json"))
+  recs = json.load(open(tmp_path / f"nsa_{bench_common.device_tag()}.json"))
   assert {(r["op"], r["pass"]) for r in recs} >= {("nsa", "fwd"), ("nsa", "bwd"), ("topn", "fwd"),
                                                   ("select", "bwd"), ("compress", "bwd")}
   # bwd = (fwd + bwd) - fwd: on a busy CPU at this size the difference can come out negative
@@ -838,7 +838,7 @@ def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
   out = tmp_path / "new"
   bench_nsa.main(["--T", "128", "--breakdown_T", "", "--check", "--heads", "16/1", "--dims",
                   "64/64", "--iters", "1", "--impl", "pallas-mosaic", "--out", str(out)])
-  recs = json.load(open(out / "nsa_cpu.json"))
+  recs = json.load(open(out / f"nsa_{bench_common.device_tag()}.json"))
   assert {(r["op"], r["impl"]) for r in recs} == {("nsa", "pallas-mosaic")}
   chk = json.load(open(out / "nsa_check.json"))
   assert chk["impl"] == "pallas-mosaic" and chk["nsa_o_relerr"] < 3e-2, chk
@@ -863,7 +863,7 @@ def test_bench_nsa_fold_sweep_runs_on_cpu(tmp_path):
   rows = json.load(open(tmp_path / "nsa_foldsweep.json"))["rows"]
   assert [r["variant"] for r in rows] == ["triton", "cudnn-fold", "cudnn-fwd+triton-bwd"]
   assert all(r["T"] == 128 and r["fwd_ms"] > 0 and math.isfinite(r["fwd_bwd_ms"]) for r in rows)
-  recs = json.load(open(tmp_path / "nsa_cpu.json"))
+  recs = json.load(open(tmp_path / f"nsa_{bench_common.device_tag()}.json"))
   assert recs and all(r["fold_cudnn_backward"] is False for r in recs)
 
 
@@ -1668,9 +1668,11 @@ def test_result_files_are_named_after_the_machine(monkeypatch):
   """The benches' default file names say which machine measured (nsa_h100.json on an H100, not
   nsa_h200.json on any GPU): the device kind's model, or the backend off a GPU."""
   from experiments import bench_common as bc
-  assert bc.device_tag() == jax.default_backend()
+  monkeypatch.setattr(bc.jax, "default_backend", lambda: "cpu")
+  assert bc.device_tag() == "cpu"
   monkeypatch.setattr(bc.jax, "default_backend", lambda: "gpu")
   for kind, tag in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                    ("NVIDIA GH200 480GB", "gh200"),
                     ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "4090")):
     monkeypatch.setattr(bc.jax, "devices", lambda kind=kind: [type("D", (), {"device_kind": kind})()])
     assert bc.device_tag() == tag, kind

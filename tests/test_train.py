@@ -485,6 +485,25 @@ def test_document_mask_keeps_each_document_blind_to_the_others(attention):
   assert abs(nll["a_plain"] - nll["b_plain"]) > 1e-4 * abs(nll["a_plain"]), nll  # the test can fail
 
 
+def test_document_mask_settings_are_refused_before_anything_is_built(tmp_path):
+  """A token file without eos_id, or a synthetic task, with data.document_mask: refused by the
+  run-config check, and a resumed run recorded before these fields existed does not warn."""
+  for source, msg in (("tokens", "eos_id=<"), ("passkey", "no documents")):
+    c = small_config()
+    c.data.source, c.data.document_mask = source, True
+    with pytest.raises(ValueError, match=msg):
+      train.check_run_config(c)
+  c = small_config()
+  old = json.loads(c.to_json_best_effort())
+  del old["data"]["document_mask"], old["data"]["eos_id"]
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  train._record_config(c, str(tmp_path), start=4)
+  assert sorted(os.listdir(tmp_path)) == ["config.json"], "an older run's config counted as changed"
+  c.data.document_mask = True  # a real change still keeps the earlier file
+  train._record_config(c, str(tmp_path), start=4)
+  assert "config.before_step_4.json" in os.listdir(tmp_path)
+
+
 def test_document_mask_trains_with_gradient_accumulation():
   """The loop's own batches (stdlib, file ends as document ends) through a jitted step with two
   microbatches: segment ids travel with the rows and the loss is finite and falls."""
@@ -501,6 +520,12 @@ def test_document_mask_trains_with_gradient_accumulation():
   first = next(it)
   np.testing.assert_array_equal(first["segment_ids"],
                                 train.data_lib.segment_ids(first["inputs"], 0))  # byte 0 ends a file
+  # Few 512-byte windows of the corpus hold a file end (its files average ~18 kB): plant one in
+  # every row, a different place in each, so that the ids split every row.
+  for r in range(first["inputs"].shape[0]):
+    first["inputs"][r, 100 + 37 * r] = 0
+  first["segment_ids"] = train.data_lib.segment_ids(first["inputs"], 0)
+  assert (first["segment_ids"][:, -1] >= 1).all()
   batch = train.to_global(first, setup)
   losses = []
   with jax.set_mesh(mesh):

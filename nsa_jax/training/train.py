@@ -414,6 +414,7 @@ def check_run_config(config):
                      "Fix: e.g. --config.optim.learning_rate=3e-4")
   for args in _RANGES:
     _check_bound(config, *args)
+  data_lib.document_end_id(config.data)  # document masking's settings, refused here if wrong
 
 
 def check_batch_layout(config, mesh, model_cfg):
@@ -495,6 +496,11 @@ _RUN_CONTROL_FIELDS = frozenset({"train.stop_after", "train.time_limit_minutes",
                                  "train.hlo_report", "checkpoint.async_save"})
 
 
+# Run fields added to the base config after runs were recorded, at their defaults: an earlier
+# config.json that lacks them ran exactly so (no "settings differ" warning on resume).
+_ADDED_RUN_FIELDS = {"data": {"document_mask": False, "eos_id": -1}}
+
+
 def _record_config(config, workdir, start):
   """Writes config.json. On a resume whose settings differ from the recorded ones (data, optimizer,
   loop: the model itself is checked against the checkpoint), warns with the differences and keeps
@@ -510,7 +516,7 @@ def _record_config(config, workdir, start):
     except ValueError:
       old = {"(unreadable config.json)": 0}
     diffs = config_diff(old, json.loads(text), ignore=_RUN_CONTROL_FIELDS,
-                        fmt="{key}: {a!r} -> {b!r}")
+                        fmt="{key}: {a!r} -> {b!r}", defaults=_ADDED_RUN_FIELDS)
     if diffs:
       keep = os.path.join(workdir, f"config.before_step_{start}.json")
       n = 1
