@@ -504,6 +504,21 @@ def test_document_mask_settings_are_refused_before_anything_is_built(tmp_path):
   assert "config.before_step_4.json" in os.listdir(tmp_path)
 
 
+def test_an_end_token_that_never_occurs_is_named_in_a_warning(tmp_path, caplog):
+  path = tmp_path / "tokens.bin"
+  np.tile(np.arange(1, 5000, dtype=np.uint16), 4).tofile(path)  # ids 1..4999: no 0
+  c = small_config()
+  c.model.vocab_size = 5000
+  c.data.source, c.data.path, c.data.document_mask = "tokens", str(path), True
+  for eos, warned in ((0, True), (7, False)):  # 7 occurs
+    c.data.eos_id = eos
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nsa_jax.training"):
+      it, _ = train._iterators(c, train.model_config_from(c.model))
+    assert ("end token 0 does not occur" in caplog.text) == warned, caplog.text
+    assert "segment_ids" in next(it)
+
+
 def test_document_mask_trains_with_gradient_accumulation():
   """The loop's own batches (stdlib, file ends as document ends) through a jitted step with two
   microbatches: segment ids travel with the rows and the loss is finite and falls."""

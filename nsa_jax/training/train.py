@@ -434,7 +434,12 @@ def _iterators(config, model_cfg, start_step=0):
   kw = dict(global_batch=config.data.global_batch_size, seq_len=config.data.seq_len,
             seed=config.data.seed, vocab_size=model_cfg.vocab_size,
             process_index=jax.process_index(), process_count=jax.process_count())
-  kw["eos_id"] = data_lib.document_end_id(config.data)
+  kw["eos_id"] = eos = data_lib.document_end_id(config.data)
+  head = np.asarray(sources["train"].tokens[:1 << 24])  # at most 16M tokens: a memmap stays cheap
+  if eos is not None and not (head == eos).any():
+    log.warning("document masking: end token %d does not occur in the first %d training tokens, "
+                "so nothing is masked there. Fix: check config.data.eos_id against your "
+                "tokenizer's end-of-text id", eos, len(head))
   train = data_lib.BatchIterator(sources["train"], split="train", step=start_step, **kw)
   val = data_lib.BatchIterator(sources["val"], split="val", **kw)
   return train, [val.batch(i) for i in range(config.train.eval_batches)]
