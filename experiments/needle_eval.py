@@ -493,19 +493,32 @@ def plot_needle(grids: list[dict], labels: list[str], out: str, trained_on: list
 
 # ----------------------------------------------------------------------------- position loss ----
 
-def position_nll(logits_fn, batches) -> np.ndarray:
-  """Mean token NLL per position [T] over the batches (weights respected; a batch's segment_ids,
-  from a document-masked run, go to the model)."""
-  total, count = None, None
+def position_nll(logits_fn, batches, return_count=False):
+  """Mean token NLL per position [T] over the batches (weights respected).
+
+  A batch with segment_ids (a document-masked run) goes to the model with them, and its tokens
+  count at their position within their document, not within the row: the curve then says how
+  far back inside a document the model reads. Positions no token reached are NaN.
+  return_count: also the weight summed at each position (for a token-weighted mean)."""
+  t = batches[0]["inputs"].shape[1]
+  total, count = np.zeros(t), np.zeros(t)
   for b in batches:
     seg = (b["segment_ids"],) if "segment_ids" in b else ()
     logits = np.asarray(logits_fn(b["inputs"], *seg), np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     nll = logz - np.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
     w = b["weights"]
-    total = (nll * w).sum(0) if total is None else total + (nll * w).sum(0)
-    count = w.sum(0) if count is None else count + w.sum(0)
-  return total / np.maximum(count, 1e-9)
+    rows, length = w.shape
+    pos = np.broadcast_to(np.arange(length), (rows, length))
+    if seg:  # position within the document: distance from the row's first token of its id
+      ids = seg[0]
+      start = np.maximum.accumulate(np.where(np.diff(ids, axis=1, prepend=ids[:, :1] - 1) != 0,
+                                             pos, 0), axis=1)
+      pos = pos - start
+    np.add.at(total, pos.ravel(), (nll * w).ravel())
+    np.add.at(count, pos.ravel(), np.asarray(w, np.float64).ravel())
+  mean = np.where(count > 0, total / np.where(count > 0, count, 1.0), np.nan)
+  return (mean, count) if return_count else mean
 
 
 def bucketize(per_position: np.ndarray, width: int) -> list[tuple[int, int, float]]:
@@ -513,7 +526,8 @@ def bucketize(per_position: np.ndarray, width: int) -> list[tuple[int, int, floa
   out = []
   for s in range(0, len(per_position), width):
     chunk = per_position[s:s + width]
-    out.append((s, s + len(chunk), float(chunk.mean())))
+    seen = chunk[~np.isnan(chunk)]  # positions no token reached (document-masked runs) are NaN
+    out.append((s, s + len(chunk), float(seen.mean()) if len(seen) else float("nan")))
   return out
 
 
@@ -707,11 +721,12 @@ def main(argv):
       if _VAL_SEED.value >= 0:
         config.data.seed = _VAL_SEED.value
       batches = val_batches(config, _BATCHES.value)
-      per_pos = position_nll(jit_logits(model), batches)
+      per_pos, counts = position_nll(jit_logits(model), batches, return_count=True)
       buckets = bucketize(per_pos, _BUCKET.value)
       curves.append(buckets)
       tokens = sum(float(b["weights"].sum()) for b in batches)
-      mean = float(np.nanmean(per_pos))  # every position holds the same number of windows
+      seen = counts > 0
+      mean = float((per_pos[seen] * counts[seen]).sum() / counts[seen].sum())  # token-weighted
       results[label] = {"workdir": workdir, "buckets": buckets, "mean_loss": mean,
                         "tokens": tokens}
       print(f"{label}: mean {mean:.4f} over {tokens:.0f} tokens; "

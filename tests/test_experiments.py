@@ -556,11 +556,13 @@ def test_position_nll_matches_optax_and_buckets_cover_all_positions():
            "weights": rng.integers(0, 2, (3, 20)).astype(np.float32)}
   got = needle_eval.position_nll(lambda _: logits, [batch])
   ref = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
-  want = (ref * batch["weights"]).sum(0) / np.maximum(batch["weights"].sum(0), 1e-9)
+  w = batch["weights"].sum(0)
+  want = np.where(w > 0, (ref * batch["weights"]).sum(0) / np.maximum(w, 1e-9), np.nan)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   buckets = needle_eval.bucketize(got, 8)
   assert [(s, e) for s, e, _ in buckets] == [(0, 8), (8, 16), (16, 20)]
-  assert abs(buckets[2][2] - got[16:].mean()) < 1e-9
+  seen = got[16:][~np.isnan(got[16:])]  # a position no row weighted is NaN, left out
+  np.testing.assert_allclose(buckets[2][2], seen.mean() if len(seen) else np.nan, rtol=1e-9)
 
 
 def test_selection_map_is_causal_and_counts_every_selected_block(trained):
@@ -1688,6 +1690,18 @@ def test_position_nll_hands_a_document_masked_batch_its_segment_ids():
   needle_eval.position_nll(fn, [batch, {k: v for k, v in batch.items() if k != "segment_ids"}])
   assert len(seen) == 2 and seen[1] == ()
   np.testing.assert_array_equal(seen[0][0], batch["segment_ids"])
+  # Tokens count at their position inside their document: row position j has NLL j + 1
+  # (logits [0, log(e^(j+1) - 1)] with target 0); documents [0, 0 | 1, 1, 1 | 2] put row
+  # positions 0, 2, 5 at document position 0, 1 and 3 at 1, 4 at 2; nothing reaches 3-5.
+  x = np.log(np.expm1(np.arange(1, 7, dtype=np.float64)))
+  logits = np.stack([np.zeros(6), x], -1)[None].repeat(2, 0)
+  got, count = needle_eval.position_nll(lambda tokens, *seg: logits, [batch], return_count=True)
+  np.testing.assert_allclose(got[:3], [10 / 3, 3, 5], rtol=1e-9)
+  assert np.isnan(got[3:]).all() and count.tolist() == [6, 4, 2, 0, 0, 0]
+  b = needle_eval.bucketize(got, 2)  # NaN positions are left out of a bucket's mean
+  assert [(s, e) for s, e, _ in b] == [(0, 2), (2, 4), (4, 6)]
+  np.testing.assert_allclose([b[0][2], b[1][2]], [(10 / 3 + 3) / 2, 5.0], rtol=1e-9)
+  assert np.isnan(b[2][2])
 
 
 def test_atomic_sem_trial_patches_one_process_and_runs_the_bench(tmp_path):
