@@ -500,6 +500,7 @@ def position_nll(logits_fn, batches, return_count=False):
   count at their position within their document, not within the row: the curve then says how
   far back inside a document the model reads. Positions no token reached are NaN.
   return_count: also the weight summed at each position (for a token-weighted mean)."""
+  from nsa_jax.layers import default_positions
   t = batches[0]["inputs"].shape[1]
   total, count = np.zeros(t), np.zeros(t)
   for b in batches:
@@ -508,13 +509,8 @@ def position_nll(logits_fn, batches, return_count=False):
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     nll = logz - np.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
     w = b["weights"]
-    rows, length = w.shape
-    pos = np.broadcast_to(np.arange(length), (rows, length))
-    if seg:  # position within the document: distance from the row's first token of its id
-      ids = seg[0]
-      start = np.maximum.accumulate(np.where(np.diff(ids, axis=1, prepend=ids[:, :1] - 1) != 0,
-                                             pos, 0), axis=1)
-      pos = pos - start
+    # position inside the document with segment ids (the model's own positions), else in the row
+    pos = np.asarray(default_positions(*w.shape, *seg))
     np.add.at(total, pos.ravel(), (nll * w).ravel())
     np.add.at(count, pos.ravel(), np.asarray(w, np.float64).ravel())
   mean = np.where(count > 0, total / np.where(count > 0, count, 1.0), np.nan)

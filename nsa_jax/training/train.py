@@ -435,7 +435,8 @@ def _iterators(config, model_cfg, start_step=0):
             seed=config.data.seed, vocab_size=model_cfg.vocab_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   kw["eos_id"] = eos = data_lib.document_end_id(config.data)
-  head = np.asarray(sources["train"].tokens[:1 << 24])  # at most 16M tokens: a memmap stays cheap
+  # at most 16M tokens, and only with masking on: a memmap stays cheap, other runs read nothing
+  head = np.asarray(sources["train"].tokens[:1 << 24]) if eos is not None else None
   if eos is not None and not (head == eos).any():
     log.warning("document masking: end token %d does not occur in the first %d training tokens, "
                 "so nothing is masked there. Fix: check config.data.eos_id against your "
