@@ -1720,3 +1720,23 @@ def test_atomic_sem_trial_patches_one_process_and_runs_the_bench(tmp_path):
   assert "RELAXED" in proc.stdout
   recs = json.load(open(tmp_path / "window_cpu.json"))
   assert {r["impl"] for r in recs} == {"window-triton", "window-triton-fused"}
+
+
+def test_select_bwd_trial_runs_variants_that_agree(tmp_path):
+  """benchmarks/select_bwd_trial.py (selection backward launch parameters on the whole op's own
+  top-n lists) times a variant beside the default, its dq and dK/dV parts alone, and the variant's
+  gradients agree with the default's (CPU: interpret mode, a tiny shape)."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import select_bwd_trial
+  rows = select_bwd_trial.main(["--shapes", "tiny", "--lists", "nsa-topn", "--iters", "1",
+                                "--variants", "dkv tokens 2", "--out", str(tmp_path)])
+  assert [r["variant"] for r in rows] == ["default", "dkv tokens 2"]
+  for r in rows:
+    assert "error" not in r, r
+    assert r["dq_ms"] > 0 and r["dkv_ms"] > 0 and r["fwd_ms"] > 0
+    assert r["tiling"]["tokens_per_tile"] == 1  # the per-token tile the whole op's cond runs
+  assert rows[1]["tiling"]["bwd_tokens"] == 2 and rows[0]["tiling"]["bwd_tokens"] == 4
+  assert rows[1]["grad_rel_diff_vs_default"] < 2e-2
+  saved = json.load(open(tmp_path / "select_bwd_trial.json"))
+  assert saved["rows"] == rows and "select_bwd_trial.py" in saved["provenance"]["command"]
+  assert "| tiny | nsa-topn" in open(tmp_path / "select_bwd_trial.md").read()
