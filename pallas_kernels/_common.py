@@ -122,8 +122,16 @@ def default_tiling(g, block_size):
   # 2 blocks a forward step for the per-token tile (H200, 64k, G=16: random 16.36 vs 17.30 ms,
   # clustered 16.30 vs 17.10; 4 a step: 26.0 ms; G=4 union x4: 54.0 vs 52.7, so 1 there).
   bps = 2 if g >= 16 and bk == block_size else 1
+  # G = 16's 16-row per-token tile: 2 warps for its forward and dq kernels (H200, T=64k, 128/128,
+  # the whole op's own top-n lists: dq 18.82 -> 17.00 ms, backward 30.81 -> 28.61, forward 16.59
+  # -> 16.27; 8 warps 25.5 ms dq; benchmarks/results/select_bwd_trial_h200_64k128_dq.md. H100,
+  # 4 -> 2 warps: 192/128 top-n backward 51.11 -> 50.12 ms, forward 24.47 -> 24.94; 128/128
+  # random lists backward 31.84 -> 30.49, forward 18.43 -> 18.20; the whole op's 128/128 backward
+  # 71.61 / 71.25 -> 70.26 / 69.26 ms, select_bwd_trial_h100_*.md, warps2_ab_h100/). Wider tiles
+  # (G > 16, or the union tiles built from this one) keep 4; G < 16 was not measured.
+  warps = 2 if g == 16 else 4
   return SelectTiling(tokens_per_tile=max(1, 16 // g), block_k=bk, bwd_tokens=bwd,
-                      blocks_per_step=bps)
+                      blocks_per_step=bps, num_warps=warps)
 
 
 # Mean distinct blocks of a 4-token tile at or below which G >= 16 uses the 4-token "union" tile
@@ -141,7 +149,7 @@ def clustered_tiling(g, block_size):
   if g < 16 or block_size < 16:
     return None
   return dataclasses.replace(default_tiling(g, block_size), tokens_per_tile=UNION_TOKENS,
-                             blocks_per_step=1)
+                             blocks_per_step=1, num_warps=4)
 
 
 def mean_union(block_idx, tq, max_tiles=512):

@@ -168,7 +168,7 @@ def tiling_for(g, block_size):
   """The union tiling whose maps this forward consumes (and the Triton backward reuses)."""
   import dataclasses
   return dataclasses.replace(C.default_tiling(g, block_size), mode="union",
-                             tokens_per_tile=ROWS // g, blocks_per_step=1)
+                             tokens_per_tile=ROWS // g, blocks_per_step=1, num_warps=4)
 
 
 def _mm(a, b, shape):

@@ -284,6 +284,21 @@ def test_default_tiling_switches_on_shared_blocks(shared, monkeypatch):
     np.testing.assert_allclose(f32(a) / scale, f32(c) / scale, atol=TOL, rtol=0, err_msg=f"d{name}")
 
 
+def test_default_tiles_launch_parameters():
+  """G = 16's per-token tile (16 rows) launches its forward and dq kernels with 2 warps (measured
+  faster); the union tiles built from it, and every other G, keep 4; Triton's and Mosaic's G = 16
+  union tiles stay the same tiling (the lax.cond's switch relies on that)."""
+  from pallas_kernels import select_attention_mgpu as mgpu
+  per_token = C.default_tiling(16, 64)
+  assert (per_token.tokens_per_tile, per_token.num_warps, per_token.bwd_num_warps) == (1, 2, 4)
+  assert C.rows_of(16, per_token.tokens_per_tile) == 16
+  assert C.clustered_tiling(16, 64).num_warps == 4
+  assert mgpu.tiling_for(16, 64) == C.clustered_tiling(16, 64)
+  assert mgpu.tiling_for(4, 64).num_warps == 4
+  for g in (1, 2, 4, 8, 32, 64):
+    assert C.default_tiling(g, 64).num_warps == 4, g
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_automatic_choice_runs_the_tile_it_picked(shared, monkeypatch):
   """Both tiles are exact, so a swapped lax.cond would pass the test above: mark the union tile's
