@@ -31,6 +31,10 @@ def get_base_config() -> ConfigDict:
   c.model.tie_embeddings = False   # share the input embedding with the output projection
   c.model.remat = False            # recompute each block in the backward pass (saves memory)
   c.model.layer_loop = "unrolled"  # trace one layer, unroll it (start-up); "scan" | "python"
+  # dense layers' attention: "auto" (GPU: cuDNN; with data.document_mask the Pallas Triton
+  # kernels, O(T) memory) | "cudnn" (with document masking: an explicit T x T mask) | "pallas" |
+  # "xla" | "reference"
+  c.model.dense_implementation = "auto"
   # NOT the paper: later NSA layers reuse this NSA layer's block selection (None = each selects)
   c.model.selection_from_layer = placeholder(int)
 

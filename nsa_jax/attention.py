@@ -247,7 +247,8 @@ class NSAAttention(nnx.Module):
 
 
 class DenseAttention(nnx.Module):
-  """Full causal GQA attention with RoPE: cuDNN on a GPU, XLA elsewhere (the baseline)."""
+  """Full causal GQA attention with RoPE (the baseline): nsa_jax.ops.dense_attention, by default
+  cuDNN on a GPU (the Pallas Triton kernels with segment ids), XLA elsewhere."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
                head_dim_v: int | None = None, *, rope_theta=10000.0, dtype="float32",

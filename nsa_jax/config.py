@@ -15,6 +15,8 @@ BRANCHES = ("cmp", "slc", "win")
 GATINGS = ("sigmoid", "sum")
 SELECTORS = ("nsa", "quest", "aux")
 IMPLEMENTATIONS = ("auto", "pallas", "pallas-triton", "pallas-mosaic", "xla", "reference")
+# Dense attention (nsa_jax.ops.dense_attention): "auto" = ops.dense_backend's rule.
+DENSE_IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "xla", "reference")
 LAYER_LOOPS = ("unrolled", "scan", "python")
 ATTENTION_KINDS = ("nsa", "dense")
 
@@ -212,6 +214,10 @@ class ModelConfig:
       compression branch (its output is gated in) but skip their top-n. The layers then run in a
       Python loop (the selection is carried from layer to layer). Not with selector="aux" (each
       layer's gate is trained on its own attention) and not in cached decoding (not written).
+    dense_implementation: dense layers' attention (nsa_jax.ops.dense_attention): "auto" (GPU:
+      cuDNN's causal flash call; with document masking the Pallas Triton kernels, which take the
+      segment ids in O(T) memory; elsewhere XLA), or "cudnn" (with segment ids: an explicit
+      [B, 1, T, T] mask), "pallas", "xla", "reference". How, not what: the same math.
   """
 
   vocab_size: int = 256
@@ -235,6 +241,7 @@ class ModelConfig:
   remat: bool = False
   layer_loop: Literal["unrolled", "scan", "python"] = "unrolled"
   selection_from_layer: int | None = None
+  dense_implementation: Literal["auto", "cudnn", "pallas", "xla", "reference"] = "auto"
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -247,6 +254,7 @@ class ModelConfig:
       _fail("head_dim", self.head_dim, "must be even for RoPE", "use an even head_dim")
     _check_choice("attention", self.attention, ATTENTION_KINDS)
     _check_choice("layer_loop", self.layer_loop, LAYER_LOOPS)
+    _check_choice("dense_implementation", self.dense_implementation, DENSE_IMPLEMENTATIONS)
     if self.layer_attention is not None:
       if len(self.layer_attention) != self.n_layers:
         _fail("layer_attention", self.layer_attention,

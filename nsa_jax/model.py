@@ -29,7 +29,8 @@ class Block(nnx.Module):
     else:
       self.attn = DenseAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                  cfg.head_dim_v, rope_theta=cfg.rope_theta, dtype=dt,
-                                 param_dtype=pdt, rngs=rngs)
+                                 param_dtype=pdt, implementation=cfg.dense_implementation,
+                                 rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, dtype=dt, param_dtype=pdt)
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, dtype=dt, param_dtype=pdt, rngs=rngs)
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax import reference
-from nsa_jax.config import NSAConfig
+from nsa_jax.config import DENSE_IMPLEMENTATIONS, NSAConfig
 from nsa_jax.layers import BATCH_MESH_AXES, HEAD_MESH_AXIS, auto_mesh
 
 log = logging.getLogger("nsa_jax")
@@ -570,20 +570,60 @@ def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"
         q, k, v, *((segment_ids,) if has_seg else ()))
 
 
+def dense_backend(q, v, segment_ids=None):
+  """(implementation, why) that dense_attention's "auto" runs for these inputs.
+
+  GPU: cuDNN's causal flash call for 16-bit inputs without segment ids (d_v zero-padded to d_k
+  where they differ); with segment ids (packed documents) the Pallas Triton kernels (the window
+  kernels with w = T: flash tiling, O(T) memory, the ids honoured in the kernels), because cuDNN's
+  causal call takes no document ids and the explicit [B, 1, T, T] mask it would need instead grows
+  as T^2 (2 GB of bf16 bias per sequence at 32k). Elsewhere XLA."""
+  if not on_gpu():
+    return "xla", "no GPU"
+  if segment_ids is not None:
+    from pallas_kernels import window_attention as wk
+    ok, no = wk.supports(q.shape, q.shape[:2] + (v.shape[2], q.shape[3]), v.shape)
+    if ok:
+      return "pallas", ("segment ids: the Triton kernels take them (cuDNN's causal call would need "
+                        "an explicit O(T^2) mask)")
+    return "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla", (
+        f"segment ids, but the Triton kernels do not take this call ({no}): an explicit "
+        "[B, 1, T, T] mask, O(T^2) memory")
+  if q.dtype in (jnp.bfloat16, jnp.float16):
+    return "cudnn", ("16-bit inputs" + (f", d_v={v.shape[-1]} zero-padded to d_k={q.shape[-1]}"
+                                        if q.shape[-1] != v.shape[-1] else ""))
+  return "xla", f"dtype {jnp.dtype(q.dtype).name}: cuDNN takes 16-bit inputs"
+
+
 def _dense_local(q, k, v, segment_ids, scale, implementation):
+  if implementation not in DENSE_IMPLEMENTATIONS:
+    raise ValueError(f"dense attention implementation={implementation!r}: expected one of "
+                     f"{DENSE_IMPLEMENTATIONS}")
+  why, level = "asked for", logging.INFO
   if implementation == "auto":
-    implementation = ("cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
-                      and q.shape[-1] == v.shape[-1] else "xla")
-  log_once(logging.INFO, f"dense attention implementation: {implementation} for q{tuple(q.shape)}")
+    implementation, why = dense_backend(q, v, segment_ids)
+    if segment_ids is not None and implementation != "pallas" and on_gpu():
+      level = logging.WARNING  # an explicit T x T mask on a GPU: memory grows as T^2
+  log_once(level, f"dense attention implementation: {implementation} for q{tuple(q.shape)} ({why})")
   if implementation == "reference":
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
+  if implementation == "pallas":
+    from pallas_kernels import window_attention as wk
+    return wk.window_attention(q, k, v, q.shape[1], segment_ids, scale, interpret=not on_gpu())[0]
   if implementation == "xla" and q.shape[-1] != v.shape[-1]:
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
+  dv = v.shape[-1]
+  if implementation == "cudnn" and q.shape[-1] != dv:  # zero columns: same logits, outputs sliced
+    from pallas_kernels.compress_fold import pad_head_dim
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dim = max(q.shape[-1], dv)
+    q, k, v = (pad_head_dim(x, dim) for x in (q, k, v))
+  impl = None if implementation == "xla" else implementation
   if segment_ids is not None:
     mask = reference.causal_mask(segment_ids)  # [B, 1, T, T]
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask,
-                                        implementation=None if implementation == "xla" else
-                                        implementation)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation=impl)[..., :dv]
+  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                      implementation=impl)[..., :dv]
   return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                       implementation=None if implementation == "xla" else
                                       implementation)

@@ -276,3 +276,66 @@ def test_bad_inputs_raise_with_the_fix():
     run(q, k, v, 8, tiling={"rows": 64})
   np.testing.assert_array_equal(run(q, k, v, 8, list(np.asarray(seg[0])[None]))[0],
                                 run(q, k, v, 8, seg)[0])  # a list of ids is taken
+
+
+@pytest.mark.parametrize("g,kv,t,dk,dv", [(4, 2, 150, 32, 16), (16, 1, 97, 16, 16)])
+def test_dense_attention_pallas_matches_reference_with_documents(g, kv, t, dk, dv):
+  """ops.dense_attention(implementation="pallas"): full causal attention through the window
+  kernels (w = T) with packed documents, d_k != d_v, GQA, T off the tiles; forward and gradients
+  against the dense reference (float32, fresh inputs)."""
+  seed = _seed()
+  q, k, v, seg, w_o, _ = _case(seed, 2, t, g * kv, kv, dk, dv, True)
+  ours = lambda q, k, v: ops.dense_attention(q, k, v, seg, implementation="pallas")
+  ref = lambda q, k, v: reference.dense_causal_attention(q, k, v, seg)[0]
+
+  @jax.jit
+  def run(q, k, v):
+    o, vjp = jax.vjp(ours, q, k, v)
+    ro, rvjp = jax.vjp(ref, q, k, v)
+    return o, vjp(w_o), ro, rvjp(w_o)
+  o, grads, ro, rgrads = run(q, k, v)
+  _close(o, ro, 1e-5, "o", seed)
+  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
+    _close(a, r, 1e-4, name, seed)
+  # the documents are isolated: changing the first document's keys leaves the others' outputs
+  first = seg == 0
+  k2 = jnp.where(first[:, :, None, None], k + 1.0, k)
+  o2 = jax.jit(ours)(q, k2, v)
+  later = np.asarray(~first)
+  np.testing.assert_allclose(np.asarray(o2)[later], np.asarray(o)[later], rtol=1e-5, atol=1e-5)
+
+
+def test_dense_backend_rule(monkeypatch, caplog):
+  """ops.dense_backend on a (pretended) GPU: cuDNN for 16-bit inputs (d_v padded where it
+  differs), the Pallas kernels with segment ids, the explicit-mask path (warned) where the kernels
+  refuse the head dims; XLA off a GPU and for float32; an unknown implementation is refused."""
+  bf = jnp.zeros((1, 8, 4, 32), jnp.bfloat16)
+  v = jnp.zeros((1, 8, 1, 32), jnp.bfloat16)
+  seg = jnp.zeros((1, 8), jnp.int32)
+  monkeypatch.setattr(ops, "on_gpu", lambda: False)
+  assert ops.dense_backend(bf, v, seg)[0] == "xla"
+  monkeypatch.setattr(ops, "on_gpu", lambda: True)
+  assert ops.dense_backend(bf, v) == ("cudnn", "16-bit inputs")
+  assert "d_v=16 zero-padded to d_k=32" in ops.dense_backend(bf, v[..., :16])[1]
+  assert ops.dense_backend(bf, v, seg)[0] == "pallas"
+  assert ops.dense_backend(bf.astype(jnp.float32), v.astype(jnp.float32), seg)[0] == "pallas"
+  assert ops.dense_backend(bf.astype(jnp.float32), v.astype(jnp.float32))[0] == "xla"
+  odd, v_odd = jnp.zeros((1, 8, 4, 40), jnp.bfloat16), jnp.zeros((1, 8, 1, 40), jnp.bfloat16)
+  be, why = ops.dense_backend(odd, v_odd, seg)
+  assert be == "cudnn" and "O(T^2)" in why and "d_k=40" in why
+  with pytest.raises(ValueError, match=r"implementation='flash': expected one of \('auto'"):
+    ops.dense_attention(bf, v, v, implementation="flash")
+
+
+def test_dense_cudnn_pads_unequal_head_dims(monkeypatch):
+  """implementation="cudnn" with d_k != d_v zero-pads d_v (as the window branch does): checked off
+  a GPU by standing XLA in for cuDNN, against the reference (the scale stays d_k ** -0.5)."""
+  seed = _seed()
+  q, k, v, seg, _, _ = _case(seed, 1, 40, 4, 2, 32, 16, True)
+  real = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda *a, implementation=None, **kw: real(*a, **kw))
+  for s in (None, seg):
+    o = ops.dense_attention(q, k, v, s, implementation="cudnn")
+    assert o.shape == (1, 40, 4, 16)
+    _close(o, reference.dense_causal_attention(q, k, v, s)[0], 1e-5, "o", seed)

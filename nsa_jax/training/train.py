@@ -39,7 +39,8 @@ log = logging.getLogger("nsa_jax.training")
 # Model fields that say how to compute, not what is learned: a run may resume with them changed
 # (e.g. turn on remat after an OOM, or switch the NSA implementation). Array shapes are still
 # checked by the restore itself.
-RESUMABLE_MODEL_FIELDS = ("remat", "layer_loop", "dtype", "max_seq_len", "nsa.implementation", "nsa.query_chunk")
+RESUMABLE_MODEL_FIELDS = ("remat", "layer_loop", "dtype", "max_seq_len", "nsa.implementation", "nsa.query_chunk",
+                          "dense_implementation")
 # A warm start (config.checkpoint.init_from) may also change what NSA attends to with the same
 # parameters: n and w (e.g. a curriculum whose short first stage selects fewer blocks).
 WARM_START_FREE_FIELDS = RESUMABLE_MODEL_FIELDS + ("nsa.num_selected", "nsa.window")
