@@ -96,6 +96,8 @@ class SelectTiling:
   blocks_per_step: selected blocks the "union" forward folds into its softmax state per loop step
     (one rescale for all of them; their loads are independent, so more of them are in flight).
     The "shared" forward and the backward kernels walk one block a step whatever this says.
+  dq_blocks_per_step: selected blocks the "union" dq kernel walks per loop step (independent loads
+    and accumulations; 1 = one a step, as before this field existed).
   """
   tokens_per_tile: int = 1
   mode: str = "union"
@@ -107,6 +109,7 @@ class SelectTiling:
   bwd_num_warps: int = 4
   bwd_num_stages: int = 2
   blocks_per_step: int = 1
+  dq_blocks_per_step: int = 1
 
 
 def default_tiling(g, block_size):

@@ -418,8 +418,9 @@ def _check_tiling(tiling, block_size, interpret):
                      ">= 16 (the matrix unit's minimum) when compiled")
   if not 1 <= tiling.tokens_per_tile <= 31:
     raise ValueError(f"tiling.tokens_per_tile={tiling.tokens_per_tile}: 1..31 (int32 token bits)")
-  if not 1 <= tiling.blocks_per_step <= 8:
-    raise ValueError(f"tiling.blocks_per_step={tiling.blocks_per_step}: expected 1..8")
+  for f in ("blocks_per_step", "dq_blocks_per_step"):
+    if not 1 <= getattr(tiling, f) <= 8:
+      raise ValueError(f"tiling.{f}={getattr(tiling, f)}: expected 1..8")
   if tiling.bwd_tokens < 1 or tiling.chunk_entries < 1:
     raise ValueError(f"tiling.bwd_tokens / chunk_entries must be >= 1, got {tiling}")
 

@@ -46,24 +46,30 @@ def _dq_step(accs, qs, dos, lse2, delta, vis, ks, vs, scale):
 
 def _dq_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                      delta_ref, dq_ref, *, tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces,
-                     scale, has_seg):
+                     scale, has_seg, bps):
   tile, kk = pl.program_id(0), pl.program_id(1)
   tok, pos, row = C.tile_rows(tile, kk, tq=tq, g=g, m=m, t=t, h=h)
   qs, dos = C.load_pieces(q_ref, row, dk_pieces), C.load_pieces(do_ref, row, dv_pieces)
   lse2, delta = lse_ref[row] * LOG2E, delta_ref[row]
   seg_q = seg_ref[pos] if has_seg else None
+  cnt, last = cnt_ref[0], ub_ref.shape[0] - 1
 
-  def body(u, accs):
-    rows_on = ((bits_ref[u] >> tok) & 1) == 1
-    for sub in range(block_size // bk):
-      kpos, krow = C.key_rows(ub_ref[u], sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
-      seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
-      vis = C.visible(rows_on, pos, kpos, seg_q, seg_k)
-      accs = _dq_step(accs, qs, dos, lse2, delta, vis, C.load_pieces(k_ref, krow, dk_pieces),
-                      C.load_pieces(v_ref, krow, dv_pieces), scale)
+  def body(i, accs):
+    for j in range(bps):  # bps blocks a step: independent loads, one running sum
+      u = jnp.minimum(i * bps + j, last)
+      rows_on = ((bits_ref[u] >> tok) & 1) == 1
+      if bps > 1:  # past the tile's count: the clamped block again, every row off
+        rows_on = rows_on & (i * bps + j < cnt)
+      for sub in range(block_size // bk):
+        kpos, krow = C.key_rows(ub_ref[u], sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
+        seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
+        vis = C.visible(rows_on, pos, kpos, seg_q, seg_k)
+        accs = _dq_step(accs, qs, dos, lse2, delta, vis, C.load_pieces(k_ref, krow, dk_pieces),
+                        C.load_pieces(v_ref, krow, dv_pieces), scale)
     return accs
 
-  accs = lax.fori_loop(0, cnt_ref[0], body, tuple(jnp.zeros((m, sz), jnp.float32) for _, sz in dk_pieces))
+  accs = lax.fori_loop(0, (cnt + bps - 1) // bps, body,
+                       tuple(jnp.zeros((m, sz), jnp.float32) for _, sz in dk_pieces))
   for (off, _), a in zip(dk_pieces, accs):
     C.store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
@@ -115,7 +121,7 @@ def _dq(q, k, v, seg, maps, do, lse, delta, *, block_size, scale, tiling, has_se
       _dq_shared_kernel if shared else _dq_union_kernel, tq=tq, g=g,
       m=C.rows_of(g, 1 if shared else tq), t=t, h=h, kh=kh, block_size=block_size,
       bk=tiling.block_k, dk_pieces=C.dim_pieces(dk), dv_pieces=C.dim_pieces(dv), scale=scale,
-      has_seg=has_seg)
+      has_seg=has_seg, **({} if shared else {"bps": tiling.dq_blocks_per_step}))
   dq = pl.pallas_call(
       kernel,
       grid=(maps[0].shape[1], kh, b),

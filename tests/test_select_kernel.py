@@ -66,14 +66,15 @@ CASES = [
     ("G2_padded_rows_bk8_seg", 1, 26, 4, 2, 16, 32, 2, 16, True,
      C.SelectTiling(tokens_per_tile=1, block_k=8, bwd_tokens=4, chunk_entries=16), True),
     ("G1_union16_seg", 1, 30, 2, 2, 32, 16, 2, 16, True, None, True),
-    # Several blocks a forward step: T=70 and n=5 give tokens several loop steps and an odd tail;
-    # with full lists, tokens 64-69 fill all 5 slots, so a missing tail mask counts slot 4 twice.
+    # Several blocks a forward (and dq) step: T=70 and n=5 give tokens several loop steps and an
+    # odd tail; with full lists, tokens 64-69 fill all 5 slots, so a missing tail mask counts slot
+    # 4 twice.
     ("G16_2blocks_a_step_odd_n", 1, 70, 16, 1, 32, 16, 5, 16, True,
-     C.SelectTiling(block_k=16, blocks_per_step=2), True, "full"),
+     C.SelectTiling(block_k=16, blocks_per_step=2, dq_blocks_per_step=2), True, "full"),
     ("G16_union4_2blocks_a_step", 1, 70, 16, 1, 32, 16, 5, 16, False,
      C.SelectTiling(tokens_per_tile=4, block_k=16, blocks_per_step=2), True),
     ("G4_union2_3blocks_a_step", 1, 70, 8, 2, 32, 16, 5, 16, False,
-     C.SelectTiling(tokens_per_tile=2, block_k=16, blocks_per_step=3), True),
+     C.SelectTiling(tokens_per_tile=2, block_k=16, blocks_per_step=3, dq_blocks_per_step=3), True),
 ]
 
 
@@ -194,7 +195,8 @@ LOWERINGS = [
     ("union4_atomic_192", 8, 2, 192, 128, C.SelectTiling(tokens_per_tile=4, block_k=32), False, True),
     ("shared4_det", 32, 2, 128, 64, C.SelectTiling(tokens_per_tile=4, mode="shared"), True, False),
     ("union16_G1_256", 4, 4, 256, 128, C.SelectTiling(tokens_per_tile=16, bwd_tokens=64), True, False),
-    ("union1_2blocks", 16, 1, 192, 128, C.SelectTiling(blocks_per_step=2), True, True),
+    ("union1_2blocks", 16, 1, 192, 128, C.SelectTiling(blocks_per_step=2, dq_blocks_per_step=2),
+     True, True),
     ("union4_2blocks", 16, 1, 128, 128, C.SelectTiling(tokens_per_tile=4, blocks_per_step=2), True,
      False),
 ]
