@@ -357,15 +357,17 @@ def check_mosaic(cases=((1, 1001, 16, 1, 192, 128, 16), (2, 777, 16, 4, 128, 128
 # ----------------------------------------------------------------------------- main
 
 def sweep_variants(g, pattern):
-  """(tiling, deterministic) pairs for tuning: the default first."""
+  """(tiling, deterministic) pairs for tuning: the default first. Multi-token tiles built from
+  G = 16's per-token default pin 4 warps (its 2 are for 16-row tiles; the recorded tables ran 4)."""
   d = kc.default_tiling(g, 64)
   r = dataclasses.replace
   out = [(d, True)]
   if g >= 16 and pattern == "random":
     out += [(d, False), (r(d, num_stages=3), True), (r(d, bwd_tokens=8, bwd_num_warps=8), True),
-            (r(d, chunk_entries=2048), True), (r(d, tokens_per_tile=4), True)]
+            (r(d, chunk_entries=2048), True), (r(d, tokens_per_tile=4, num_warps=4), True)]
   elif g >= 16:
-    out += [(r(d, tokens_per_tile=4), True), (r(d, tokens_per_tile=4, num_warps=8), True)]
+    out += [(r(d, tokens_per_tile=4, num_warps=4), True),
+            (r(d, tokens_per_tile=4, num_warps=8), True)]
   elif pattern == "random":
     out += [(r(d, tokens_per_tile=1), True), (r(d, tokens_per_tile=64 // g), True), (d, False)]
   else:
@@ -389,8 +391,8 @@ def plan_jobs(name, ts, groups, patterns, block):
   if name == "final":  # the issue's target shapes with the defaults, the tiling candidates, other T
     r, d16, d4 = dataclasses.replace, kc.default_tiling(16, block), kc.default_tiling(4, block)
     jobs = [(65536, g, p, None, True) for g in (16, 4) for p in patterns]
-    jobs += [(65536, 16, "clustered", r(d16, tokens_per_tile=4, mode="shared"), True),
-             (65536, 16, "clustered", r(d16, tokens_per_tile=4), True),
+    jobs += [(65536, 16, "clustered", r(d16, tokens_per_tile=4, mode="shared", num_warps=4), True),
+             (65536, 16, "clustered", r(d16, tokens_per_tile=4, num_warps=4), True),
              (65536, 4, "clustered", r(d4, tokens_per_tile=16), True)]
     return jobs + [(t, 16, p, None, True) for t in (8192, 16384, 32768, 131072) for p in patterns]
   if name == "unroll":  # blocks folded per forward step, 64k, G=16 and G=4
@@ -437,7 +439,7 @@ def plan_jobs(name, ts, groups, patterns, block):
     return [(t, g, p, "registry", True) for t in ts for g in groups for p in patterns]
   if name == "union4":  # G=16 "clustered": 4 tokens x 16 heads = 64-row tiles over the union
     r, d16 = dataclasses.replace, kc.default_tiling(16, block)
-    return [(65536, 16, p, r(d16, tokens_per_tile=4, blocks_per_step=k), True)
+    return [(65536, 16, p, r(d16, tokens_per_tile=4, blocks_per_step=k, num_warps=4), True)
             for p in patterns for k in (1, 2)]
   raise ValueError(f"--plan {name!r}")
 

@@ -57,6 +57,7 @@ GROUPS = (
     ("NSA top-n (Pallas)", r"nsa_select_topn"),
     ("NSA selection (Pallas Triton / Mosaic GPU)", r"nsa_select|mosaic"),
     ("NSA compression (Pallas)", r"nsa_cmp"),
+    ("window / dense with documents (Pallas Triton)", r"nsa_win"),
     ("cuDNN attention (dense, window, fold)", r"cudnn|sdpa|fmha|flash"),
     ("matmuls (cuBLAS / XLA)", r"gemm|xmma|cutlass|cublas|dot|matmul|sm90_"),
     ("sorts", r"^sort"),

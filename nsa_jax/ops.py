@@ -554,7 +554,8 @@ def _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_
 
 
 def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"):
-  """Dense causal attention: cuDNN on a GPU (bf16/fp16, d_k == d_v), XLA elsewhere.
+  """Dense causal attention; implementation "auto" follows dense_backend (GPU: cuDNN, our Triton
+  kernels with segment ids; XLA elsewhere), or one of DENSE_IMPLEMENTATIONS by name.
 
   Under a mesh in context it runs per device, like nsa_attention."""
   with jax.named_scope("dense_attention"):
@@ -570,36 +571,59 @@ def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"
         q, k, v, *((segment_ids,) if has_seg else ()))
 
 
+def _kernels_take(q, v):
+  """(ok, why not): whether our Triton window kernels take these dense shapes (w = T)."""
+  from pallas_kernels import window_attention as wk
+  return wk.supports(q.shape, q.shape[:2] + (v.shape[2], q.shape[3]), v.shape)
+
+
 def dense_backend(q, v, segment_ids=None):
   """(implementation, why) that dense_attention's "auto" runs for these inputs.
 
-  GPU: cuDNN's causal flash call for 16-bit inputs without segment ids (d_v zero-padded to d_k
-  where they differ); with segment ids (packed documents) the Pallas Triton kernels (the window
-  kernels with w = T: flash tiling, O(T) memory, the ids honoured in the kernels), because cuDNN's
-  causal call takes no document ids and the explicit [B, 1, T, T] mask it would need instead grows
-  as T^2 (2 GB of bf16 bias per sequence at 32k). Elsewhere XLA."""
+  GPU: cuDNN's causal flash call for 16-bit inputs without segment ids (where d_k != d_v, the
+  smaller of the two zero-padded, if cuDNN takes the padded dim on this GPU; else our kernels);
+  with segment ids (packed documents) our Pallas Triton kernels (the window kernels with w = T:
+  flash tiling, O(T) memory, the ids honoured in the kernels), because cuDNN's causal call takes no
+  document ids and the explicit [B, 1, T, T] mask it would need instead grows as T^2 (2 GB of bf16
+  bias per sequence at 32k). Elsewhere XLA."""
   if not on_gpu():
     return "xla", "no GPU"
+  half = q.dtype in (jnp.bfloat16, jnp.float16)
+  dk, dv = q.shape[-1], v.shape[-1]
   if segment_ids is not None:
-    from pallas_kernels import window_attention as wk
-    ok, no = wk.supports(q.shape, q.shape[:2] + (v.shape[2], q.shape[3]), v.shape)
+    ok, no = _kernels_take(q, v)
     if ok:
       return "pallas", ("segment ids: the Triton kernels take them (cuDNN's causal call would need "
                         "an explicit O(T^2) mask)")
-    return "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla", (
+    return "cudnn" if half and dk == dv else "xla", (
         f"segment ids, but the Triton kernels do not take this call ({no}): an explicit "
         "[B, 1, T, T] mask, O(T^2) memory")
-  if q.dtype in (jnp.bfloat16, jnp.float16):
-    return "cudnn", ("16-bit inputs" + (f", d_v={v.shape[-1]} zero-padded to d_k={q.shape[-1]}"
-                                        if q.shape[-1] != v.shape[-1] else ""))
-  return "xla", f"dtype {jnp.dtype(q.dtype).name}: cuDNN takes 16-bit inputs"
+  if half and dk == dv:
+    return "cudnn", "16-bit inputs"
+  if half:
+    from pallas_kernels import compress_fold as cf
+    ok, no = cf.supports(dk, dv, q.dtype, False)
+    if ok:
+      return "cudnn", f"16-bit inputs, d_k={dk} != d_v={dv}: the smaller zero-padded"
+    if _kernels_take(q, v)[0]:
+      return "pallas", f"d_k={dk} != d_v={dv} and cuDNN would not take them padded ({no})"
+  return "xla", (f"dtype {jnp.dtype(q.dtype).name}: cuDNN takes 16-bit inputs" if not half else
+                 f"d_k={dk} != d_v={dv}: neither cuDNN padded nor the Triton kernels take it")
 
 
 def _dense_local(q, k, v, segment_ids, scale, implementation):
   if implementation not in DENSE_IMPLEMENTATIONS:
     raise ValueError(f"dense attention implementation={implementation!r}: expected one of "
-                     f"{DENSE_IMPLEMENTATIONS}")
+                     f"{DENSE_IMPLEMENTATIONS} (model.dense_implementation)")
   why, level = "asked for", logging.INFO
+  if implementation == "cudnn" and not on_gpu():  # e.g. a GPU run's model evaluated on a CPU
+    implementation, why, level = "xla", "cuDNN asked for, but there is no GPU", logging.WARNING
+  if implementation == "pallas":
+    ok, no = _kernels_take(q, v)
+    if not ok:
+      raise ValueError(f"dense attention implementation='pallas': the Triton kernels do not take "
+                       f"this call ({no}). Fix: model.dense_implementation='auto' (or 'cudnn' / "
+                       "'xla')")
   if implementation == "auto":
     implementation, why = dense_backend(q, v, segment_ids)
     if segment_ids is not None and implementation != "pallas" and on_gpu():
@@ -624,6 +648,3 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation=impl)[..., :dv]
   return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                       implementation=impl)[..., :dv]
-  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                      implementation=None if implementation == "xla" else
-                                      implementation)

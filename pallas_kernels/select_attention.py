@@ -400,7 +400,8 @@ def auto_union(g, block_size, backend):
   (clustered_tiling; None for G < 16, whose default tile already stacks tokens)."""
   if backend == "mosaic":
     union = mgpu.tiling_for(g, block_size)
-    g4 = C.clustered_tiling(g, block_size) != union
+    ct = C.clustered_tiling(g, block_size)  # G = 16: the same 4-token tile as Mosaic's
+    g4 = ct is None or ct.tokens_per_tile != union.tokens_per_tile
     return union, "mosaic", (union.tokens_per_tile, MOSAIC_G4_SWITCH if g4 else C.UNION_SWITCH)
   return C.clustered_tiling(g, block_size), "triton", (C.UNION_TOKENS, C.UNION_SWITCH)
 

@@ -315,8 +315,17 @@ def test_dense_backend_rule(monkeypatch, caplog):
   monkeypatch.setattr(ops, "on_gpu", lambda: False)
   assert ops.dense_backend(bf, v, seg)[0] == "xla"
   monkeypatch.setattr(ops, "on_gpu", lambda: True)
+  from pallas_kernels import compress_fold as cf
+  monkeypatch.setattr(cf, "_device_capability", lambda: (9, 0))
   assert ops.dense_backend(bf, v) == ("cudnn", "16-bit inputs")
-  assert "d_v=16 zero-padded to d_k=32" in ops.dense_backend(bf, v[..., :16])[1]
+  assert ops.dense_backend(bf, v[..., :16]) == ("cudnn", "16-bit inputs, d_k=32 != d_v=16: the "
+                                                "smaller zero-padded")
+  # where cuDNN would not take the padded head dim (here: before Hopper), our kernels; where
+  # neither takes it, XLA
+  monkeypatch.setattr(cf, "_device_capability", lambda: (8, 0))
+  be, why = ops.dense_backend(bf, v[..., :16])
+  assert be == "pallas" and "compute capability (8, 0)" in why
+  assert ops.dense_backend(bf[..., :24], v[..., :40])[0] == "xla"
   assert ops.dense_backend(bf, v, seg)[0] == "pallas"
   assert ops.dense_backend(bf.astype(jnp.float32), v.astype(jnp.float32), seg)[0] == "pallas"
   assert ops.dense_backend(bf.astype(jnp.float32), v.astype(jnp.float32))[0] == "xla"
@@ -325,17 +334,34 @@ def test_dense_backend_rule(monkeypatch, caplog):
   assert be == "cudnn" and "O(T^2)" in why and "d_k=40" in why
   with pytest.raises(ValueError, match=r"implementation='flash': expected one of \('auto'"):
     ops.dense_attention(bf, v, v, implementation="flash")
+  # asked for by name: the kernels refusing the head dims is an error naming the fix
+  with pytest.raises(ValueError, match=r"d_k=40.*Fix: model.dense_implementation='auto'"):
+    ops.dense_attention(odd, v_odd, v_odd, implementation="pallas")
 
 
-def test_dense_cudnn_pads_unequal_head_dims(monkeypatch):
-  """implementation="cudnn" with d_k != d_v zero-pads d_v (as the window branch does): checked off
-  a GPU by standing XLA in for cuDNN, against the reference (the scale stays d_k ** -0.5)."""
+def test_dense_cudnn_asked_for_without_a_gpu_runs_xla_with_a_warning(caplog):
+  """A model trained with dense_implementation="cudnn" evaluated on a CPU: XLA, warned."""
+  q, k, v, seg, _, _ = _case(_seed(), 1, 24, 4, 2, 16, 16, True)
+  ops.log_once.cache_clear()
+  with caplog.at_level(logging.WARNING, logger="nsa_jax"):
+    o = ops.dense_attention(q, k, v, seg, implementation="cudnn")
+  assert "cuDNN asked for, but there is no GPU" in caplog.text
+  np.testing.assert_allclose(o, reference.dense_causal_attention(q, k, v, seg)[0], rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("dk,dv", [(32, 16), (16, 32)])
+def test_dense_cudnn_pads_unequal_head_dims(monkeypatch, dk, dv):
+  """implementation="cudnn" with d_k != d_v zero-pads the smaller (as the window branch does):
+  checked off a GPU by standing XLA in for cuDNN (and pretending a GPU), against the reference;
+  with d_k < d_v the padded q must keep the scale d_k ** -0.5."""
   seed = _seed()
-  q, k, v, seg, _, _ = _case(seed, 1, 40, 4, 2, 32, 16, True)
+  q, k, v, seg, _, _ = _case(seed, 1, 40, 4, 2, dk, dv, True)
   real = jax.nn.dot_product_attention
   monkeypatch.setattr(jax.nn, "dot_product_attention",
                       lambda *a, implementation=None, **kw: real(*a, **kw))
+  monkeypatch.setattr(ops, "on_gpu", lambda: True)
   for s in (None, seg):
     o = ops.dense_attention(q, k, v, s, implementation="cudnn")
-    assert o.shape == (1, 40, 4, 16)
+    assert o.shape == (1, 40, 4, dv)
     _close(o, reference.dense_causal_attention(q, k, v, s)[0], 1e-5, "o", seed)

@@ -505,7 +505,8 @@ _RUN_CONTROL_FIELDS = frozenset({"train.stop_after", "train.time_limit_minutes",
 
 # Run fields added to the base config after runs were recorded, at their defaults: an earlier
 # config.json that lacks them ran exactly so (no "settings differ" warning on resume).
-_ADDED_RUN_FIELDS = {"data": {"document_mask": False, "eos_id": -1}}
+_ADDED_RUN_FIELDS = {"data": {"document_mask": False, "eos_id": -1},
+                     "model": {"dense_implementation": "auto", "selection_from_layer": None}}
 
 
 def _record_config(config, workdir, start):
