@@ -50,8 +50,9 @@ VARIANTS = {  # name: SelectTiling overrides of the per-token tile (None: no til
     "dq+fwd warps 8": {"num_warps": 8},
     "dq+fwd stages 3": {"num_stages": 3},
     "dq+fwd keys 32": {"block_k": 32},
+    "dq+fwd warps 4 (G = 16 before 2026-12-06)": {"num_warps": 4},
     "dq 2 blocks a step": {"dq_blocks_per_step": 2},
-    "dq 2 blocks a step, warps 4": {"dq_blocks_per_step": 2, "num_warps": 4},
+    "dq 2 blocks a step warps 4": {"dq_blocks_per_step": 2, "num_warps": 4},
 }
 
 

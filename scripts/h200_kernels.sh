@@ -147,6 +147,14 @@
 #          training layer and 64k 192/128).
 # winnsa   the whole op at 64k, both head dims, with the window branch on each backend
 #          (NSA_WINDOW_BACKEND unset, triton, cudnn-fwd, unset again), each its own process.
+# warps2nsa  the whole op at 64k (both head dims, 128/128 branch breakdown) with G = 16's 2-warp
+#          per-token selection tile, then 128/128 alternating with that tile patched back to 4
+#          warps (before / after twice; issue 5's 128/128 backward); ~5 min.
+# dqsteps  benchmarks/select_bwd_trial.py at 64k 128/128: the dq kernel walking 2 selected blocks
+#          a step (SelectTiling.dq_blocks_per_step), on the op's top-n lists and random ones; ~4 min.
+# densedoc  dense attention as our window kernels with w = T (what dense layers with document ids
+#          run) against cuDNN's causal call: the 8k training layer and 32k, and the 8k layer with
+#          packed documents, the dK/dV walk with 8 splits too (bench_window); ~3 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -446,6 +454,43 @@ winnsa() {
       experiments.bench_nsa --T 65536 --dims 128/128,192/128 --breakdown_T '' --iters 5 \
       --out "$OUT/winnsa/$be"
   done
+}
+
+warps2nsa() {
+  timeout 200 python3 -m experiments.bench_nsa --T 65536 --dims 128/128,192/128 \
+    --breakdown_T 65536 --iters 10 --out "$OUT/warps2nsa/now"
+  local v
+  for v in before after before after; do  # before: default_tiling patched back to 4 warps
+    timeout 100 python3 -c "
+import dataclasses, sys
+import pallas_kernels._common as C
+if sys.argv[1] == 'before':
+  orig = C.default_tiling
+  C.default_tiling = lambda g, b: dataclasses.replace(orig(g, b), num_warps=4)
+from experiments import bench_nsa
+bench_nsa.main(['--T', '65536', '--dims', '128/128', '--breakdown_T', '', '--iters', '10',
+                '--out', sys.argv[2]])
+" "$v" "$OUT/warps2nsa/$v" | grep '^| nsa' | sed "s/^/$v /"
+  done
+}
+
+dqsteps() {
+  timeout 230 python3 benchmarks/select_bwd_trial.py --out "$OUT/dqsteps" --shapes 64k-128 \
+    --lists nsa-topn,random --iters 10 --budget_s 200 \
+    --variants "dq 2 blocks a step,dq 2 blocks a step warps 4,dq+fwd warps 4 (G = 16 before 2026-12-06)"
+}
+
+densedoc() {
+  local t
+  for t in 8192:8:16/1:64/64 32768:2:16/1:64/64; do
+    timeout 150 python3 -m experiments.bench_window --window "${t%%:*}" --shapes "$t" \
+      --backends triton,cudnn --tilings splits8:bwd_splits=8 --iters 10 --out "$OUT/densedoc" \
+      --name "dense_${t%%:*}"
+  done
+  # packed documents (the plain-JAX path runs beside them: w = T, the 8k layer only)
+  timeout 150 python3 -m experiments.bench_window --window 8192 --shapes 8192:8:16/1:64/64 \
+    --segments --tilings splits8:bwd_splits=8 --iters 10 --out "$OUT/densedoc" \
+    --name dense_8192_segments
 }
 
 ncuprof() {
