@@ -880,7 +880,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "topnlayers", "topnptx", "mosaicslots", "mosaicovl",
                                     "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
                                     "ncuprof", "decodehf", "cmdsched", "streams", "window",
-                                    "winsweep", "winfused", "winnsa"}
+                                    "winsweep", "winfused", "winnsa", "warps2nsa", "dqsteps",
+                                    "densedoc"}
 
 
 def test_needle_key_blocks_and_coverage():
