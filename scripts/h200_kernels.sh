@@ -457,11 +457,13 @@ winnsa() {
 }
 
 warps2nsa() {
-  timeout 200 python3 -m experiments.bench_nsa --T 65536 --dims 128/128,192/128 \
+  # timeouts sum to 540 s, inside the device's 600 s a command (the four A/B runs took 132 s on
+  # an H100)
+  timeout 180 python3 -m experiments.bench_nsa --T 65536 --dims 128/128,192/128 \
     --breakdown_T 65536 --iters 10 --out "$OUT/warps2nsa/now"
   local v
   for v in before after before after; do  # before: default_tiling patched back to 4 warps
-    timeout 100 python3 -c "
+    timeout 90 python3 -c "
 import dataclasses, sys
 import pallas_kernels._common as C
 if sys.argv[1] == 'before':
