@@ -248,6 +248,19 @@ def _window_flat(q, v, segment_ids):
   return True, ""
 
 
+def _padded_attention(q, k, v, scale, implementation, **kw):
+  """jax.nn.dot_product_attention (implementation None = XLA) with d_k != d_v zero-padded to the
+  larger, as cuDNN needs equal head dims: zero query / key columns leave the logits unchanged, zero
+  value columns give output columns that are sliced off; the scale stays d_k ** -0.5."""
+  dk, dv = q.shape[-1], v.shape[-1]
+  if dk != dv:
+    from pallas_kernels.compress_fold import pad_head_dim
+    scale = dk ** -0.5 if scale is None else scale
+    q, k, v = (pad_head_dim(x, max(dk, dv)) for x in (q, k, v))
+  return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=implementation,
+                                      **kw)[..., :dv]
+
+
 def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True,
                      backend=None):
   """Sliding-window branch, by window_backend(...) unless `backend` names one of
@@ -267,14 +280,8 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
     if segment_ids is not None:
       raise ValueError("window backend 'cudnn' does not take segment ids (cuDNN's sliding window "
                        "has no document mask). Fix: backend='triton' or None (the rule)")
-    from pallas_kernels.compress_fold import pad_head_dim
-    dk, dv = q.shape[-1], v.shape[-1]
-    dim = max(dk, dv)
-    scale = dk ** -0.5 if scale is None else scale
-    o = jax.nn.dot_product_attention(*(pad_head_dim(x, dim) for x in (q, k, v)), scale=scale,
-                                     is_causal=True, local_window_size=(window - 1, 0),
-                                     implementation="cudnn")
-    return o[..., :dv]
+    return _padded_attention(q, k, v, scale, "cudnn", is_causal=True,
+                             local_window_size=(window - 1, 0))
   if be in ("triton", "cudnn-fwd"):
     return wk.window_attention(q, k, v, window, segment_ids, scale, interpret=not on_gpu(),
                                backend=be)[0]
@@ -636,15 +643,7 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
     return wk.window_attention(q, k, v, q.shape[1], segment_ids, scale, interpret=not on_gpu())[0]
   if implementation == "xla" and q.shape[-1] != v.shape[-1]:
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
-  dv = v.shape[-1]
-  if implementation == "cudnn" and q.shape[-1] != dv:  # zero columns: same logits, outputs sliced
-    from pallas_kernels.compress_fold import pad_head_dim
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dim = max(q.shape[-1], dv)
-    q, k, v = (pad_head_dim(x, dim) for x in (q, k, v))
-  impl = None if implementation == "xla" else implementation
+  impl = None if implementation == "xla" else implementation  # xla: d_k == d_v here
   if segment_ids is not None:
-    mask = reference.causal_mask(segment_ids)  # [B, 1, T, T]
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation=impl)[..., :dv]
-  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                      implementation=impl)[..., :dv]
+    return _padded_attention(q, k, v, scale, impl, mask=reference.causal_mask(segment_ids))
+  return _padded_attention(q, k, v, scale, impl, is_causal=True)

@@ -335,6 +335,27 @@ def dot_pieces(a_pieces, b_pieces):
   return acc
 
 
+def kv_steps(blk, kk, k_ref, v_ref, seg_ref, *, bk, block_size, t, kh, dk_pieces, dv_pieces,
+             has_seg):
+  """Per l'-block of the selection kernels, its key steps: (key positions, K pieces, V pieces, key
+  segment ids or None)."""
+  for sub in range(block_size // bk):
+    kpos, krow = key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
+    seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
+    yield kpos, load_pieces(k_ref, krow, dk_pieces), load_pieces(v_ref, krow, dv_pieces), seg_k
+
+
+def union_block(ub_ref, bits_ref, cnt, i, j, bps, tok):
+  """Block j of loop step i of a union walk that takes bps blocks a step: (block, rows_on), rows_on
+  = the rows whose token picked it. Past the tile's count the last slot is read again with every
+  row off (bps > 1 only)."""
+  u = jnp.minimum(i * bps + j, ub_ref.shape[0] - 1)
+  rows_on = ((bits_ref[u] >> tok) & 1) == 1
+  if bps > 1:
+    rows_on = rows_on & (i * bps + j < cnt)
+  return ub_ref[u], rows_on
+
+
 def key_rows(blk, sub, kk, *, bk, block_size, t, kh):
   """Key positions [bk] of step `sub` of block blk and their rows in the [T*K, D] view of k/v."""
   kpos = blk * block_size + sub * bk + jax.lax.iota(jnp.int32, bk)

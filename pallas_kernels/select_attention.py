@@ -51,35 +51,23 @@ def _store_state(state, row, o_ref, lse_ref, dv_pieces):
   lse_ref[row] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
-def _kv_steps(blk, kk, k_ref, v_ref, seg_ref, *, bk, block_size, t, kh, dk_pieces, dv_pieces,
-              has_seg):
-  """Per l'-block, its key steps: (key positions, K pieces, V pieces, key segment ids)."""
-  for sub in range(block_size // bk):
-    kpos, krow = C.key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
-    seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
-    yield kpos, C.load_pieces(k_ref, krow, dk_pieces), C.load_pieces(v_ref, krow, dv_pieces), seg_k
-
-
 def _fwd_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                       tq, g, m, t, h, kh, block_size, bk, dk_pieces, dv_pieces, scale, has_seg, bps):
   tile, kk = pl.program_id(0), pl.program_id(1)
   tok, pos, row = C.tile_rows(tile, kk, tq=tq, g=g, m=m, t=t, h=h)
   qs = C.load_pieces(q_ref, row, dk_pieces)
   seg_q = seg_ref[pos] if has_seg else None
-  kv = functools.partial(_kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
+  kv = functools.partial(C.kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
                          block_size=block_size, t=t, kh=kh, dk_pieces=dk_pieces,
                          dv_pieces=dv_pieces, has_seg=has_seg)
 
-  cnt, last = cnt_ref[0], ub_ref.shape[0] - 1
+  cnt = cnt_ref[0]
 
   def body(i, state):
     steps = []
     for j in range(bps):  # bps blocks per step: one shared rescale, independent loads
-      u = jnp.minimum(i * bps + j, last)
-      rows_on = ((bits_ref[u] >> tok) & 1) == 1  # this row's token picked the block
-      if bps > 1:
-        rows_on = rows_on & (i * bps + j < cnt)
-      for kpos, ks, vs, seg_k in kv(ub_ref[u]):
+      blk, rows_on = C.union_block(ub_ref, bits_ref, cnt, i, j, bps, tok)
+      for kpos, ks, vs, seg_k in kv(blk):
         s = C.dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
         steps.append((jnp.where(C.visible(rows_on, pos, kpos, seg_q, seg_k), s, -jnp.inf), vs))
     if bps > 1:
@@ -100,7 +88,7 @@ def _fwd_shared_kernel(com_ref, ccnt_ref, priv_ref, pcnt_ref, seg_ref, q_ref, k_
   for i in range(tq):
     _, pos, row = C.tile_rows(tile * tq + i, kk, tq=1, g=g, m=m, t=t, h=h)
     toks.append((pos, row, C.load_pieces(q_ref, row, dk_pieces), seg_ref[pos] if has_seg else None))
-  kv = functools.partial(_kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
+  kv = functools.partial(C.kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
                          block_size=block_size, t=t, kh=kh, dk_pieces=dk_pieces,
                          dv_pieces=dv_pieces, has_seg=has_seg)
   on = jnp.ones((m,), jnp.bool_)

@@ -52,20 +52,17 @@ def _dq_union_kernel(ub_ref, bits_ref, cnt_ref, seg_ref, q_ref, k_ref, v_ref, do
   qs, dos = C.load_pieces(q_ref, row, dk_pieces), C.load_pieces(do_ref, row, dv_pieces)
   lse2, delta = lse_ref[row] * LOG2E, delta_ref[row]
   seg_q = seg_ref[pos] if has_seg else None
-  cnt, last = cnt_ref[0], ub_ref.shape[0] - 1
+  cnt = cnt_ref[0]
+  kv = functools.partial(C.kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
+                         block_size=block_size, t=t, kh=kh, dk_pieces=dk_pieces,
+                         dv_pieces=dv_pieces, has_seg=has_seg)
 
   def body(i, accs):
     for j in range(bps):  # bps blocks a step: independent loads, one running sum
-      u = jnp.minimum(i * bps + j, last)
-      rows_on = ((bits_ref[u] >> tok) & 1) == 1
-      if bps > 1:  # past the tile's count: the clamped block again, every row off
-        rows_on = rows_on & (i * bps + j < cnt)
-      for sub in range(block_size // bk):
-        kpos, krow = C.key_rows(ub_ref[u], sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
-        seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
-        vis = C.visible(rows_on, pos, kpos, seg_q, seg_k)
-        accs = _dq_step(accs, qs, dos, lse2, delta, vis, C.load_pieces(k_ref, krow, dk_pieces),
-                        C.load_pieces(v_ref, krow, dv_pieces), scale)
+      blk, rows_on = C.union_block(ub_ref, bits_ref, cnt, i, j, bps, tok)
+      for kpos, ks, vs, seg_k in kv(blk):
+        accs = _dq_step(accs, qs, dos, lse2, delta, C.visible(rows_on, pos, kpos, seg_q, seg_k),
+                        ks, vs, scale)
     return accs
 
   accs = lax.fori_loop(0, (cnt + bps - 1) // bps, body,
@@ -84,28 +81,25 @@ def _dq_shared_kernel(com_ref, ccnt_ref, priv_ref, pcnt_ref, seg_ref, q_ref, k_r
     toks.append((pos, row, C.load_pieces(q_ref, row, dk_pieces), C.load_pieces(do_ref, row, dv_pieces),
                  lse_ref[row] * LOG2E, delta_ref[row], seg_ref[pos] if has_seg else None))
   on = jnp.ones((m,), jnp.bool_)
+  kv = functools.partial(C.kv_steps, kk=kk, k_ref=k_ref, v_ref=v_ref, seg_ref=seg_ref, bk=bk,
+                         block_size=block_size, t=t, kh=kh, dk_pieces=dk_pieces,
+                         dv_pieces=dv_pieces, has_seg=has_seg)
 
-  def blocks(blk):
-    for sub in range(block_size // bk):
-      kpos, krow = C.key_rows(blk, sub, kk, bk=bk, block_size=block_size, t=t, kh=kh)
-      seg_k = seg_ref[jnp.minimum(kpos, t - 1)] if has_seg else None
-      yield kpos, seg_k, C.load_pieces(k_ref, krow, dk_pieces), C.load_pieces(v_ref, krow, dv_pieces)
-
-  def step(accs, tok, kpos, seg_k, ks, vs):
+  def step(accs, tok, kpos, ks, vs, seg_k):
     pos, _, qs, dos, lse2, delta, seg_q = tok
     return _dq_step(accs, qs, dos, lse2, delta, C.visible(on, pos, kpos, seg_q, seg_k), ks, vs, scale)
 
   def common_body(u, all_accs):
-    for kpos, seg_k, ks, vs in blocks(com_ref[u]):
-      all_accs = tuple(step(a, tok, kpos, seg_k, ks, vs) for a, tok in zip(all_accs, toks))
+    for kpos, ks, vs, seg_k in kv(com_ref[u]):
+      all_accs = tuple(step(a, tok, kpos, ks, vs, seg_k) for a, tok in zip(all_accs, toks))
     return all_accs
 
   zero = tuple(jnp.zeros((m, sz), jnp.float32) for _, sz in dk_pieces)
   all_accs = lax.fori_loop(0, ccnt_ref[0], common_body, tuple(zero for _ in toks))
   for i, tok in enumerate(toks):
     def private_body(u, accs, i=i, tok=tok):
-      for kpos, seg_k, ks, vs in blocks(priv_ref[i, u]):
-        accs = step(accs, tok, kpos, seg_k, ks, vs)
+      for kpos, ks, vs, seg_k in kv(priv_ref[i, u]):
+        accs = step(accs, tok, kpos, ks, vs, seg_k)
       return accs
     accs = lax.fori_loop(0, pcnt_ref[i], private_body, all_accs[i])
     for (off, _), a in zip(dk_pieces, accs):
