@@ -1,0 +1,92 @@
+# Trial: dense causal attention with document ids (packed documents), per implementation of
+# nsa_jax.ops.dense_attention: "pallas" (our Triton window kernels with w = T: what "auto" runs on a
+# GPU with segment ids), "cudnn" (cuDNN with the explicit [B, 1, T, T] document mask), "xla"; and
+# cuDNN's causal call without ids (what the same model runs with document masking off) as the
+# baseline timed in the same run. Forward and forward+backward (jit, gradient of sum(o * ct)),
+# ms medians; the backward is (fwd + bwd) - fwd.
+#   python3 benchmarks/dense_doc_trial.py --out=DIR [--shapes=8192:8:16/1:64/64] [--impls=...]
+# Shapes: T:B:H/K:d_k/d_v. Writes DIR/dense_doc_trial.{json,md} after every implementation.
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+
+from experiments import bench_common as bc
+from nsa_jax import ops
+
+
+def parse_shape(s):
+  t, b, hk, dims = s.split(":")
+  h, k = map(int, hk.split("/"))
+  dk, dv = map(int, dims.split("/"))
+  return int(t), int(b), h, k, dk, dv
+
+
+def inputs(key, t, b, h, k, dk, dv, dtype):
+  kq, kk, kv, kc, ks = jax.random.split(key, 5)
+  q = jax.random.normal(kq, (b, t, h, dk), dtype)
+  kk_ = jax.random.normal(kk, (b, t, k, dk), dtype)
+  v = jax.random.normal(kv, (b, t, k, dv), dtype)
+  ct = jax.random.normal(kc, (b, t, h, dv), dtype)
+  # ~T / 4096 document ends at uniformly random places per row (as bench_window --segments)
+  cuts = jax.random.bernoulli(ks, 1.0 / 4096, (b, t))
+  seg = jnp.cumsum(cuts.astype(jnp.int32), axis=1)
+  return q, kk_, v, ct, seg
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--out", required=True)
+  p.add_argument("--shapes", default="8192:8:16/1:64/64")
+  p.add_argument("--impls", default="pallas,cudnn,xla")
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--name", default="dense_doc_trial")
+  a = p.parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  impls = [i for i in a.impls.split(",") if i]
+  for i in impls:
+    if i not in ops.DENSE_IMPLEMENTATIONS:
+      p.error(f"--impls: {i!r} is not one of {ops.DENSE_IMPLEMENTATIONS}")
+  recs = []
+  for shape in a.shapes.split(","):
+    t, b, h, k, dk, dv = parse_shape(shape)
+    q, kk, v, ct, seg = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype)
+
+    def timed(impl, with_seg):
+      s = seg if with_seg else None
+      f = jax.jit(lambda q, kk, v: ops.dense_attention(q, kk, v, s, implementation=impl))
+      fb = jax.jit(jax.grad(lambda q, kk, v: jnp.sum(
+          ops.dense_attention(q, kk, v, s, implementation=impl).astype(jnp.float32) * ct),
+          argnums=(0, 1, 2)))
+      fwd = bc.time_ms(f, q, kk, v, iters=a.iters)
+      return fwd, bc.time_ms(fb, q, kk, v, iters=a.iters) - fwd
+
+    base = "cudnn" if on_gpu else "xla"
+    base_f, base_b = timed(base, False)
+    print(f"{shape} {base} causal, no ids: fwd {base_f:.3f} ms, bwd {base_b:.3f} ms", flush=True)
+    for impl in impls:
+      try:
+        fwd, bwd = timed(impl, True)
+      except Exception as e:  # e.g. the explicit mask out of memory at long T: say so, go on
+        print(f"{shape} {impl} with ids: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        continue
+      print(f"{shape} {impl} with ids: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms", flush=True)
+      for pass_, ms, ref in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
+        recs.append(bc.record(op="dense_doc", impl=impl, pass_=pass_, t=t, batch=b, q_heads=h,
+                              kv_heads=k, d_k=dk, d_v=dv, ms=ms,
+                              cudnn_ms=ref if ref > 0 else None,
+                              documents_per_row=round(float(seg[:, -1].mean()) + 1, 2)))
+      bc.write_results(recs, a.out, a.name, preamble=(
+          f"# Dense causal attention with document ids ({bc.hardware()}, {bc.utc_now()})\n\n"
+          f"cudnn_ms: {base} causal without ids, same run (speedup < 1: the document mask costs "
+          f"that much). Command: `{bc.command_line()}`."))
+  print(bc.markdown_table(recs, extra_cols=()))
+
+
+if __name__ == "__main__":
+  main()
