@@ -157,6 +157,14 @@ def first_step(first_pos, steps, *, block, stride, window, bk):
   return jnp.minimum(first // bk, steps)
 
 
+def doc_first_step(first, qlo_ref, pos, steps, *, stride, bk):
+  """`first` raised past the keys before the tile's documents: a block visible to a row starts at
+  or after that row's document start qlo (doc_bounds), so no step before the tile's smallest
+  qlo // stride holds one."""
+  lo = jnp.min(qlo_ref[pos]) // stride
+  return jnp.maximum(first, jnp.minimum(lo // bk, steps))
+
+
 def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc, window=0):
   """[m, bk] mask: block kidx is in pos's past (and, with a window w, its last key is one of the
   last w positions up to pos), exists, and (with segments) in pos's document."""
@@ -183,6 +191,45 @@ def block_meta(seg, nc_pad, block, stride):
   return jnp.pad(sb[:, :, 0], pad), jnp.pad(pure, pad)
 
 
+def segment_spans(seg):
+  """(first, last) int32 [B, T]: the first and last position holding each token's segment id.
+
+  Any ids (a document may be split into several runs: its first occurrence still bounds the keys
+  its queries can see). Stable sort by id, then each id's group ends, mapped back."""
+  b, t = seg.shape
+  order = jnp.argsort(seg, axis=1, stable=True)  # positions grouped by id, ascending in a group
+  sid = jnp.take_along_axis(seg, order, axis=1)
+  change = sid[:, 1:] != sid[:, :-1]
+  yes = jnp.ones((b, 1), jnp.bool_)
+  ar = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  gfirst = lax.cummax(jnp.where(jnp.concatenate([yes, change], 1), ar, 0), axis=1)
+  glast = lax.cummin(jnp.where(jnp.concatenate([change, yes], 1), ar, t - 1), axis=1, reverse=True)
+  rows = jnp.arange(b)[:, None]
+  first = jnp.zeros((b, t), jnp.int32).at[rows, order].set(
+      jnp.take_along_axis(order, gfirst, axis=1).astype(jnp.int32))
+  last = jnp.zeros((b, t), jnp.int32).at[rows, order].set(
+      jnp.take_along_axis(order, glast, axis=1).astype(jnp.int32))
+  return first, last
+
+
+def doc_bounds(seg, bpure, *, nc, stride, has_seg):
+  """Per-document loop bounds of the kernels (packed documents: a tile skips the keys and queries
+  of other documents instead of walking and masking them).
+
+  qlo [B, T]: the first position of each query's document (a visible block starts at or after it);
+  khi [B, Ncp]: the last query position of each compressed block's document (-1 for blocks no
+  query sees: mixed or padding). Without segment ids: zeros, not read by the kernels."""
+  b, t = seg.shape
+  ncp = bpure.shape[1]
+  if not has_seg:
+    return jnp.zeros((b, t), jnp.int32), jnp.zeros((b, ncp), jnp.int32)
+  first, last = segment_spans(seg)
+  kidx = jnp.arange(ncp)
+  khi = last[:, jnp.minimum(kidx * stride, t - 1)]
+  khi = jnp.where((kidx < nc)[None, :] & (bpure != 0), khi, -1)
+  return first, khi
+
+
 def _whole(*shape):
   """BlockSpec of batch bb's whole array on a (x, group, batch) grid."""
   return pl.BlockSpec((None, *shape), lambda i, j, bb: (bb,) + (0,) * len(shape))
@@ -195,8 +242,9 @@ def _group(*shape):
 
 # ----------------------------------------------------------------------------- forward
 
-def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tq, g, gp, m,
-                t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale, has_seg, window):
+def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tq,
+                g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale, has_seg,
+                window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs = load_rows(q_ref, row, dk_pieces)
@@ -204,6 +252,8 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, o_ref, lse_re
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
+  if has_seg:
+    first = doc_first_step(first, qlo_ref, pos, steps, stride=stride, bk=bk)
 
   def body(i, carry):
     m_i, l_i, accs = carry
@@ -241,11 +291,12 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
       _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
       bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
       has_seg=has_seg, window=window)
+  qlo, _ = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
   o, lse = pl.pallas_call(
       kernel,
       grid=(cdiv(t, tq), kh, b),
-      in_specs=[_whole(t), _whole(ncp), _whole(ncp), _whole(t * h, dk), _group(ncp, dk),
-                _group(ncp, dv)],
+      in_specs=[_whole(t), _whole(ncp), _whole(ncp), _whole(t), _whole(t * h, dk),
+                _group(ncp, dk), _group(ncp, dv)],
       out_specs=[_whole(t * h, dv), _whole(t * h)],
       out_shape=[jax.ShapeDtypeStruct((b, t * h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, t * h), jnp.float32)],
@@ -253,15 +304,15 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
                                            num_stages=tiling.num_stages),
       interpret=interpret,
       name="nsa_win_fwd" if window else "nsa_cmp_fwd",
-  )(seg, bseg, bpure, q.reshape(b, t * h, dk), kc, vc)
+  )(seg, bseg, bpure, qlo, q.reshape(b, t * h, dk), kc, vc)
   return o.reshape(b, t, h, dv), lse.reshape(b, t, h)
 
 
 # ----------------------------------------------------------------------------- backward: dq
 
-def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale,
-               has_seg, window):
+def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_ref, do_ref,
+               lse_ref, delta_ref, dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces,
+               dv_pieces, scale, has_seg, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs, dos = load_rows(q_ref, row, dk_pieces), load_rows(do_ref, row, dv_pieces)
@@ -272,6 +323,8 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
+  if has_seg:
+    first = doc_first_step(first, qlo_ref, pos, steps, stride=stride, bk=bk)
 
   def body(i, accs):
     start = pl.multiple_of(i * bk, bk)
@@ -294,8 +347,8 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_re
 
 # ----------------------------------------------------------------------------- backward: dK, dV
 
-def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces, dv_pieces, scale,
+def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_ref, do_ref,
+                lse_ref, delta_ref, *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces, dv_pieces, scale,
                 has_seg, splits, unmasked_tiles, window, fused_dq, interpret):
   # fused_dq: refs = (dq_in, dk, dv, dq): dq_in and dq alias one float32 buffer of zeros.
   dk_ref, dv_ref = refs[-3:-1] if fused_dq else refs
@@ -313,6 +366,9 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   first_tile = jnp.minimum(end_first, t) // tq  # first query that sees key `start`
   # With a window w, the last query that sees this tile's last block is end_last + w - 1.
   last_tile = nt if not window else jnp.minimum(nt, (end_last + window - 1) // tq + 1)
+  if has_seg:  # no query past the last one of the tile's blocks' documents sees them
+    last_doc = jnp.max(khi_ref[pl.ds(start, bk)])
+    last_tile = jnp.maximum(first_tile, jnp.minimum(last_tile, last_doc // tq + 1))
   # This program's share of the query tiles [first_tile, last_tile).
   share = cdiv(last_tile - first_tile, splits)
   lo = jnp.minimum(first_tile + part * share, last_tile)
@@ -380,9 +436,10 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   qf, dof = q.reshape(b, t * h, dk), do.astype(q.dtype).reshape(b, t * h, dv)
   common = dict(g=g, t=t, h=h, nc=nc, block=block, stride=stride, dk_pieces=dim_pieces(dk),
                 dv_pieces=dim_pieces(dv), scale=scale, has_seg=has_seg, window=window)
-  ins = [_whole(t), _whole(ncp), _whole(ncp), _whole(t * h, dk), _group(ncp, dk), _group(ncp, dv),
-         _whole(t * h, dv), _whole(t * h), _whole(t * h)]
-  args = (seg, bseg, bpure, qf, kc, vc, dof, lse_f, delta)
+  qlo, khi = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
+  ins = [_whole(t), _whole(ncp), _whole(ncp), _whole(t), _whole(ncp), _whole(t * h, dk),
+         _group(ncp, dk), _group(ncp, dv), _whole(t * h, dv), _whole(t * h), _whole(t * h)]
+  args = (seg, bseg, bpure, qlo, khi, qf, kc, vc, dof, lse_f, delta)
 
   fused = tiling.bwd_fused_dq
   if not fused:

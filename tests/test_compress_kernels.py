@@ -776,3 +776,68 @@ def test_topn_takes_every_shape_the_selection_and_compression_kernels_take():
       taken += 1
       assert topn_module.supports(q, kc, l, d, lp) == (True, "ok"), (g, kh, dk, t, l, d, lp)
   assert taken > 500, taken  # the grid reached the kernels' supported shapes
+
+
+def test_segment_spans_and_doc_bounds_match_brute_force():
+  """compress_attention.segment_spans: each token's id's first and last position, for any ids
+  (recurring, negative, one per row); doc_bounds: the query lower bound per position and, per
+  compressed block, its document's last position (-1 for mixed and padding blocks)."""
+  from pallas_kernels import compress_attention as ca
+  seed = _seed()
+  rng = np.random.default_rng(seed)
+  b, t, block, stride = 3, 97, 8, 4
+  seg = rng.integers(-2, 3, (b, t)).repeat(1, axis=1)
+  seg = np.where(rng.random((b, t)) < 0.7, np.maximum.accumulate(seg, axis=1), seg)
+  seg[2] = 5  # one document
+  first, last = jax.jit(ca.segment_spans)(jnp.asarray(seg, jnp.int32))
+  for r in range(b):
+    for i in range(t):
+      where = np.flatnonzero(seg[r] == seg[r, i])
+      assert (first[r, i], last[r, i]) == (where[0], where[-1]), (r, i, seed)
+  nc = ca.num_cmp_blocks(t, block, stride)
+  ncp = nc + 5
+  bseg, bpure = ca.block_meta(jnp.asarray(seg, jnp.int32), ncp, block, stride)
+  qlo, khi = ca.doc_bounds(jnp.asarray(seg, jnp.int32), bpure, nc=nc, stride=stride, has_seg=True)
+  np.testing.assert_array_equal(qlo, first)
+  for r in range(b):
+    for j in range(ncp):
+      toks = seg[r, j * stride:j * stride + block]
+      pure = j < nc and np.all(toks == toks[0])
+      want = np.flatnonzero(seg[r] == toks[0])[-1] if pure else -1
+      assert khi[r, j] == want, (r, j, seed)
+
+
+def test_compress_kernels_skip_other_documents_exactly():
+  """Many short documents whose ids recur later in the row: the kernels' per-document loop bounds
+  (doc_bounds) skip only keys and queries that the mask would drop. Forward and gradients against
+  the reference; small tiles so that the bounds cut the walks."""
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 7)
+  b, t, g, kv, dk, dv, l, d = 2, 300, 4, 1, 32, 16, 8, 4
+  nc = (t - l) // d + 1
+  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
+  kc = jax.random.normal(ks[1], (b, nc, kv, dk))
+  vc = jax.random.normal(ks[2], (b, nc, kv, dv))
+  runs = jax.random.randint(ks[3], (b, t), 8, 60)
+  starts = jnp.cumsum(runs, axis=1) - runs
+  run_of = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1
+  seg = jnp.take_along_axis(jax.random.randint(ks[6], (b, t), 0, 3), run_of, axis=1)
+  w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
+  w_l = jax.random.normal(ks[5], (b, t, g * kv))
+  tiling = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=16, rows=16, bwd_splits=2)
+  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET,
+                                              tiling=tiling)
+  ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
+
+  @jax.jit
+  def outputs_and_grads(q, kc, vc):
+    (o, lse), vjp = jax.vjp(ours, q, kc, vc)
+    (ro, rlse), ref_vjp = jax.vjp(ref, q, kc, vc)
+    cts = (w_o, jnp.where(jnp.isfinite(rlse), w_l, 0.0))
+    return (o, lse, vjp(cts)), (ro, rlse, ref_vjp(cts))
+
+  (o, lse, grads), (ro, rlse, ref_grads) = outputs_and_grads(q, kc, vc)
+  _close(o, ro, 1e-5, "o", seed)
+  _close(lse, rlse, 1e-5, "lse", seed)
+  for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
+    _close(a, r, 1e-4, name, seed)

@@ -365,3 +365,39 @@ def test_dense_cudnn_pads_unequal_head_dims(monkeypatch, dk, dv):
     o = ops.dense_attention(q, k, v, s, implementation="cudnn")
     assert o.shape == (1, 40, 4, dv)
     _close(o, reference.dense_causal_attention(q, k, v, s)[0], 1e-5, "o", seed)
+
+
+def _split_documents(key, b, t, ids=4, max_run=25):
+  """Runs of 1..max_run tokens, each given one of `ids` ids at random: documents that recur after
+  others (non-contiguous ids) and several short documents per kernel tile."""
+  kl, ki = jax.random.split(key)
+  runs = jax.random.randint(kl, (b, t), 1, max_run + 1)
+  starts = jnp.cumsum(runs, axis=1) - runs  # run r starts at starts[r]
+  run_of = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1
+  run_ids = jax.random.randint(ki, (b, t), 0, ids)
+  return jnp.take_along_axis(run_ids, run_of, axis=1).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("window,g,kv,tiling", [
+    (10 ** 6, 4, 1, SMALL),  # w = T: dense causal attention with document ids (ops.dense_attention)
+    (40, 1, 2, SMALL),
+    (10 ** 6, 3, 1, dataclasses.replace(SMALL, bwd_fused_dq=True)),
+    (10 ** 6, 16, 1, None),
+])
+def test_window_kernels_skip_other_documents_exactly(window, g, kv, tiling):
+  """With segment ids the kernels start each query tile's key walk at its documents' first
+  position and end each key tile's query walk at its documents' last (compress_attention.
+  doc_bounds). Many short documents whose ids recur later in the row (a document split into runs:
+  its first occurrence, not its last run's start, bounds the keys) against the reference."""
+  seed = _seed()
+  b, t = 2, 230
+  q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)
+  seg = _split_documents(jax.random.key(seed + 1), b, t)
+  ours = lambda q, k, v: wk.window_attention(q, k, v, window, seg, interpret=INTERPRET,
+                                             tiling=tiling)
+  ref = lambda q, k, v: reference.window_attention(q, k, v, min(window, t), seg)
+  (o, lse, grads), (ro, rlse, rgrads) = _outputs_and_grads(ours, ref, q, k, v, w_o, w_l)
+  _close(o, ro, 1e-5, "o", seed)
+  _close(lse, rlse, 1e-5, "lse", seed)
+  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
+    _close(a, r, 1e-4, name, seed)
