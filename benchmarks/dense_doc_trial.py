@@ -3,7 +3,8 @@
 # GPU with segment ids), "cudnn" (cuDNN with the explicit [B, 1, T, T] document mask), "xla"; and
 # cuDNN's causal call without ids (what the same model runs with document masking off) as the
 # baseline timed in the same run. Forward and forward+backward (jit, gradient of sum(o * ct)),
-# ms medians; the backward is (fwd + bwd) - fwd.
+# ms medians; the backward is (fwd + bwd) - fwd; each implementation's output is compared with
+# the first's (out_rel_diff_vs_first).
 #   python3 benchmarks/dense_doc_trial.py --out=DIR [--shapes=8192:8:16/1:64/64] [--impls=...]
 # Shapes: T:B:H/K:d_k/d_v. Writes DIR/dense_doc_trial.{json,md} after every implementation.
 import argparse
@@ -69,23 +70,36 @@ def main(argv=None):
     base = "cudnn" if on_gpu else "xla"
     base_f, base_b = timed(base, False)
     print(f"{shape} {base} causal, no ids: fwd {base_f:.3f} ms, bwd {base_b:.3f} ms", flush=True)
+    first_out = None
     for impl in impls:
       try:
         fwd, bwd = timed(impl, True)
+        out = jax.jit(lambda q, kk, v: ops.dense_attention(q, kk, v, seg, implementation=impl))(
+            q, kk, v).astype(jnp.float32)
       except Exception as e:  # e.g. the explicit mask out of memory at long T: say so, go on
         print(f"{shape} {impl} with ids: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         continue
-      print(f"{shape} {impl} with ids: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms", flush=True)
+      if first_out is None:
+        first_out = out
+      # the implementations must agree (relative to the first one's largest |o|)
+      diff = float(jnp.max(jnp.abs(out - first_out)) / jnp.maximum(jnp.max(jnp.abs(first_out)),
+                                                                     1e-30))
+      del out
+      print(f"{shape} {impl} with ids: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, output vs "
+            f"{impls[0]} {diff:.2e}", flush=True)
       for pass_, ms, ref in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
         recs.append(bc.record(op="dense_doc", impl=impl, pass_=pass_, t=t, batch=b, q_heads=h,
                               kv_heads=k, d_k=dk, d_v=dv, ms=ms,
                               cudnn_ms=ref if ref > 0 else None,
-                              documents_per_row=round(float(seg[:, -1].mean()) + 1, 2)))
+                              documents_per_row=round(float(seg[:, -1].mean()) + 1, 2),
+                              out_rel_diff_vs_first=diff))
       bc.write_results(recs, a.out, a.name, preamble=(
           f"# Dense causal attention with document ids ({bc.hardware()}, {bc.utc_now()})\n\n"
           f"cudnn_ms: {base} causal without ids, same run (speedup < 1: the document mask costs "
-          f"that much). Command: `{bc.command_line()}`."))
+          f"that much). out_rel_diff_vs_first: max |o - o_first| / max |o_first|. Command: "
+          f"`{bc.command_line()}`."))
   print(bc.markdown_table(recs, extra_cols=()))
+  return recs
 
 
 if __name__ == "__main__":

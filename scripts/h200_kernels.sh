@@ -153,8 +153,10 @@
 # dqsteps  benchmarks/select_bwd_trial.py at 64k 128/128: the dq kernel walking 2 selected blocks
 #          a step (SelectTiling.dq_blocks_per_step), on the op's top-n lists and random ones; ~4 min.
 # densedoc  dense attention as our window kernels with w = T (what dense layers with document ids
-#          run) against cuDNN's causal call: the 8k training layer and 32k, and the 8k layer with
-#          packed documents, the dK/dV walk with 8 splits too (bench_window); ~3 min.
+#          run) against cuDNN's causal call: the 8k training layer without and with packed
+#          documents, the dK/dV walk with 8 splits too (bench_window), then
+#          benchmarks/dense_doc_trial.py (ids: our kernels vs cuDNN's explicit mask) at 8k and 32k;
+#          ~3 min (the 8k bench_window pair took 42 s on an H100).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -483,16 +485,17 @@ dqsteps() {
 }
 
 densedoc() {
-  local t
-  for t in 8192:8:16/1:64/64 32768:2:16/1:64/64; do
-    timeout 150 python3 -m experiments.bench_window --window "${t%%:*}" --shapes "$t" \
-      --backends triton,cudnn --tilings splits8:bwd_splits=8 --iters 10 --out "$OUT/densedoc" \
-      --name "dense_${t%%:*}"
-  done
-  # packed documents (the plain-JAX path runs beside them: w = T, the 8k layer only)
-  timeout 150 python3 -m experiments.bench_window --window 8192 --shapes 8192:8:16/1:64/64 \
+  # the 8k layer without and with packed documents (the plain-JAX path runs beside the latter),
+  # then dense_attention with ids per implementation (our kernels, cuDNN's explicit mask) against
+  # cuDNN's causal call at 8k and 32k; timeouts sum to 480 s
+  timeout 120 python3 -m experiments.bench_window --window 8192 --shapes 8192:8:16/1:64/64 \
+    --backends triton,cudnn --tilings splits8:bwd_splits=8 --iters 10 --out "$OUT/densedoc" \
+    --name dense_8192
+  timeout 120 python3 -m experiments.bench_window --window 8192 --shapes 8192:8:16/1:64/64 \
     --segments --tilings splits8:bwd_splits=8 --iters 10 --out "$OUT/densedoc" \
     --name dense_8192_segments
+  timeout 240 python3 benchmarks/dense_doc_trial.py --out "$OUT/densedoc" \
+    --shapes 8192:8:16/1:64/64,32768:2:16/1:64/64 --impls pallas,cudnn
 }
 
 ncuprof() {

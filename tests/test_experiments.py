@@ -1741,3 +1741,25 @@ def test_select_bwd_trial_runs_variants_that_agree(tmp_path):
   saved = json.load(open(tmp_path / "select_bwd_trial.json"))
   assert saved["rows"] == rows and "select_bwd_trial.py" in saved["provenance"]["command"]
   assert "| tiny | nsa-topn" in open(tmp_path / "select_bwd_trial.md").read()
+
+
+def test_dense_doc_trial_times_every_implementation_and_they_agree(tmp_path):
+  """benchmarks/dense_doc_trial.py (dense attention with document ids per implementation, the
+  causal call without ids as the baseline) writes one fwd and one bwd record per implementation
+  with the issue's fields, and the implementations' outputs agree (CPU: interpret mode, "cudnn"
+  runs XLA with a warning, a tiny shape)."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import dense_doc_trial
+  recs = dense_doc_trial.main(["--out", str(tmp_path), "--shapes", "128:2:4/2:16/16",
+                               "--iters", "1"])
+  assert [(r["impl"], r["pass"]) for r in recs] == [
+      (i, p) for i in ("pallas", "cudnn", "xla") for p in ("fwd", "bwd")]
+  for r in recs:
+    assert r["op"] == "dense_doc" and r["T"] == 128 and r["q_heads"] == 4 and r["kv_heads"] == 2
+    assert r["out_rel_diff_vs_first"] < 1e-5, r
+    assert r["documents_per_row"] >= 1
+  saved = json.load(open(tmp_path / "dense_doc_trial.json"))
+  assert saved == recs
+  assert "| dense_doc | pallas | fwd |" in open(tmp_path / "dense_doc_trial.md").read()
+  with pytest.raises(SystemExit):
+    dense_doc_trial.main(["--out", str(tmp_path), "--impls", "flash"])
