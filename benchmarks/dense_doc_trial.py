@@ -27,14 +27,15 @@ def parse_shape(s):
   return int(t), int(b), h, k, dk, dv
 
 
-def inputs(key, t, b, h, k, dk, dv, dtype):
+def inputs(key, t, b, h, k, dk, dv, dtype, mean_doc_len):
   kq, kk, kv, kc, ks = jax.random.split(key, 5)
   q = jax.random.normal(kq, (b, t, h, dk), dtype)
   kk_ = jax.random.normal(kk, (b, t, k, dk), dtype)
   v = jax.random.normal(kv, (b, t, k, dv), dtype)
   ct = jax.random.normal(kc, (b, t, h, dv), dtype)
-  # ~T / 4096 document ends at uniformly random places per row (as bench_window --segments)
-  cuts = jax.random.bernoulli(ks, 1.0 / 4096, (b, t))
+  # ~T / mean_doc_len document ends at uniformly random places per row (4096: as bench_window
+  # --segments)
+  cuts = jax.random.bernoulli(ks, 1.0 / mean_doc_len, (b, t))
   seg = jnp.cumsum(cuts.astype(jnp.int32), axis=1)
   return q, kk_, v, ct, seg
 
@@ -46,6 +47,8 @@ def main(argv=None):
   p.add_argument("--impls", default="pallas,cudnn,xla")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--name", default="dense_doc_trial")
+  p.add_argument("--mean_doc_len", type=int, default=4096,
+                 help="documents' mean length in tokens (random cuts)")
   a = p.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
@@ -56,7 +59,7 @@ def main(argv=None):
   recs = []
   for shape in a.shapes.split(","):
     t, b, h, k, dk, dv = parse_shape(shape)
-    q, kk, v, ct, seg = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype)
+    q, kk, v, ct, seg = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype, a.mean_doc_len)
 
     def timed(impl, with_seg):
       s = seg if with_seg else None
