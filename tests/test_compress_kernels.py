@@ -60,6 +60,22 @@ def _close(a, b, tol, what, seed):
 SMALL = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=32, bwd_splits=3)
 
 
+def _check_against_reference(ours, ref, q, kc, vc, w_o, w_l, seed):
+  """Outputs (o, lse) and gradients of the kernels against the reference, float32 tolerances."""
+  @jax.jit  # one compiled program: interpreted kernels run eagerly are much slower
+  def outputs_and_grads(q, kc, vc):
+    (o, lse), vjp = jax.vjp(ours, q, kc, vc)
+    (ro, rlse), ref_vjp = jax.vjp(ref, q, kc, vc)
+    cts = (w_o, jnp.where(jnp.isfinite(rlse), w_l, 0.0))  # lse's cotangent is exercised too
+    return (o, lse, vjp(cts)), (ro, rlse, ref_vjp(cts))
+
+  (o, lse, grads), (ro, rlse, ref_grads) = outputs_and_grads(q, kc, vc)
+  _close(o, ro, 1e-5, "o", seed)
+  _close(lse, rlse, 1e-5, "lse", seed)
+  for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
+    _close(a, r, 1e-4, name, seed)
+
+
 @pytest.mark.parametrize("g,kv,t,use_seg,tiling", [
     (1, 2, 70, True, None), (4, 2, 90, False, None), (16, 1, 61, True, None),
     (4, 2, 300, False, SMALL), (16, 1, 260, False, SMALL), (3, 1, 200, False, SMALL),
@@ -90,18 +106,7 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
   ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET, tiling=tiling)
   ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
 
-  @jax.jit  # one compiled program: interpreted kernels run eagerly are much slower
-  def outputs_and_grads(q, kc, vc):
-    (o, lse), vjp = jax.vjp(ours, q, kc, vc)
-    (ro, rlse), ref_vjp = jax.vjp(ref, q, kc, vc)
-    cts = (w_o, jnp.where(jnp.isfinite(rlse), w_l, 0.0))  # lse's cotangent is exercised too
-    return (o, lse, vjp(cts)), (ro, rlse, ref_vjp(cts))
-
-  (o, lse, grads), (ro, rlse, ref_grads) = outputs_and_grads(q, kc, vc)
-  _close(o, ro, 1e-5, "o", seed)
-  _close(lse, rlse, 1e-5, "lse", seed)
-  for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
-    _close(a, r, 1e-4, name, seed)
+  _check_against_reference(ours, ref, q, kc, vc, w_o, w_l, seed)
 
 
 def test_dkv_launch_rule(monkeypatch):
@@ -828,16 +833,4 @@ def test_compress_kernels_skip_other_documents_exactly():
   ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET,
                                               tiling=tiling)
   ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
-
-  @jax.jit
-  def outputs_and_grads(q, kc, vc):
-    (o, lse), vjp = jax.vjp(ours, q, kc, vc)
-    (ro, rlse), ref_vjp = jax.vjp(ref, q, kc, vc)
-    cts = (w_o, jnp.where(jnp.isfinite(rlse), w_l, 0.0))
-    return (o, lse, vjp(cts)), (ro, rlse, ref_vjp(cts))
-
-  (o, lse, grads), (ro, rlse, ref_grads) = outputs_and_grads(q, kc, vc)
-  _close(o, ro, 1e-5, "o", seed)
-  _close(lse, rlse, 1e-5, "lse", seed)
-  for name, a, r in zip(("dq", "dk_cmp", "dv_cmp"), grads, ref_grads):
-    _close(a, r, 1e-4, name, seed)
+  _check_against_reference(ours, ref, q, kc, vc, w_o, w_l, seed)
