@@ -348,8 +348,9 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_r
 # ----------------------------------------------------------------------------- backward: dK, dV
 
 def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_ref, do_ref,
-                lse_ref, delta_ref, *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk, dk_pieces, dv_pieces, scale,
-                has_seg, splits, unmasked_tiles, window, fused_dq, interpret):
+                lse_ref, delta_ref, *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk,
+                dk_pieces, dv_pieces, scale, has_seg, splits, unmasked_tiles, window, fused_dq,
+                interpret):
   # fused_dq: refs = (dq_in, dk, dv, dq): dq_in and dq alias one float32 buffer of zeros.
   dk_ref, dv_ref = refs[-3:-1] if fused_dq else refs
   dq_ref = refs[-1] if fused_dq else None
