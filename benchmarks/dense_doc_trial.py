@@ -94,7 +94,7 @@ def main(argv=None):
         recs.append(bc.record(op="dense_doc", impl=impl, pass_=pass_, t=t, batch=b, q_heads=h,
                               kv_heads=k, d_k=dk, d_v=dv, ms=ms,
                               cudnn_ms=ref if ref > 0 else None,
-                              documents_per_row=round(float(seg[:, -1].mean()) + 1, 2),
+                              documents_per_row=round(float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2),
                               out_rel_diff_vs_first=diff))
       bc.write_results(recs, a.out, a.name, preamble=(
           f"# Dense causal attention with document ids ({bc.hardware()}, {bc.utc_now()})\n\n"
