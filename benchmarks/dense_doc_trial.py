@@ -17,14 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from experiments import bench_common as bc
+from experiments.bench_window import parse_shape  # "T:B:H/K:dk/dv", checked
 from nsa_jax import ops
-
-
-def parse_shape(s):
-  t, b, hk, dims = s.split(":")
-  h, k = map(int, hk.split("/"))
-  dk, dv = map(int, dims.split("/"))
-  return int(t), int(b), h, k, dk, dv
 
 
 def inputs(key, t, b, h, k, dk, dv, dtype, mean_doc_len):
