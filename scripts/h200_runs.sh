@@ -45,6 +45,11 @@
 #          and its dense twin (sequentially on GPU 0; kernels grouped per step, ms/step, tokens/s),
 #          the question behind issue 7's 8k throughput gap; 150-205 s measured (2026-11-30).
 #          PROF_NOCMDBUF=1: without XLA's command buffers, so the by-scope table is filled.
+# profdoc  the 8k step with document masking: experiments.profile_step on the pair's config at 8k x 8,
+#          "config" with data.document_mask=True against "compare" without, dense first, then NSA
+#          (PROFDOC_MODELS picks; PROFDOC_LIMIT s each, default 240). Why dense with masking trained at
+#          196k tokens/s against 314k without (H100, 2026-12-06) when its kernels explain ~50 ms of
+#          the ~125 ms a step.
 # impl8    NSA at 8k x 8, implementation=pallas-mosaic (GPU 0) vs pallas (GPU 1), CTX_STEPS steps.
 # context8, context16, context32
 #          training throughput of NSA vs dense at 8k, 16k or 32k context (same tokens per step),
@@ -383,6 +388,20 @@ prof8k() {
   CUDA_VISIBLE_DEVICES=0 timeout -k 30 420 python3 -m experiments.profile_step \
     --config=configs/small_gpu_nsa.py --compare=configs/small_gpu_dense.py --out="$R/prof8k" \
     ${PROF_NOCMDBUF:+--nocommand_buffers} > "$R/prof8k.log" 2>&1
+}
+profdoc() {
+  local m f x a b
+  for m in ${PROFDOC_MODELS:-dense nsa}; do
+    x=""; [ "$m" = dense ] && x=model.attention=dense
+    a=""; b=""
+    for f in data.seq_len=8192 model.max_seq_len=8192 data.global_batch_size=8 $x; do
+      a="$a --config.$f"; b="$b --compare.$f"
+    done
+    CUDA_VISIBLE_DEVICES=0 timeout -k 30 "${PROFDOC_LIMIT:-240}" python3 -m experiments.profile_step \
+      --config=$SWEEP $a --config.data.document_mask=True --compare=$SWEEP $b --timed 10 \
+      --out="$R/profdoc_$m" ${PROF_NOCMDBUF:+--nocommand_buffers} > "$R/profdoc_$m.log" 2>&1
+    echo "profdoc $m: exit $?"
+  done
 }
 selgain() {
   local s=${SG_STEPS:-600}

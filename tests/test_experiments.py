@@ -647,7 +647,7 @@ def test_h200_runs_script_parses_and_defines_every_documented_phase():
   header, defined = _script_phases("h200_runs.sh")
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
                 "blocks", "context8", "context16", "context32", "context16_1gpu", "context32_1gpu",
-                "impl8", "selgain", "prof8k", "context8_1gpu", "context8_1gpu_rev",
+                "impl8", "selgain", "prof8k", "profdoc", "context8_1gpu", "context8_1gpu_rev",
                 "determinism", "projfuse"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"

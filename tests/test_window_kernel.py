@@ -339,8 +339,11 @@ def test_dense_backend_rule(monkeypatch, caplog):
     ops.dense_attention(odd, v_odd, v_odd, implementation="pallas")
 
 
-def test_dense_cudnn_asked_for_without_a_gpu_runs_xla_with_a_warning(caplog):
-  """A model trained with dense_implementation="cudnn" evaluated on a CPU: XLA, warned."""
+def test_dense_cudnn_asked_for_without_a_gpu_runs_xla_with_a_warning(caplog, monkeypatch):
+  """A model trained with dense_implementation="cudnn" evaluated on a CPU: XLA, warned. (No GPU
+  is pretended, so that on a GPU too this tests the CPU case instead of calling cuDNN with
+  float32, which it refuses.)"""
+  monkeypatch.setattr(ops, "on_gpu", lambda: False)
   q, k, v, seg, _, _ = _case(_seed(), 1, 24, 4, 2, 16, 16, True)
   ops.log_once.cache_clear()
   with caplog.at_level(logging.WARNING, logger="nsa_jax"):
