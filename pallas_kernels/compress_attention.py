@@ -230,6 +230,34 @@ def doc_bounds(seg, bpure, *, nc, stride, has_seg):
   return first, khi
 
 
+def unmasked_ends(seg, bseg, bpure, *, nc, block, stride, tq, bk):
+  """[B, Ncp] int32, one value per dK/dV key tile (repeated over its bk blocks): the end
+  (exclusive) of the run of query tiles, from the tile's first fully causal one
+  f = ceil(((start + bk - 1) * stride + block - 1) / tq) on, whose queries all share the key tile's
+  one document (packed documents: the dK/dV kernel skips the mask there, as it does without
+  segment ids). f itself (an empty run) when the key tile mixes documents or holds a block that
+  straddles one, or when query tile f is not wholly in that document. Ids compare for equality, as
+  the mask does. The kernel still caps the run at the causal / window limits and at T // tq."""
+  b, t = seg.shape
+  ncp = bseg.shape[1]
+  nkt = ncp // bk
+  start = jnp.arange(nkt) * bk
+  f = -(-((start + bk - 1) * stride + block - 1) // tq)  # [nkt]
+  bs, bp = bseg.reshape(b, nkt, bk), bpure.reshape(b, nkt, bk)
+  doc = bs[:, :, 0]
+  kpure = jnp.all(bs == doc[:, :, None], axis=2) & jnp.all(bp != 0, axis=2)
+  kpure = kpure & (start + bk <= nc)[None, :]
+  # the last position of each position's run of equal ids
+  ar = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((b, 1), jnp.bool_)], axis=1)
+  run_last = lax.cummin(jnp.where(ends, ar, t - 1), axis=1, reverse=True)
+  p0 = jnp.minimum(f * tq, t - 1)
+  ok = kpure & (f * tq < t)[None, :] & (seg[:, p0] == doc)
+  run_end = (run_last[:, p0] + 1) // tq  # query tiles wholly inside that run end here
+  out = jnp.where(ok, jnp.maximum(run_end, f[None, :]), f[None, :]).astype(jnp.int32)
+  return jnp.repeat(out, bk, axis=1)
+
+
 def _whole(*shape):
   """BlockSpec of batch bb's whole array on a (x, group, batch) grid."""
   return pl.BlockSpec((None, *shape), lambda i, j, bb: (bb,) + (0,) * len(shape))
@@ -310,7 +338,7 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
 
 # ----------------------------------------------------------------------------- backward: dq
 
-def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_ref, do_ref,
+def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces,
                dv_pieces, scale, has_seg, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
@@ -347,8 +375,8 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_r
 
 # ----------------------------------------------------------------------------- backward: dK, dV
 
-def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_ref, do_ref,
-                lse_ref, delta_ref, *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk,
+def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, kfull_ref, q_ref, k_ref, v_ref,
+                do_ref, lse_ref, delta_ref, *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk,
                 dk_pieces, dv_pieces, scale, has_seg, splits, unmasked_tiles, window, fused_dq,
                 interpret):
   # fused_dq: refs = (dq_in, dk, dv, dq): dq_in and dq alias one float32 buffer of zeros.
@@ -375,7 +403,7 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_
   lo = jnp.minimum(first_tile + part * share, last_tile)
   hi = jnp.minimum(lo + share, last_tile)
   # Tiles [full_lo, full_hi) see every key of the tile and hold only real rows: no mask there.
-  if has_seg or g != gp or m != tq * gp or not unmasked_tiles:  # m > tq*gp: wrapped copy rows
+  if g != gp or m != tq * gp or not unmasked_tiles:  # m > tq*gp: wrapped copy rows
     full_lo = full_hi = lo
   else:
     full_lo = jnp.clip(cdiv(end_last, tq), lo, hi)
@@ -383,6 +411,8 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, q_ref, k_ref, v_
     # With a window, a tile sees the whole key tile only while its last position is within w - 1
     # of the tile's first block.
     full_hi = t // tq if not window else jnp.minimum(t // tq, (end_first + window) // tq)
+    if has_seg:  # ... and, with documents, while its queries share the key tile's one document
+      full_hi = jnp.minimum(full_hi, jnp.min(kfull_ref[pl.ds(start, bk)]))
     full_hi = jnp.clip(full_hi, full_lo, hi)
 
   def body(i, accs, masked):
@@ -438,9 +468,11 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   common = dict(g=g, t=t, h=h, nc=nc, block=block, stride=stride, dk_pieces=dim_pieces(dk),
                 dv_pieces=dim_pieces(dv), scale=scale, has_seg=has_seg, window=window)
   qlo, khi = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
-  ins = [_whole(t), _whole(ncp), _whole(ncp), _whole(t), _whole(ncp), _whole(t * h, dk),
-         _group(ncp, dk), _group(ncp, dv), _whole(t * h, dv), _whole(t * h), _whole(t * h)]
-  args = (seg, bseg, bpure, qlo, khi, qf, kc, vc, dof, lse_f, delta)
+  # seg, bseg, bpure, qlo; then (dK/dV only) khi and the unmasked runs; then q, k, v, do, lse, delta
+  head_ins, head_args = [_whole(t), _whole(ncp), _whole(ncp), _whole(t)], (seg, bseg, bpure, qlo)
+  tail_ins = [_whole(t * h, dk), _group(ncp, dk), _group(ncp, dv), _whole(t * h, dv),
+              _whole(t * h), _whole(t * h)]
+  tail_args = (qf, kc, vc, dof, lse_f, delta)
 
   fused = tiling.bwd_fused_dq
   if not fused:
@@ -449,19 +481,23 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
         functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
                           **common),
         grid=(cdiv(t, tq), kh, b),
-        in_specs=ins,
+        in_specs=head_ins + tail_ins,
         out_specs=_whole(t * h, dk),
         out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
                                              num_stages=tiling.bwd_num_stages),
         interpret=interpret,
         name="nsa_win_dq" if window else "nsa_cmp_dq",
-    )(*args)
+    )(*head_args, *tail_args)
 
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
   warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize)
+  kfull = (unmasked_ends(seg, bseg, bpure, nc=nc, block=block, stride=stride, tq=tq, bk=bk)
+           if has_seg else jnp.zeros((b, ncp), jnp.int32))
+  ins = head_ins + [_whole(ncp), _whole(ncp)] + tail_ins
+  args = head_args + (khi, kfull) + tail_args
   out_specs = [_group(splits * ncp, dk), _group(splits * ncp, dv)]
   out_shape = [jax.ShapeDtypeStruct((b, kh, splits * ncp, dk), jnp.float32),
                jax.ShapeDtypeStruct((b, kh, splits * ncp, dv), jnp.float32)]

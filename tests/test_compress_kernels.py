@@ -813,6 +813,40 @@ def test_segment_spans_and_doc_bounds_match_brute_force():
       assert khi[r, j] == want, (r, j, seed)
 
 
+@pytest.mark.parametrize("block,stride,tq,bk", [(8, 4, 4, 2), (1, 1, 8, 4), (32, 16, 2, 1)])
+def test_unmasked_ends_match_brute_force(block, stride, tq, bk):
+  """compress_attention.unmasked_ends: per dK/dV key tile, the end of the run of query tiles from
+  its first fully causal one on whose every query shares the key tile's one document (each block
+  pure, all of one id, none padding). Brute force over ids that recur, are negative or one per row."""
+  from pallas_kernels import compress_attention as ca
+  seed = _seed()
+  rng = np.random.default_rng(seed)
+  b, t = 4, 157
+  runs = rng.integers(1, 70, (b, t))
+  run_of = np.stack([np.searchsorted(np.cumsum(r), np.arange(t), side="right") for r in runs])
+  seg = np.take_along_axis(rng.integers(-2, 2, (b, t)), run_of, axis=1)
+  seg[3] = 7  # one document
+  nc = ca.num_cmp_blocks(t, block, stride)
+  ncp = -(-(nc + 3) // bk) * bk
+  seg_j = jnp.asarray(seg, jnp.int32)
+  bseg, bpure = ca.block_meta(seg_j, ncp, block, stride)
+  got = ca.unmasked_ends(seg_j, bseg, bpure, nc=nc, block=block, stride=stride, tq=tq, bk=bk)
+  nonempty = 0
+  for r in range(b):
+    for j in range(ncp // bk):
+      blocks = range(j * bk, j * bk + bk)
+      pure = all(c < nc for c in blocks)
+      if pure:
+        toks = np.concatenate([seg[r, c * stride:c * stride + block] for c in blocks])
+        pure = np.all(toks == toks[0])
+      i = f = -(-((j * bk + bk - 1) * stride + block - 1) // tq)
+      while pure and (i + 1) * tq <= t and np.all(seg[r, i * tq:(i + 1) * tq] == toks[0]):
+        i += 1
+      assert np.all(got[r, j * bk:(j + 1) * bk] == i), (r, j, got[r, j * bk], i, seed)
+      nonempty += i > f
+  assert nonempty > 0, seed  # the runs were reached
+
+
 @pytest.mark.parametrize("t,g", [(300, 4), (301, 3)])  # 301, G = 3: a partial last tile, padded heads
 def test_compress_kernels_skip_other_documents_exactly(t, g):
   """Many short documents whose ids recur later in the row: the kernels' per-document loop bounds

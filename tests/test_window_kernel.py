@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from nsa_jax import ops, reference
+from pallas_kernels import compress_attention as ca
 from pallas_kernels import window_attention as wk
 from pallas_kernels.compress_attention import CmpTiling
 try:
@@ -379,6 +380,32 @@ def _split_documents(key, b, t, ids=4, max_run=25):
   run_of = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1
   run_ids = jax.random.randint(ki, (b, t), 0, ids)
   return jnp.take_along_axis(run_ids, run_of, axis=1).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("window,g,kv", [(10 ** 6, 4, 1), (100, 1, 2)])
+def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
+  """With segment ids the dK/dV kernel still skips the mask on the query tiles that lie wholly in
+  the key tile's one document (compress_attention.unmasked_ends). Long documents, so that such
+  tiles exist (checked: the test would otherwise not reach the unmasked path), against the
+  reference, forward and gradients."""
+  seed = _seed()
+  b, t = 2, 230
+  q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)
+  seg = _split_documents(jax.random.key(seed + 1), b, t, ids=3, max_run=120)
+  tq = 32 // g  # SMALL's bwd_rows = 32 query rows: 32 / G positions a tile
+  kc, vc, bseg, bpure = wk._layout(k, v, seg, SMALL)
+  ends = ca.unmasked_ends(seg, bseg, bpure, nc=t, block=1, stride=1, tq=tq, bk=16)[:, ::16]
+  first = -(-(jnp.arange(ends.shape[1]) * 16 + 15) // tq)
+  cap = jnp.minimum(t // tq, (jnp.arange(ends.shape[1]) * 16 + window) // tq)
+  assert int(jnp.sum(jnp.minimum(ends, cap[None]) - first[None] > 0)) > 0, seed
+  ours = lambda q, k, v: wk.window_attention(q, k, v, window, seg, interpret=INTERPRET,
+                                             tiling=SMALL)
+  ref = lambda q, k, v: reference.window_attention(q, k, v, min(window, t), seg)
+  (o, lse, grads), (ro, rlse, rgrads) = _outputs_and_grads(ours, ref, q, k, v, w_o, w_l)
+  _close(o, ro, 1e-5, "o", seed)
+  _close(lse, rlse, 1e-5, "lse", seed)
+  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
+    _close(a, r, 1e-4, name, seed)
 
 
 @pytest.mark.parametrize("window,g,kv,tiling", [
