@@ -55,7 +55,8 @@ class CmpTiling:
     order (deterministic). With one program per key tile the low key tiles (seen by every later
     query) ran far longer than the rest: 256 programs at T=65536, the longest 64x the shortest.
   bwd_unmasked_tiles: the dK/dV kernel skips the visibility mask on query tiles that see the whole
-    key tile (no segments, G a power of two, >= 16 rows without wrapped copies). Same values.
+    key tile (G a power of two, >= 16 rows without wrapped copies; with segments only where the
+    tile's queries share the key tile's one document, unmasked_ends). Same values.
   dq_block_k, dkv_rows, dkv_num_warps, dkv_num_stages: the dq kernel's keys per step and the dK/dV
     kernel's own rows / warps / stages; 0 takes block_k and bwd_rows, and for warps / stages
     dkv_launch()'s choice (bwd_num_warps / bwd_num_stages except for small heads).
