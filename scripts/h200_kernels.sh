@@ -155,8 +155,9 @@
 # densedoc  dense attention as our window kernels with w = T (what dense layers with document ids
 #          run) against cuDNN's causal call: the 8k training layer without and with packed
 #          documents, the dK/dV walk with 8 splits too (bench_window), then
-#          benchmarks/dense_doc_trial.py (ids: our kernels vs cuDNN's explicit mask) at 8k and 32k;
-#          ~3 min (the 8k bench_window pair took 42 s on an H100).
+#          benchmarks/dense_doc_trial.py (ids: our kernels vs cuDNN's explicit mask) at 8k and 32k,
+#          and our kernels at 8k with long documents (mean 16384 tokens); ~2 min (the phase without
+#          the last run took ~100 s on an H100, 2026-12-06).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -487,7 +488,7 @@ dqsteps() {
 densedoc() {
   # the 8k layer without and with packed documents (the plain-JAX path runs beside the latter),
   # then dense_attention with ids per implementation (our kernels, cuDNN's explicit mask) against
-  # cuDNN's causal call at 8k and 32k; timeouts sum to 480 s
+  # cuDNN's causal call at 8k and 32k, and at 8k with long documents; timeouts sum to 570 s
   timeout 120 python3 -m experiments.bench_window --window 8192 --shapes 8192:8:16/1:64/64 \
     --backends triton,cudnn --tilings splits8:bwd_splits=8 --iters 10 --out "$OUT/densedoc" \
     --name dense_8192
@@ -496,6 +497,11 @@ densedoc() {
     --name dense_8192_segments
   timeout 240 python3 benchmarks/dense_doc_trial.py --out "$OUT/densedoc" \
     --shapes 8192:8:16/1:64/64,32768:2:16/1:64/64 --impls pallas,cudnn
+  # long documents, as in the embedded corpus (token-weighted mean file ~52 kB): at 8k most rows
+  # hold one or two documents, so the masked path's own cost shows (2026-12-06 masked training:
+  # dense 196k vs 314k tokens/s unmasked)
+  timeout 90 python3 benchmarks/dense_doc_trial.py --out "$OUT/densedoc/long" \
+    --shapes 8192:8:16/1:64/64 --impls pallas --mean_doc_len 16384
 }
 
 ncuprof() {
