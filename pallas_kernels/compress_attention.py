@@ -236,8 +236,9 @@ def unmasked_ends(seg, bseg, bpure, *, nc, block, stride, tq, bk):
   (exclusive) of the run of query tiles, from the tile's first fully causal one
   f = ceil(((start + bk - 1) * stride + block - 1) / tq) on, whose queries all share the key tile's
   one document (packed documents: the dK/dV kernel skips the mask there, as it does without
-  segment ids). f itself (an empty run) when the key tile mixes documents or holds a block that
-  straddles one, or when query tile f is not wholly in that document. Ids compare for equality, as
+  segment ids). f itself (an empty run) when the key tile mixes documents, holds a block that
+  straddles one or a padding block (past nc), when query tile f is not wholly in that document, or
+  when it starts at or past T. Ids compare for equality, as
   the mask does. The kernel still caps the run at the causal / window limits and at T // tq."""
   b, t = seg.shape
   ncp = bseg.shape[1]

@@ -847,6 +847,40 @@ def test_unmasked_ends_match_brute_force(block, stride, tq, bk):
   assert nonempty > 0, seed  # the runs were reached
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_compress_kernels_skip_the_mask_inside_one_document(fused):
+  """The dK/dV kernel's unmasked path with segment ids (unmasked_ends) in the compression kernels:
+  l = 8, d = 4, the query-tile walk split in 3 parts, with and without the fused dq. Long
+  documents with recurring ids, so that runs exist (checked), against the reference."""
+  from pallas_kernels import compress_attention as ca
+  seed = _seed()
+  ks = jax.random.split(jax.random.key(seed), 7)
+  b, t, g, kv, dk, dv, l, d = 2, 300, 4, 1, 32, 16, 8, 4
+  nc = (t - l) // d + 1
+  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
+  kc = jax.random.normal(ks[1], (b, nc, kv, dk))
+  vc = jax.random.normal(ks[2], (b, nc, kv, dv))
+  runs = jax.random.randint(ks[3], (b, t), 60, 200)
+  starts = jnp.cumsum(runs, axis=1) - runs
+  run_of = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1
+  seg = jnp.take_along_axis(jax.random.randint(ks[6], (b, t), 0, 3), run_of, axis=1)
+  w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
+  w_l = jax.random.normal(ks[5], (b, t, g * kv))
+  tiling = CmpTiling(block_k=16, bwd_block_k=4, bwd_rows=16, rows=16, bwd_splits=3,
+                     bwd_fused_dq=fused)
+  tq, bk = ca.tile_shape(g, tiling.bwd_rows)[0], tiling.bwd_block_k
+  ncp = -(-nc // 16) * 16  # compress_attention pads to the lcm of the key steps (16 here)
+  bseg, bpure = ca.block_meta(seg.astype(jnp.int32), ncp, l, d)
+  ends = ca.unmasked_ends(seg.astype(jnp.int32), bseg, bpure, nc=nc, block=l, stride=d, tq=tq,
+                          bk=bk)[:, ::bk]
+  first = -(-((jnp.arange(ncp // bk) * bk + bk - 1) * d + l - 1) // tq)
+  assert int(jnp.sum(jnp.minimum(ends, t // tq) > first[None])) > 0, seed  # the path is reached
+  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET,
+                                              tiling=tiling)
+  ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
+  _check_against_reference(ours, ref, q, kc, vc, w_o, w_l, seed)
+
+
 @pytest.mark.parametrize("t,g", [(300, 4), (301, 3)])  # 301, G = 3: a partial last tile, padded heads
 def test_compress_kernels_skip_other_documents_exactly(t, g):
   """Many short documents whose ids recur later in the row: the kernels' per-document loop bounds
