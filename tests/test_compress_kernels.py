@@ -868,7 +868,7 @@ def test_compress_kernels_skip_the_mask_inside_one_document(fused):
   w_l = jax.random.normal(ks[5], (b, t, g * kv))
   tiling = CmpTiling(block_k=16, bwd_block_k=4, bwd_rows=16, rows=16, bwd_splits=3,
                      bwd_fused_dq=fused)
-  tq, bk = ca.tile_shape(g, tiling.bwd_rows)[0], tiling.bwd_block_k
+  tq, bk = ca.tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[0], tiling.bwd_block_k
   ncp = -(-nc // 16) * 16  # compress_attention pads to the lcm of the key steps (16 here)
   bseg, bpure = ca.block_meta(seg.astype(jnp.int32), ncp, l, d)
   ends = ca.unmasked_ends(seg.astype(jnp.int32), bseg, bpure, nc=nc, block=l, stride=d, tq=tq,

@@ -392,11 +392,11 @@ def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
   b, t = 2, 230
   q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)
   seg = _split_documents(jax.random.key(seed + 1), b, t, ids=3, max_run=120)
-  tq = 32 // g  # SMALL's bwd_rows = 32 query rows: 32 / G positions a tile
+  tq, bk = ca.tile_shape(g, SMALL.dkv_rows or SMALL.bwd_rows)[0], SMALL.bwd_block_k
   kc, vc, bseg, bpure = wk._layout(k, v, seg, SMALL)
-  ends = ca.unmasked_ends(seg, bseg, bpure, nc=t, block=1, stride=1, tq=tq, bk=16)[:, ::16]
-  first = -(-(jnp.arange(ends.shape[1]) * 16 + 15) // tq)
-  cap = jnp.minimum(t // tq, (jnp.arange(ends.shape[1]) * 16 + window) // tq)
+  ends = ca.unmasked_ends(seg, bseg, bpure, nc=t, block=1, stride=1, tq=tq, bk=bk)[:, ::bk]
+  first = -(-(jnp.arange(ends.shape[1]) * bk + bk - 1) // tq)
+  cap = jnp.minimum(t // tq, (jnp.arange(ends.shape[1]) * bk + window) // tq)
   assert int(jnp.sum(jnp.minimum(ends, cap[None]) - first[None] > 0)) > 0, seed
   ours = lambda q, k, v: wk.window_attention(q, k, v, window, seg, interpret=INTERPRET,
                                              tiling=SMALL)
