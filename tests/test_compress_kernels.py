@@ -847,6 +847,30 @@ def test_unmasked_ends_match_brute_force(block, stride, tq, bk):
   assert nonempty > 0, seed  # the runs were reached
 
 
+def _packed_case(seed, t, g, runs, l=8, d=4, b=2, kv=1, dk=32, dv=16):
+  """Compression inputs with packed documents: runs of runs[0]..runs[1]-1 tokens, each given one
+  of 3 ids (so ids recur after other documents); weights for the outputs' cotangents."""
+  ks = jax.random.split(jax.random.key(seed), 7)
+  nc = (t - l) // d + 1
+  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
+  kc = jax.random.normal(ks[1], (b, nc, kv, dk))
+  vc = jax.random.normal(ks[2], (b, nc, kv, dv))
+  lens = jax.random.randint(ks[3], (b, t), *runs)
+  starts = jnp.cumsum(lens, axis=1) - lens
+  run_of = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1
+  seg = jnp.take_along_axis(jax.random.randint(ks[6], (b, t), 0, 3), run_of, axis=1)
+  w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
+  w_l = jax.random.normal(ks[5], (b, t, g * kv))
+  return q, kc, vc, seg, w_o, w_l
+
+
+def _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l, l=8, d=4):
+  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET,
+                                              tiling=tiling)
+  ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
+  _check_against_reference(ours, ref, q, kc, vc, w_o, w_l, seed)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_compress_kernels_skip_the_mask_inside_one_document(fused):
   """The dK/dV kernel's unmasked path with segment ids (unmasked_ends) in the compression kernels:
@@ -854,18 +878,9 @@ def test_compress_kernels_skip_the_mask_inside_one_document(fused):
   documents with recurring ids, so that runs exist (checked), against the reference."""
   from pallas_kernels import compress_attention as ca
   seed = _seed()
-  ks = jax.random.split(jax.random.key(seed), 7)
-  b, t, g, kv, dk, dv, l, d = 2, 300, 4, 1, 32, 16, 8, 4
+  t, g, l, d = 300, 4, 8, 4
   nc = (t - l) // d + 1
-  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
-  kc = jax.random.normal(ks[1], (b, nc, kv, dk))
-  vc = jax.random.normal(ks[2], (b, nc, kv, dv))
-  runs = jax.random.randint(ks[3], (b, t), 60, 200)
-  starts = jnp.cumsum(runs, axis=1) - runs
-  run_of = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1
-  seg = jnp.take_along_axis(jax.random.randint(ks[6], (b, t), 0, 3), run_of, axis=1)
-  w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
-  w_l = jax.random.normal(ks[5], (b, t, g * kv))
+  q, kc, vc, seg, w_o, w_l = _packed_case(seed, t, g, (60, 200))
   tiling = CmpTiling(block_k=16, bwd_block_k=4, bwd_rows=16, rows=16, bwd_splits=3,
                      bwd_fused_dq=fused)
   tq, bk = ca.tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[0], tiling.bwd_block_k
@@ -875,10 +890,7 @@ def test_compress_kernels_skip_the_mask_inside_one_document(fused):
                           bk=bk)[:, ::bk]
   first = -(-((jnp.arange(ncp // bk) * bk + bk - 1) * d + l - 1) // tq)
   assert int(jnp.sum(jnp.minimum(ends, t // tq) > first[None])) > 0, seed  # the path is reached
-  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET,
-                                              tiling=tiling)
-  ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
-  _check_against_reference(ours, ref, q, kc, vc, w_o, w_l, seed)
+  _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l)
 
 
 @pytest.mark.parametrize("t,g", [(300, 4), (301, 3)])  # 301, G = 3: a partial last tile, padded heads
@@ -887,20 +899,6 @@ def test_compress_kernels_skip_other_documents_exactly(t, g):
   (doc_bounds) skip only keys and queries that the mask would drop. Forward and gradients against
   the reference; small tiles so that the bounds cut the walks."""
   seed = _seed()
-  ks = jax.random.split(jax.random.key(seed), 7)
-  b, kv, dk, dv, l, d = 2, 1, 32, 16, 8, 4
-  nc = (t - l) // d + 1
-  q = jax.random.normal(ks[0], (b, t, g * kv, dk))
-  kc = jax.random.normal(ks[1], (b, nc, kv, dk))
-  vc = jax.random.normal(ks[2], (b, nc, kv, dv))
-  runs = jax.random.randint(ks[3], (b, t), 8, 60)
-  starts = jnp.cumsum(runs, axis=1) - runs
-  run_of = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1
-  seg = jnp.take_along_axis(jax.random.randint(ks[6], (b, t), 0, 3), run_of, axis=1)
-  w_o = jax.random.normal(ks[4], (b, t, g * kv, dv))
-  w_l = jax.random.normal(ks[5], (b, t, g * kv))
+  q, kc, vc, seg, w_o, w_l = _packed_case(seed, t, g, (8, 60))
   tiling = CmpTiling(block_k=16, bwd_block_k=16, bwd_rows=16, rows=16, bwd_splits=2)
-  ours = lambda q, kc, vc: compress_attention(q, kc, vc, l, d, seg, interpret=INTERPRET,
-                                              tiling=tiling)
-  ref = lambda q, kc, vc: reference.compressed_attention(q, kc, vc, l, d, seg)[:2]
-  _check_against_reference(ours, ref, q, kc, vc, w_o, w_l, seed)
+  _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l)

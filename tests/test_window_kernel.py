@@ -382,6 +382,19 @@ def _split_documents(key, b, t, ids=4, max_run=25):
   return jnp.take_along_axis(run_ids, run_of, axis=1).astype(jnp.int32)
 
 
+def _check_documents(seed, q, k, v, seg, w_o, w_l, window, tiling):
+  """The window kernels with segment ids against the reference, forward and gradients."""
+  t = q.shape[1]
+  ours = lambda q, k, v: wk.window_attention(q, k, v, window, seg, interpret=INTERPRET,
+                                             tiling=tiling)
+  ref = lambda q, k, v: reference.window_attention(q, k, v, min(window, t), seg)
+  (o, lse, grads), (ro, rlse, rgrads) = _outputs_and_grads(ours, ref, q, k, v, w_o, w_l)
+  _close(o, ro, 1e-5, "o", seed)
+  _close(lse, rlse, 1e-5, "lse", seed)
+  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
+    _close(a, r, 1e-4, name, seed)
+
+
 @pytest.mark.parametrize("window,g,kv", [(10 ** 6, 4, 1), (100, 1, 2)])
 def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
   """With segment ids the dK/dV kernel still skips the mask on the query tiles that lie wholly in
@@ -398,14 +411,7 @@ def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
   first = -(-(jnp.arange(ends.shape[1]) * bk + bk - 1) // tq)
   cap = jnp.minimum(t // tq, (jnp.arange(ends.shape[1]) * bk + window) // tq)
   assert int(jnp.sum(jnp.minimum(ends, cap[None]) - first[None] > 0)) > 0, seed
-  ours = lambda q, k, v: wk.window_attention(q, k, v, window, seg, interpret=INTERPRET,
-                                             tiling=SMALL)
-  ref = lambda q, k, v: reference.window_attention(q, k, v, min(window, t), seg)
-  (o, lse, grads), (ro, rlse, rgrads) = _outputs_and_grads(ours, ref, q, k, v, w_o, w_l)
-  _close(o, ro, 1e-5, "o", seed)
-  _close(lse, rlse, 1e-5, "lse", seed)
-  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
-    _close(a, r, 1e-4, name, seed)
+  _check_documents(seed, q, k, v, seg, w_o, w_l, window, SMALL)
 
 
 @pytest.mark.parametrize("window,g,kv,tiling", [
@@ -423,11 +429,4 @@ def test_window_kernels_skip_other_documents_exactly(window, g, kv, tiling):
   b, t = 2, 230
   q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)
   seg = _split_documents(jax.random.key(seed + 1), b, t)
-  ours = lambda q, k, v: wk.window_attention(q, k, v, window, seg, interpret=INTERPRET,
-                                             tiling=tiling)
-  ref = lambda q, k, v: reference.window_attention(q, k, v, min(window, t), seg)
-  (o, lse, grads), (ro, rlse, rgrads) = _outputs_and_grads(ours, ref, q, k, v, w_o, w_l)
-  _close(o, ro, 1e-5, "o", seed)
-  _close(lse, rlse, 1e-5, "lse", seed)
-  for name, a, r in zip(("dq", "dk", "dv"), grads, rgrads):
-    _close(a, r, 1e-4, name, seed)
+  _check_documents(seed, q, k, v, seg, w_o, w_l, window, tiling)
