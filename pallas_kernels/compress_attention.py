@@ -238,8 +238,8 @@ def unmasked_ends(seg, bseg, bpure, *, nc, block, stride, tq, bk):
   one document (packed documents: the dK/dV kernel skips the mask there, as it does without
   segment ids). f itself (an empty run) when the key tile mixes documents, holds a block that
   straddles one or a padding block (past nc), when query tile f is not wholly in that document, or
-  when it starts at or past T. Ids compare for equality, as
-  the mask does. The kernel still caps the run at the causal / window limits and at T // tq."""
+  when it starts at or past T. Ids compare for equality, as the mask does. The kernel still caps
+  the run at the causal / window limits and at T // tq."""
   b, t = seg.shape
   ncp = bseg.shape[1]
   nkt = ncp // bk
@@ -379,7 +379,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, do_re
 
 def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, kfull_ref, q_ref, k_ref, v_ref,
                 do_ref, lse_ref, delta_ref, *refs, tq, g, gp, m, t, h, nc, ncp, block, stride, bk,
-                dk_pieces, dv_pieces, scale, has_seg, splits, unmasked_tiles, window, fused_dq,
+                dk_pieces, dv_pieces, scale, has_seg, splits, unmasked, window, fused_dq,
                 interpret):
   # fused_dq: refs = (dq_in, dk, dv, dq): dq_in and dq alias one float32 buffer of zeros.
   dk_ref, dv_ref = refs[-3:-1] if fused_dq else refs
@@ -405,7 +405,7 @@ def _dkv_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, khi_ref, kfull_ref, q_ref
   lo = jnp.minimum(first_tile + part * share, last_tile)
   hi = jnp.minimum(lo + share, last_tile)
   # Tiles [full_lo, full_hi) see every key of the tile and hold only real rows: no mask there.
-  if g != gp or m != tq * gp or not unmasked_tiles:  # m > tq*gp: wrapped copy rows
+  if not unmasked:  # _backward decides (powers of two, no wrapped copy rows, the tiling's switch)
     full_lo = full_hi = lo
   else:
     full_lo = jnp.clip(cdiv(end_last, tq), lo, hi)
@@ -496,8 +496,10 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
   warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize)
+  # the unmasked inner tiles need G a power of two and no wrapped copy rows (m > tq * gp)
+  unmasked = g == gp and m == tq * gp and tiling.bwd_unmasked_tiles
   kfull = (unmasked_ends(seg, bseg, bpure, nc=nc, block=block, stride=stride, tq=tq, bk=bk)
-           if has_seg else jnp.zeros((b, ncp), jnp.int32))
+           if has_seg and unmasked else jnp.zeros((b, ncp), jnp.int32))
   ins = head_ins + [_whole(ncp), _whole(ncp)] + tail_ins
   args = head_args + (khi, kfull) + tail_args
   out_specs = [_group(splits * ncp, dk), _group(splits * ncp, dv)]
@@ -509,7 +511,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
     ins, args = ins + out_specs[-1:], args + (jnp.zeros(out_shape[-1].shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_dkv_kernel, tq=tq, gp=gp, m=m, bk=bk, ncp=ncp, splits=splits,
-                        unmasked_tiles=tiling.bwd_unmasked_tiles, fused_dq=fused,
+                        unmasked=unmasked, fused_dq=fused,
                         interpret=interpret, **common),
       grid=(ncp // bk * splits, kh, b),  # low key tiles (seen by the most queries) start first
       in_specs=ins,
