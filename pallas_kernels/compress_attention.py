@@ -57,6 +57,10 @@ class CmpTiling:
   bwd_unmasked_tiles: the dK/dV kernel skips the visibility mask on query tiles that see the whole
     key tile (G a power of two, >= 16 rows without wrapped copies; with segments only where the
     tile's queries share the key tile's one document, unmasked_ends). Same values.
+  seg_unmasked_steps: with segment ids, the forward and dq kernels split their key walk: a query
+    tile wholly in one run of equal ids compares ids only on the key steps before that run's start
+    (run_starts) and applies just the causal / window mask from there on (inside the run the id
+    test is true wherever the causal one is). Same values; without ids nothing changes.
   dq_block_k, dkv_rows, dkv_num_warps, dkv_num_stages: the dq kernel's keys per step and the dK/dV
     kernel's own rows / warps / stages; 0 takes block_k and bwd_rows, and for warps / stages
     dkv_launch()'s choice (bwd_num_warps / bwd_num_stages except for small heads).
@@ -78,6 +82,7 @@ class CmpTiling:
   bwd_num_stages: int = 2
   bwd_splits: int = 8
   bwd_unmasked_tiles: bool = True
+  seg_unmasked_steps: bool = True
   dq_block_k: int = 0
   dkv_rows: int = 0
   dkv_num_warps: int = 0
@@ -156,6 +161,26 @@ def first_step(first_pos, steps, *, block, stride, window, bk):
     return 0
   first = jnp.maximum((first_pos - window - block + 1) // stride + 1, 0)
   return jnp.minimum(first // bk, steps)
+
+
+def run_starts(seg):
+  """[B, T] int32: the first position of each position's run of equal ids (a document split into
+  several runs starts a new run each time)."""
+  b, t = seg.shape
+  ar = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  begins = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), seg[:, 1:] != seg[:, :-1]], axis=1)
+  return lax.cummax(jnp.where(begins, ar, 0), axis=1)
+
+
+def seg_free_step(first, steps, seg_q, qrun_ref, pos, *, stride, bk):
+  """The first key step from which the forward / dq walk needs no id test (seg_unmasked_steps):
+  for a tile whose rows all hold one id (one run: the rows are consecutive positions), the step
+  whose blocks all start at or after the run's start; a block there that the causal (and window)
+  test lets through lies inside the run, so it holds the rows' id. `steps` (none) for a tile that
+  spans a document boundary. Clipped to [first, steps]."""
+  one_run = jnp.min(seg_q) == jnp.max(seg_q)
+  mid = cdiv(cdiv(jnp.min(qrun_ref[pos]), stride), bk)
+  return jnp.clip(jnp.where(one_run, mid, steps), first, steps)
 
 
 def doc_first_step(first, qlo_ref, pos, steps, *, stride, bk):
@@ -272,9 +297,9 @@ def _group(*shape):
 
 # ----------------------------------------------------------------------------- forward
 
-def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tq,
-                g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale, has_seg,
-                window):
+def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_ref, o_ref,
+                lse_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale,
+                has_seg, seg_split, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs = load_rows(q_ref, row, dk_pieces)
@@ -284,17 +309,19 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, o_re
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
   if has_seg:
     first = doc_first_step(first, qlo_ref, pos, steps, stride=stride, bk=bk)
+  mid = (seg_free_step(first, steps, seg_q, qrun_ref, pos, stride=stride, bk=bk) if seg_split
+         else steps)
 
-  def body(i, carry):
+  def body(i, carry, ids):
     m_i, l_i, accs = carry
     start = pl.multiple_of(i * bk, bk)
     kidx = start + lax.iota(jnp.int32, bk)
     ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
-    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
-    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+    bseg = bseg_ref[pl.ds(start, bk)] if ids else None
+    bpure = bpure_ref[pl.ds(start, bk)] if ids else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
-    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc,
-                      window=window)
+    vis = cmp_visible(pos, kidx, seg_q if ids else None, bseg, bpure, block=block, stride=stride,
+                      nc=nc, window=window)
     s = jnp.where(vis, s, -jnp.inf)
     return softmax_step((m_i, l_i, accs), s, vs)
 
@@ -302,7 +329,10 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, o_re
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
   # One masked loop: a mask-free loop over the leading chunks (tried 2026-11-30) was no faster here
   # and 13% slower in the dq kernel (nsa_h200_profile_3511786.json).
-  m_i, l_i, accs = lax.fori_loop(first, steps, body, init)
+  # With ids (seg_unmasked_steps): ids compared on the steps before `mid` only.
+  carry = lax.fori_loop(first, mid, functools.partial(body, ids=has_seg), init)
+  m_i, l_i, accs = (lax.fori_loop(mid, steps, functools.partial(body, ids=False), carry)
+                    if seg_split else carry)
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   for (off, _), a in zip(dv_pieces, accs):
@@ -320,12 +350,13 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
   kernel = functools.partial(
       _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
       bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
-      has_seg=has_seg, window=window)
+      has_seg=has_seg, seg_split=has_seg and tiling.seg_unmasked_steps, window=window)
   qlo, _ = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
+  qrun = run_starts(seg) if has_seg and tiling.seg_unmasked_steps else qlo  # qlo: unread
   o, lse = pl.pallas_call(
       kernel,
       grid=(cdiv(t, tq), kh, b),
-      in_specs=[_whole(t), _whole(ncp), _whole(ncp), _whole(t), _whole(t * h, dk),
+      in_specs=[_whole(t), _whole(ncp), _whole(ncp), _whole(t), _whole(t), _whole(t * h, dk),
                 _group(ncp, dk), _group(ncp, dv)],
       out_specs=[_whole(t * h, dv), _whole(t * h)],
       out_shape=[jax.ShapeDtypeStruct((b, t * h, dv), q.dtype),
@@ -334,15 +365,15 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
                                            num_stages=tiling.num_stages),
       interpret=interpret,
       name="nsa_win_fwd" if window else "nsa_cmp_fwd",
-  )(seg, bseg, bpure, qlo, q.reshape(b, t * h, dk), kc, vc)
+  )(seg, bseg, bpure, qlo, qrun, q.reshape(b, t * h, dk), kc, vc)
   return o.reshape(b, t, h, dv), lse.reshape(b, t, h)
 
 
 # ----------------------------------------------------------------------------- backward: dq
 
-def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, do_ref,
+def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces,
-               dv_pieces, scale, has_seg, window):
+               dv_pieces, scale, has_seg, seg_split, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs, dos = load_rows(q_ref, row, dk_pieces), load_rows(do_ref, row, dv_pieces)
@@ -355,22 +386,26 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, do_re
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
   if has_seg:
     first = doc_first_step(first, qlo_ref, pos, steps, stride=stride, bk=bk)
+  mid = (seg_free_step(first, steps, seg_q, qrun_ref, pos, stride=stride, bk=bk) if seg_split
+         else steps)
 
-  def body(i, accs):
+  def body(i, accs, ids):
     start = pl.multiple_of(i * bk, bk)
     kidx = start + lax.iota(jnp.int32, bk)
     ks, vs = load_block(k_ref, start, bk, dk_pieces), load_block(v_ref, start, bk, dv_pieces)
-    bseg = bseg_ref[pl.ds(start, bk)] if has_seg else None
-    bpure = bpure_ref[pl.ds(start, bk)] if has_seg else None
+    bseg = bseg_ref[pl.ds(start, bk)] if ids else None
+    bpure = bpure_ref[pl.ds(start, bk)] if ids else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)
-    vis = cmp_visible(pos, kidx, seg_q, bseg, bpure, block=block, stride=stride, nc=nc,
-                      window=window)
+    vis = cmp_visible(pos, kidx, seg_q if ids else None, bseg, bpure, block=block, stride=stride,
+                      nc=nc, window=window)
     p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
     return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
-  accs = lax.fori_loop(first, steps, body, init)
+  accs = lax.fori_loop(first, mid, functools.partial(body, ids=has_seg), init)
+  if seg_split:  # ids compared on the steps before `mid` only (seg_unmasked_steps)
+    accs = lax.fori_loop(mid, steps, functools.partial(body, ids=False), accs)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
@@ -479,18 +514,20 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   fused = tiling.bwd_fused_dq
   if not fused:
     tq, gp, m = tile_shape(g, tiling.bwd_rows)
+    split = has_seg and tiling.seg_unmasked_steps
+    qrun = run_starts(seg) if split else qlo  # (qlo: a placeholder the kernel does not read)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
-                          **common),
+                          seg_split=split, **common),
         grid=(cdiv(t, tq), kh, b),
-        in_specs=head_ins + tail_ins,
+        in_specs=head_ins + [_whole(t)] + tail_ins,
         out_specs=_whole(t * h, dk),
         out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
                                              num_stages=tiling.bwd_num_stages),
         interpret=interpret,
         name="nsa_win_dq" if window else "nsa_cmp_dq",
-    )(*head_args, *tail_args)
+    )(*head_args, qrun, *tail_args)
 
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k

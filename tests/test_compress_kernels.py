@@ -786,7 +786,8 @@ def test_topn_takes_every_shape_the_selection_and_compression_kernels_take():
 def test_segment_spans_and_doc_bounds_match_brute_force():
   """compress_attention.segment_spans: each token's id's first and last position, for any ids
   (recurring, negative, one per row); doc_bounds: the query lower bound per position and, per
-  compressed block, its document's last position (-1 for mixed and padding blocks)."""
+  compressed block, its document's last position (-1 for mixed and padding blocks); run_starts:
+  the first position of each token's run of equal ids."""
   from pallas_kernels import compress_attention as ca
   seed = _seed()
   rng = np.random.default_rng(seed)
@@ -811,6 +812,14 @@ def test_segment_spans_and_doc_bounds_match_brute_force():
       pure = j < nc and np.all(toks == toks[0])
       want = np.flatnonzero(seg[r] == toks[0])[-1] if pure else -1
       assert khi[r, j] == want, (r, j, seed)
+  # run_starts: the start of each position's run of equal ids (not the id's first occurrence)
+  runs = jax.jit(ca.run_starts)(jnp.asarray(seg, jnp.int32))
+  for r in range(b):
+    for i in range(t):
+      s = i
+      while s > 0 and seg[r, s - 1] == seg[r, i]:
+        s -= 1
+      assert runs[r, i] == s, (r, i, seed)
 
 
 @pytest.mark.parametrize("block,stride,tq,bk", [(8, 4, 4, 2), (1, 1, 8, 4), (32, 16, 2, 1)])

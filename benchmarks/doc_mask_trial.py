@@ -1,0 +1,123 @@
+# Trial: what document ids cost our window kernels run as dense causal attention (w = T, what
+# ops.dense_attention's "auto" runs on a GPU with segment ids), per CmpTiling switch of the masked
+# paths, against the same kernels without ids and cuDNN's causal call without ids, all in one run.
+#   python3 benchmarks/doc_mask_trial.py --out=DIR [--shapes=8192:8:16/1:64/64]
+#       [--docs=none,4096,16384] [--variants=default,no_seg_split,dkv_masked,neither]
+# docs: "none" (no ids) or a mean document length in tokens (random cuts, as dense_doc_trial).
+# variants: default (both switches on), no_seg_split (CmpTiling.seg_unmasked_steps off: the
+# forward and dq kernels compare ids on every key step), dkv_masked (bwd_unmasked_tiles off: the
+# dK/dV kernel masks every query tile when ids are given; the code before 2026-12-06's unmasked
+# path), neither. Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device
+# kernels of one fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv
+# and the XLA rest), and the largest |difference| of output and gradients from the default
+# variant's (the switches change no value). Writes DIR/<name>.{json,md} after every row.
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.dense_doc_trial import inputs
+from experiments import bench_common as bc
+from experiments.bench_window import parse_shape
+from pallas_kernels import window_attention as wk
+
+VARIANTS = {
+    "default": {},
+    "no_seg_split": dict(seg_unmasked_steps=False),
+    "dkv_masked": dict(bwd_unmasked_tiles=False),
+    "neither": dict(seg_unmasked_steps=False, bwd_unmasked_tiles=False),
+}
+
+
+def kernel_ms(fn, args):
+  """{kernel group: ms} of one call, from a profiler trace (empty without a GPU)."""
+  groups = {}
+  with tempfile.TemporaryDirectory() as d:
+    for name, _, us in bc.kernel_profile(fn, args, d, top=0):
+      name = name.split("] ", 1)[-1]
+      key = next((k for k in ("nsa_win_fwd", "nsa_win_dq", "nsa_win_dkv") if k in name), "other")
+      groups[key] = round(groups.get(key, 0.0) + us / 1e3, 4)
+  return groups
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--out", required=True)
+  p.add_argument("--shapes", default="8192:8:16/1:64/64")
+  p.add_argument("--docs", default="none,4096,16384")
+  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--name", default="doc_mask_trial")
+  a = p.parse_args(argv)
+  variants = [v for v in a.variants.split(",") if v]
+  for v in variants:
+    if v not in VARIANTS:
+      p.error(f"--variants: {v!r} is not one of {tuple(VARIANTS)}")
+  docs = [d for d in a.docs.split(",") if d]
+  for d in docs:
+    if d != "none" and not (d.isdigit() and int(d) > 0):
+      p.error(f"--docs: {d!r} is neither 'none' nor a positive mean document length")
+  on_gpu = jax.default_backend() == "gpu"
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  recs = []
+  for shape in a.shapes.split(","):
+    t, b, h, k, dk, dv = parse_shape(shape)
+    base_f = base_b = None
+    if on_gpu:  # cuDNN's causal call without ids: the baseline of every row
+      q, kk, v, ct, _ = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype, 4096)
+      f = jax.jit(lambda q, kk, v: jax.nn.dot_product_attention(q, kk, v, is_causal=True,
+                                                                implementation="cudnn"))
+      fb = jax.jit(jax.grad(lambda q, kk, v: jnp.sum(f(q, kk, v).astype(jnp.float32) * ct),
+                            argnums=(0, 1, 2)))
+      base_f = bc.time_ms(f, q, kk, v, iters=a.iters)
+      base_b = bc.time_ms(fb, q, kk, v, iters=a.iters) - base_f
+      print(f"{shape} cudnn causal, no ids: fwd {base_f:.3f} ms, bwd {base_b:.3f} ms", flush=True)
+    for doc in docs:
+      q, kk, v, ct, seg = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype,
+                                 4096 if doc == "none" else int(doc))
+      s = None if doc == "none" else seg
+      ref = None
+      for name in variants:
+        tiling = dataclasses.replace(wk.WINDOW_TILING, **VARIANTS[name])
+
+        def attn(q, kk, v, tiling=tiling):
+          return wk.window_attention(q, kk, v, t, s, tiling=tiling, interpret=not on_gpu)[0]
+
+        f = jax.jit(attn)
+        fb = jax.jit(jax.value_and_grad(
+            lambda q, kk, v: jnp.sum(attn(q, kk, v).astype(jnp.float32) * ct), argnums=(0, 1, 2)))
+        fwd = bc.time_ms(f, q, kk, v, iters=a.iters)
+        bwd = bc.time_ms(fb, q, kk, v, iters=a.iters) - fwd
+        kernels = kernel_ms(fb, (q, kk, v)) if on_gpu else {}
+        got = (f(q, kk, v),) + tuple(fb(q, kk, v)[1])
+        if ref is None:
+          ref, diff = got, 0.0
+        else:
+          diff = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+                     for x, y in zip(got, ref))
+        docs_per_row = (1.0 if s is None else
+                        round(float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2))
+        print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
+              f"{kernels}, max |diff| vs {variants[0]} {diff:.2e}", flush=True)
+        for pass_, ms, base in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
+          recs.append(bc.record(op="dense_doc", impl=f"pallas {name}", pass_=pass_, t=t, batch=b,
+                                q_heads=h, kv_heads=k, d_k=dk, d_v=dv, ms=ms, cudnn_ms=base,
+                                docs=doc, documents_per_row=docs_per_row,
+                                kernels_fwd_bwd_ms=kernels, max_abs_diff_vs_first=diff))
+        bc.write_results(recs, a.out, a.name, preamble=(
+            f"# Document ids in the window kernels at w = T ({bc.hardware()}, {bc.utc_now()})\n\n"
+            "cudnn_ms: cuDNN's causal call without ids, same run. kernels_fwd_bwd_ms: device "
+            "kernels of one fwd+bwd call. Command: "
+            f"`{bc.command_line()}`."))
+  print(bc.markdown_table(recs, extra_cols=("docs", "kernels_fwd_bwd_ms")))
+  return recs
+
+
+if __name__ == "__main__":
+  main()
