@@ -2,13 +2,13 @@
 # ops.dense_attention's "auto" runs on a GPU with segment ids), per CmpTiling switch of the masked
 # paths, against the same kernels without ids and cuDNN's causal call without ids, all in one run.
 #   python3 benchmarks/doc_mask_trial.py --out=DIR [--shapes=8192:8:16/1:64/64]
-#       [--docs=none,4096,16384] [--variants=default,no_seg_split,dkv_masked,neither]
+#       [--docs=none,4096,16384] [--variants=default,no_seg_split,...]
 # docs: "none" (no ids) or a mean document length in tokens (random cuts, as dense_doc_trial).
-# variants: default (both switches on), no_seg_split (CmpTiling.seg_unmasked_steps off: the
-# forward and dq kernels compare ids on every key step), dkv_masked (bwd_unmasked_tiles off: the
-# dK/dV kernel masks every query tile when ids are given; the code before 2026-12-06's unmasked
-# path), neither. Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device
-# kernels of one fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv
+# variants: default (the tiling's defaults), no_seg_split (CmpTiling.seg_unmasked_steps off: the
+# forward and dq kernels compare ids on every key step), dkv_unmasked_ids (bwd_unmasked_with_ids
+# on: the dK/dV kernel skips the mask with ids inside one document, as without ids), the same with
+# 2 pipeline stages or 8 warps in the dK/dV kernel, and dkv_s2 (2 stages, default paths).
+# Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device kernels of one fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv
 # and the XLA rest), and the largest |difference| of output and gradients from the default
 # variant's (the switches change no value). Writes DIR/<name>.{json,md} after every row.
 import argparse
@@ -30,8 +30,10 @@ from pallas_kernels import window_attention as wk
 VARIANTS = {
     "default": {},
     "no_seg_split": dict(seg_unmasked_steps=False),
-    "dkv_masked": dict(bwd_unmasked_tiles=False),
-    "neither": dict(seg_unmasked_steps=False, bwd_unmasked_tiles=False),
+    "dkv_unmasked_ids": dict(bwd_unmasked_with_ids=True),
+    "dkv_unmasked_ids_s2": dict(bwd_unmasked_with_ids=True, dkv_num_stages=2),
+    "dkv_unmasked_ids_w8": dict(bwd_unmasked_with_ids=True, dkv_num_warps=8),
+    "dkv_s2": dict(dkv_num_stages=2),
 }
 
 

@@ -55,8 +55,11 @@ class CmpTiling:
     order (deterministic). With one program per key tile the low key tiles (seen by every later
     query) ran far longer than the rest: 256 programs at T=65536, the longest 64x the shortest.
   bwd_unmasked_tiles: the dK/dV kernel skips the visibility mask on query tiles that see the whole
-    key tile (G a power of two, >= 16 rows without wrapped copies; with segments only where the
-    tile's queries share the key tile's one document, unmasked_ends). Same values.
+    key tile (G a power of two, >= 16 rows without wrapped copies). Same values.
+  bwd_unmasked_with_ids: ... also with segment ids, where the tile's queries share the key tile's
+    one document (unmasked_ends). Off: measured slower (H100, 8k layer, 16 / 1 heads, 64/64,
+    benchmarks/results/doc_mask_trial_h100_s40: dK/dV kernel 8.65 vs 6.60 ms with ~2 documents a
+    row, 12.44 vs 10.61 ms with long ones, although it reaches ~98% of the tiles there).
   seg_unmasked_steps: with segment ids, the forward and dq kernels split their key walk: a query
     tile wholly in one run of equal ids compares ids only on the key steps before that run's start
     (run_starts) and applies just the causal / window mask from there on (inside the run the id
@@ -82,6 +85,7 @@ class CmpTiling:
   bwd_num_stages: int = 2
   bwd_splits: int = 8
   bwd_unmasked_tiles: bool = True
+  bwd_unmasked_with_ids: bool = False
   seg_unmasked_steps: bool = True
   dq_block_k: int = 0
   dkv_rows: int = 0
@@ -534,7 +538,8 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   splits = max(1, tiling.bwd_splits)
   warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize)
   # the unmasked inner tiles need G a power of two and no wrapped copy rows (m > tq * gp)
-  unmasked = g == gp and m == tq * gp and tiling.bwd_unmasked_tiles
+  unmasked = (g == gp and m == tq * gp and tiling.bwd_unmasked_tiles
+              and (not has_seg or tiling.bwd_unmasked_with_ids))
   kfull = (unmasked_ends(seg, bseg, bpure, nc=nc, block=block, stride=stride, tq=tq, bk=bk)
            if has_seg and unmasked else jnp.zeros((b, ncp), jnp.int32))
   ins = head_ins + [_whole(ncp), _whole(ncp)] + tail_ins

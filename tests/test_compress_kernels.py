@@ -882,16 +882,17 @@ def _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l, l=8, d=4):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_compress_kernels_skip_the_mask_inside_one_document(fused):
-  """The dK/dV kernel's unmasked path with segment ids (unmasked_ends) in the compression kernels:
-  l = 8, d = 4, the query-tile walk split in 3 parts, with and without the fused dq. Long
-  documents with recurring ids, so that runs exist (checked), against the reference."""
+  """The dK/dV kernel's unmasked path with segment ids (unmasked_ends; bwd_unmasked_with_ids, opt-in)
+  in the compression kernels, and the forward / dq kernels' id split (seg_unmasked_steps): l = 8,
+  d = 4, the query-tile walk split in 3 parts, with and without the fused dq. Long documents with
+  recurring ids, so that runs exist (checked), against the reference."""
   from pallas_kernels import compress_attention as ca
   seed = _seed()
   t, g, l, d = 300, 4, 8, 4
   nc = (t - l) // d + 1
   q, kc, vc, seg, w_o, w_l = _packed_case(seed, t, g, (60, 200))
   tiling = CmpTiling(block_k=16, bwd_block_k=4, bwd_rows=16, rows=16, bwd_splits=3,
-                     bwd_fused_dq=fused)
+                     bwd_fused_dq=fused, bwd_unmasked_with_ids=True)
   tq, bk = ca.tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[0], tiling.bwd_block_k
   ncp = -(-nc // 16) * 16  # compress_attention pads to the lcm of the key steps (16 here)
   bseg, bpure = ca.block_meta(seg.astype(jnp.int32), ncp, l, d)
