@@ -36,6 +36,8 @@ VARIANTS = {
     "dkv_s2": dict(dkv_num_stages=2),
 }
 
+COLS = ("docs", "documents_per_row", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")
+
 
 def kernel_ms(fn, args):
   """{kernel group: ms} of one call, from a profiler trace (empty without a GPU)."""
@@ -116,8 +118,8 @@ def main(argv=None):
             f"# Document ids in the window kernels at w = T ({bc.hardware()}, {bc.utc_now()})\n\n"
             "cudnn_ms: cuDNN's causal call without ids, same run. kernels_fwd_bwd_ms: device "
             "kernels of one fwd+bwd call. Command: "
-            f"`{bc.command_line()}`."))
-  print(bc.markdown_table(recs, extra_cols=("docs", "kernels_fwd_bwd_ms")))
+            f"`{bc.command_line()}`."), extra_cols=COLS)
+  print(bc.markdown_table(recs, extra_cols=COLS))
   return recs
 
 

@@ -138,9 +138,16 @@ def nsa_flops(t, batch, heads, dk, dv, *, block, stride, sel_block, num_selected
 
 
 def command_line():
-  return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), "-m",
-                                            "experiments." + os.path.splitext(
-                                                os.path.basename(sys.argv[0]))[0], *sys.argv[1:]])
+  """The command as typed from the repository root: `python3 -m experiments.X ...` for the
+  experiments' modules, `python3 benchmarks/X.py ...` for a script run by its path."""
+  script = os.path.abspath(sys.argv[0])
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  rel = os.path.relpath(script, root)
+  if rel.startswith("experiments" + os.sep) or not os.path.exists(script):
+    head = ["-m", "experiments." + os.path.splitext(os.path.basename(script))[0]]
+  else:
+    head = [rel if not rel.startswith("..") else script]
+  return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *head, *sys.argv[1:]])
 
 
 def code_commit():
@@ -184,6 +191,7 @@ def markdown_table(records, extra_cols=("pattern", "tflops", "floor_ms", "floor_
   cols = ["op", "impl", "pass", "pattern", "T", "q_heads", "kv_heads", "d_k", "d_v", "ms",
           "cudnn_ms", "speedup", "tflops", "floor_ms", "floor_ratio"]
   cols = [c for c in cols if c in BASE_FIELDS or c in extra_cols]
+  cols += [c for c in extra_cols if c not in cols]  # a caller's own fields, after the standard ones
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for r in records:
     cell = lambda c: "" if r.get(c) is None else str(r.get(c)).replace("|", "\\|")
@@ -191,13 +199,15 @@ def markdown_table(records, extra_cols=("pattern", "tflops", "floor_ms", "floor_
   return "\n".join(lines)
 
 
-def write_results(records, out_dir, name, preamble=""):
-  """Write out_dir/name.json (list of records) and out_dir/name.md (preamble + table)."""
+def write_results(records, out_dir, name, preamble="", extra_cols=None):
+  """Write out_dir/name.json (list of records) and out_dir/name.md (preamble + table; extra_cols
+  as markdown_table's, its default when None)."""
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, name + ".json"), "w") as f:
     json.dump(records, f, indent=1)
   with open(os.path.join(out_dir, name + ".md"), "w") as f:
-    f.write(preamble + "\n\n" + markdown_table(records) + "\n")
+    table = markdown_table(records) if extra_cols is None else markdown_table(records, extra_cols)
+    f.write(preamble + "\n\n" + table + "\n")
 
 
 def kernel_profile(fn, args, trace_dir, top=25):

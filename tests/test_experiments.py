@@ -1763,3 +1763,30 @@ def test_dense_doc_trial_times_every_implementation_and_they_agree(tmp_path):
   assert "| dense_doc | pallas | fwd |" in open(tmp_path / "dense_doc_trial.md").read()
   with pytest.raises(SystemExit):
     dense_doc_trial.main(["--out", str(tmp_path), "--impls", "flash"])
+
+
+def test_doc_mask_trial_times_each_switch_and_they_change_no_value(tmp_path, monkeypatch):
+  """benchmarks/doc_mask_trial.py (the window kernels at w = T with and without document ids, per
+  CmpTiling switch of the masked paths) writes a fwd and a bwd record per (documents, variant),
+  the variants' outputs and gradients equal the first's, the table names the document length, and
+  the command is the script's own; unknown variants and document lengths are refused."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import doc_mask_trial
+  args = ["--out", str(tmp_path), "--shapes", "96:2:4/1:16/16", "--iters", "1", "--docs",
+          "none,24", "--variants", "default,no_seg_split,dkv_unmasked_ids"]
+  # as run from a shell: the recorded command is read from sys.argv
+  monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "benchmarks", "doc_mask_trial.py"), *args])
+  recs = doc_mask_trial.main(args)
+  assert [(r["docs"], r["impl"], r["pass"]) for r in recs] == [
+      (d, "pallas " + v, p) for d in ("none", "24")
+      for v in ("default", "no_seg_split", "dkv_unmasked_ids") for p in ("fwd", "bwd")]
+  for r in recs:
+    assert r["max_abs_diff_vs_first"] == 0.0, r  # the switches change which loop runs, not values
+    assert re.match(r"python\S* benchmarks/doc_mask_trial\.py --out ", r["command"]), r["command"]
+  assert recs[-1]["documents_per_row"] >= 3
+  assert json.load(open(tmp_path / "doc_mask_trial.json")) == recs
+  assert "| dense_doc | pallas no_seg_split | fwd | 96 |" in open(tmp_path / "doc_mask_trial.md").read()
+  assert "| 24 |" in open(tmp_path / "doc_mask_trial.md").read()
+  for bad in (["--variants", "fastest"], ["--docs", "-5"]):
+    with pytest.raises(SystemExit):
+      doc_mask_trial.main(["--out", str(tmp_path), *bad])
