@@ -5,12 +5,14 @@
 #       [--docs=none,4096,16384] [--variants=default,no_seg_split,...]
 # docs: "none" (no ids) or a mean document length in tokens (random cuts, as dense_doc_trial).
 # variants: default (the tiling's defaults), no_seg_split (CmpTiling.seg_unmasked_steps off: the
-# forward and dq kernels compare ids on every key step), dkv_unmasked_ids (bwd_unmasked_with_ids
-# on: the dK/dV kernel skips the mask with ids inside one document, as without ids), the same with
-# 2 pipeline stages or 8 warps in the dK/dV kernel, and dkv_s2 (2 stages, default paths).
-# Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device kernels of one fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv
-# and the XLA rest), and the largest |difference| of output and gradients from the default
-# variant's (the switches change no value). Writes DIR/<name>.{json,md} after every row.
+# forward and dq kernels compare ids on every key step), dkv_masked_ids (bwd_unmasked_with_ids
+# off: the dK/dV kernel compares ids on every query tile), dkv_w4 (the dK/dV kernel with 4 warps,
+# the launch without ids), dkv_w8_s2 (8 warps, 2 stages), dkv_masked_ids_w4_s2.
+# Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device kernels of one
+# fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv and the XLA
+# rest), and the largest |difference| of output and gradients from the first variant's (the
+# switches change no value). Writes DIR/<name>.{json,md} after every row. The variants' names
+# changed on 2026-12-06 as the defaults did: each results folder's table says what ran.
 import argparse
 import dataclasses
 import os
@@ -30,10 +32,10 @@ from pallas_kernels import window_attention as wk
 VARIANTS = {
     "default": {},
     "no_seg_split": dict(seg_unmasked_steps=False),
-    "dkv_unmasked_ids": dict(bwd_unmasked_with_ids=True),
-    "dkv_unmasked_ids_s2": dict(bwd_unmasked_with_ids=True, dkv_num_stages=2),
-    "dkv_unmasked_ids_w8": dict(bwd_unmasked_with_ids=True, dkv_num_warps=8),
-    "dkv_s2": dict(dkv_num_stages=2),
+    "dkv_masked_ids": dict(bwd_unmasked_with_ids=False),
+    "dkv_w4": dict(dkv_num_warps=4),
+    "dkv_w8_s2": dict(dkv_num_warps=8, dkv_num_stages=2),
+    "dkv_masked_ids_w4_s2": dict(bwd_unmasked_with_ids=False, dkv_num_warps=4, dkv_num_stages=2),
 }
 
 COLS = ("docs", "documents_per_row", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")

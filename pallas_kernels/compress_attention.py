@@ -57,9 +57,10 @@ class CmpTiling:
   bwd_unmasked_tiles: the dK/dV kernel skips the visibility mask on query tiles that see the whole
     key tile (G a power of two, >= 16 rows without wrapped copies). Same values.
   bwd_unmasked_with_ids: ... also with segment ids, where the tile's queries share the key tile's
-    one document (unmasked_ends). Off: measured slower (H100, 8k layer, 16 / 1 heads, 64/64,
-    benchmarks/results/doc_mask_trial_h100_s40: dK/dV kernel 8.65 vs 6.60 ms with ~2 documents a
-    row, 12.44 vs 10.61 ms with long ones, although it reaches ~98% of the tiles there).
+    one document (unmasked_ends). With the small-head launch of 4 warps it lost (H100, 8k layer,
+    16 / 1 heads, 64/64, benchmarks/results/doc_mask_trial_h100_s40: dK/dV kernel 8.65 vs 6.60 ms
+    with ~2 documents a row, 12.44 vs 10.61 ms with long ones, although it reaches ~98% of the
+    tiles there); with 8 warps (SMALL_HEAD_DKV_LAUNCH_IDS) it is the fastest measured there.
   seg_unmasked_steps: with segment ids, the forward and dq kernels split their key walk: a query
     tile wholly in one run of equal ids compares ids only on the key steps before that run's start
     (run_starts) and applies just the causal / window mask from there on (inside the run the id
@@ -85,7 +86,7 @@ class CmpTiling:
   bwd_num_stages: int = 2
   bwd_splits: int = 8
   bwd_unmasked_tiles: bool = True
-  bwd_unmasked_with_ids: bool = False
+  bwd_unmasked_with_ids: bool = True
   seg_unmasked_steps: bool = True
   dq_block_k: int = 0
   dkv_rows: int = 0
@@ -102,15 +103,24 @@ class CmpTiling:
 # (305,152 bytes asked, 232,448 available) nor with 256-row tiles at 64/64 (249,856), and 128/128
 # and float32 were not measured: those keep bwd_num_warps / bwd_num_stages.
 SMALL_HEAD_DKV_LAUNCH = (4, 3)
+# ... and with segment ids: 8 warps (3 stages). H100, benchmarks/doc_mask_trial.py at the 8k layer
+# (dense causal with ids on the window kernels, B = 8, 16 / 1 heads, 64/64;
+# benchmarks/results/doc_mask_trial_h100_s40b): the dK/dV kernel with its unmasked path
+# (bwd_unmasked_with_ids) 5.79 / 8.63 ms (~2 documents a row / long ones) against 6.72 / 10.60 ms
+# with (4, 3) and the path off, 8.76 / 12.31 with (4, 3) and the path on, 5.76 / 8.98 with
+# (4, 2) and the path off. Measured on the window kernels only; the compression kernels with ids
+# take it too.
+SMALL_HEAD_DKV_LAUNCH_IDS = (8, 3)
 
 
-def dkv_launch(tiling, g, dk, dv, itemsize):
+def dkv_launch(tiling, g, dk, dv, itemsize, has_seg=False):
   """(num_warps, num_stages) of the dK/dV kernel for G heads a group and inputs of `itemsize`
-  bytes: the tiling's own when set, else SMALL_HEAD_DKV_LAUNCH where it was measured to help and
-  to fit, else the backward's."""
+  bytes: the tiling's own when set, else SMALL_HEAD_DKV_LAUNCH (with segment ids
+  SMALL_HEAD_DKV_LAUNCH_IDS) where it was measured to help and to fit, else the backward's."""
   m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[2]  # the tile's real rows
   small = max(dk, dv) <= 64 and m <= 128 and tiling.bwd_block_k <= 64 and itemsize <= 2
-  warps, stages = SMALL_HEAD_DKV_LAUNCH if small else (tiling.bwd_num_warps, tiling.bwd_num_stages)
+  warps, stages = ((SMALL_HEAD_DKV_LAUNCH_IDS if has_seg else SMALL_HEAD_DKV_LAUNCH) if small
+                   else (tiling.bwd_num_warps, tiling.bwd_num_stages))
   return tiling.dkv_num_warps or warps, tiling.dkv_num_stages or stages
 
 
@@ -536,7 +546,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
-  warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize)
+  warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize, has_seg)
   # the unmasked inner tiles need G a power of two and no wrapped copy rows (m > tq * gp)
   unmasked = (g == gp and m == tq * gp and tiling.bwd_unmasked_tiles
               and (not has_seg or tiling.bwd_unmasked_with_ids))

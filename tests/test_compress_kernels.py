@@ -110,11 +110,14 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
 
 
 def test_dkv_launch_rule(monkeypatch):
-  """4 warps / 3 stages only where measured and known to fit (16-bit inputs, heads <= 64, tiles of
-  <= 128 real rows, <= 64 keys); explicit dkv_* settings win; the rest keep the backward's launch;
-  and the dK/dV pallas_call gets what the rule says."""
+  """4 warps / 3 stages (8 / 3 with segment ids) only where measured and known to fit (16-bit
+  inputs, heads <= 64, tiles of <= 128 real rows, <= 64 keys); explicit dkv_* settings win; the
+  rest keep the backward's launch; and the dK/dV pallas_call gets what the rule says."""
   from pallas_kernels import compress_attention as ca
   assert ca.dkv_launch(CmpTiling(), 16, 64, 64, 2) == ca.SMALL_HEAD_DKV_LAUNCH == (4, 3)
+  assert ca.dkv_launch(CmpTiling(), 16, 64, 64, 2, True) == ca.SMALL_HEAD_DKV_LAUNCH_IDS == (8, 3)
+  assert ca.dkv_launch(CmpTiling(), 16, 128, 128, 2, True) == (8, 2)
+  assert ca.dkv_launch(CmpTiling(dkv_num_warps=4), 16, 64, 64, 2, True) == (4, 3)
   assert ca.dkv_launch(CmpTiling(), 16, 192, 128, 2) == (8, 2)
   assert ca.dkv_launch(CmpTiling(), 16, 128, 128, 2) == (8, 2)
   assert ca.dkv_launch(CmpTiling(), 16, 64, 64, 4) == (8, 2)  # float32: twice the bytes a stage
@@ -135,6 +138,12 @@ def test_dkv_launch_rule(monkeypatch):
   jax.jit(jax.grad(lambda q: jnp.sum(compress_attention(q, kc, kc, 16, 8, interpret=True)[0]
                                      .astype(jnp.float32)))).trace(q)
   assert {"num_warps": 4, "num_stages": 3} in seen["params"], seen  # the dK/dV call's launch
+  seen.clear()
+  seg = jnp.zeros((1, 64), jnp.int32).at[:, 40:].set(1)
+  jax.jit(jax.grad(lambda q: jnp.sum(compress_attention(q, kc, kc, 16, 8, segment_ids=seg,
+                                                        interpret=True)[0]
+                                     .astype(jnp.float32)))).trace(q)
+  assert {"num_warps": 8, "num_stages": 3} in seen["params"], seen  # ... with segment ids
 
 
 # ----------------------------------------------------------------------------- top-n
@@ -882,7 +891,7 @@ def _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l, l=8, d=4):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_compress_kernels_skip_the_mask_inside_one_document(fused):
-  """The dK/dV kernel's unmasked path with segment ids (unmasked_ends; bwd_unmasked_with_ids, opt-in)
+  """The dK/dV kernel's unmasked path with segment ids (unmasked_ends; bwd_unmasked_with_ids)
   in the compression kernels, and the forward / dq kernels' id split (seg_unmasked_steps): l = 8,
   d = 4, the query-tile walk split in 3 parts, with and without the fused dq. Long documents with
   recurring ids, so that runs exist (checked), against the reference."""
@@ -892,7 +901,7 @@ def test_compress_kernels_skip_the_mask_inside_one_document(fused):
   nc = (t - l) // d + 1
   q, kc, vc, seg, w_o, w_l = _packed_case(seed, t, g, (60, 200))
   tiling = CmpTiling(block_k=16, bwd_block_k=4, bwd_rows=16, rows=16, bwd_splits=3,
-                     bwd_fused_dq=fused, bwd_unmasked_with_ids=True)
+                     bwd_fused_dq=fused)
   tq, bk = ca.tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[0], tiling.bwd_block_k
   ncp = -(-nc // 16) * 16  # compress_attention pads to the lcm of the key steps (16 here)
   bseg, bpure = ca.block_meta(seg.astype(jnp.int32), ncp, l, d)

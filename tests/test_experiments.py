@@ -1773,13 +1773,13 @@ def test_doc_mask_trial_times_each_switch_and_they_change_no_value(tmp_path, mon
   sys.path.insert(0, ROOT)
   from benchmarks import doc_mask_trial
   args = ["--out", str(tmp_path), "--shapes", "96:2:4/1:16/16", "--iters", "1", "--docs",
-          "none,24", "--variants", "default,no_seg_split,dkv_unmasked_ids"]
+          "none,24", "--variants", "default,no_seg_split,dkv_masked_ids"]
   # as run from a shell: the recorded command is read from sys.argv
   monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "benchmarks", "doc_mask_trial.py"), *args])
   recs = doc_mask_trial.main(args)
   assert [(r["docs"], r["impl"], r["pass"]) for r in recs] == [
       (d, "pallas " + v, p) for d in ("none", "24")
-      for v in ("default", "no_seg_split", "dkv_unmasked_ids") for p in ("fwd", "bwd")]
+      for v in ("default", "no_seg_split", "dkv_masked_ids") for p in ("fwd", "bwd")]
   for r in recs:
     assert r["max_abs_diff_vs_first"] == 0.0, r  # the switches change which loop runs, not values
     assert re.match(r"python\S* benchmarks/doc_mask_trial\.py --out ", r["command"]), r["command"]

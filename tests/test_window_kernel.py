@@ -397,12 +397,12 @@ def _check_documents(seed, q, k, v, seg, w_o, w_l, window, tiling):
 
 @pytest.mark.parametrize("window,g,kv", [(10 ** 6, 4, 1), (100, 1, 2)])
 def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
-  """With segment ids and bwd_unmasked_with_ids (opt-in: measured slower) the dK/dV kernel skips
-  the mask on the query tiles that lie wholly in the key tile's one document
-  (compress_attention.unmasked_ends); the forward and dq kernels compare ids only before each one-
-  document tile's run (seg_unmasked_steps, the default). Long documents, so that such tiles exist
-  (checked: the test would otherwise not reach the unmasked path), against the reference, forward
-  and gradients."""
+  """With segment ids the dK/dV kernel skips the mask on the query tiles that lie wholly in the
+  key tile's one document (compress_attention.unmasked_ends; bwd_unmasked_with_ids, on by
+  default), and the forward and dq kernels compare ids only before each one-document tile's run
+  (seg_unmasked_steps). Long documents, so that such tiles exist (checked: the test would
+  otherwise not reach the unmasked path), against the reference, forward and gradients; then
+  with both switches off (every tile compares ids)."""
   seed = _seed()
   b, t = 2, 230
   q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)
@@ -413,9 +413,9 @@ def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
   first = -(-(jnp.arange(ends.shape[1]) * bk + bk - 1) // tq)
   cap = jnp.minimum(t // tq, (jnp.arange(ends.shape[1]) * bk + window) // tq)
   assert int(jnp.sum(jnp.minimum(ends, cap[None]) - first[None] > 0)) > 0, seed
-  _check_documents(seed, q, k, v, seg, w_o, w_l, window,
-                   dataclasses.replace(SMALL, bwd_unmasked_with_ids=True))
-  _check_documents(seed, q, k, v, seg, w_o, w_l, window, SMALL)  # the defaults
+  _check_documents(seed, q, k, v, seg, w_o, w_l, window, SMALL)
+  _check_documents(seed, q, k, v, seg, w_o, w_l, window, dataclasses.replace(
+      SMALL, bwd_unmasked_with_ids=False, seg_unmasked_steps=False))
 
 
 @pytest.mark.parametrize("window,g,kv,tiling", [
