@@ -138,15 +138,19 @@ def nsa_flops(t, batch, heads, dk, dv, *, block, stride, sel_block, num_selected
 
 
 def command_line():
-  """The command as typed from the repository root: `python3 -m experiments.X ...` for the
-  experiments' modules, `python3 benchmarks/X.py ...` for a script run by its path."""
-  script = os.path.abspath(sys.argv[0])
+  """The command as typed from the repository root: `<python> -m experiments.X ...` for the
+  experiments' modules, `<python> benchmarks/X.py ...` for a script of the repository run by its
+  path (an absolute path outside it), sys.argv as given otherwise (`-c`, an interactive shell)."""
+  arg0 = sys.argv[0] if sys.argv else ""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  rel = os.path.relpath(script, root)
-  if rel.startswith("experiments" + os.sep) or not os.path.exists(script):
-    head = ["-m", "experiments." + os.path.splitext(os.path.basename(script))[0]]
+  if arg0.endswith(".py") and os.path.exists(arg0):
+    rel = os.path.relpath(os.path.abspath(arg0), root)
+    if rel.startswith("experiments" + os.sep) and os.sep not in rel[len("experiments") + 1:]:
+      head = ["-m", "experiments." + os.path.splitext(os.path.basename(arg0))[0]]
+    else:
+      head = [os.path.abspath(arg0) if rel.startswith("..") else rel]
   else:
-    head = [rel if not rel.startswith("..") else script]
+    head = [arg0] if arg0 else []
   return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *head, *sys.argv[1:]])
 
 

@@ -59,8 +59,9 @@ class CmpTiling:
   bwd_unmasked_with_ids: ... also with segment ids, where the tile's queries share the key tile's
     one document (unmasked_ends). With the small-head launch of 4 warps it lost (H100, 8k layer,
     16 / 1 heads, 64/64, benchmarks/results/doc_mask_trial_h100_s40: dK/dV kernel 8.65 vs 6.60 ms
-    with ~2 documents a row, 12.44 vs 10.61 ms with long ones, although it reaches ~98% of the
-    tiles there); with 8 warps (SMALL_HEAD_DKV_LAUNCH_IDS) it is the fastest measured there.
+    with ~3 documents a row, 12.44 vs 10.61 ms with long ones, although it reaches ~98% of the
+    tiles there); with 8 warps (SMALL_HEAD_DKV_LAUNCH_IDS) it was the fastest variant measured
+    with long documents and within 1% of the fastest (the path off with 2 stages) with ~3 a row.
   seg_unmasked_steps: with segment ids, the forward and dq kernels split their key walk: a query
     tile wholly in one run of equal ids compares ids only on the key steps before that run's start
     (run_starts) and applies just the causal / window mask from there on (inside the run the id
@@ -103,23 +104,25 @@ class CmpTiling:
 # (305,152 bytes asked, 232,448 available) nor with 256-row tiles at 64/64 (249,856), and 128/128
 # and float32 were not measured: those keep bwd_num_warps / bwd_num_stages.
 SMALL_HEAD_DKV_LAUNCH = (4, 3)
-# ... and with segment ids: 8 warps (3 stages). H100, benchmarks/doc_mask_trial.py at the 8k layer
-# (dense causal with ids on the window kernels, B = 8, 16 / 1 heads, 64/64;
-# benchmarks/results/doc_mask_trial_h100_s40b): the dK/dV kernel with its unmasked path
-# (bwd_unmasked_with_ids) 5.79 / 8.63 ms (~2 documents a row / long ones) against 6.72 / 10.60 ms
-# with (4, 3) and the path off, 8.76 / 12.31 with (4, 3) and the path on, 5.76 / 8.98 with
-# (4, 2) and the path off. Measured on the window kernels only; the compression kernels with ids
-# take it too.
+# ... and where the kernel runs its unmasked path with segment ids: 8 warps (3 stages). H100,
+# benchmarks/doc_mask_trial.py at the 8k layer (dense causal with ids on the window kernels, B = 8,
+# 16 / 1 heads, 64/64; benchmarks/results/doc_mask_trial_h100_s40b): the dK/dV kernel with that
+# path 5.79 / 8.63 ms (~3 documents a row / long ones) against 8.76 / 12.31 with (4, 3); with the
+# path off 6.72 / 10.60 at (4, 3) and 5.76 / 8.98 at (4, 2). Measured on the window kernels only;
+# the compression kernels with ids take it too. Where the path does not run (G not a power of
+# two, wrapped rows, bwd_unmasked_with_ids off) the launch without ids stays (8 warps there were
+# not measured).
 SMALL_HEAD_DKV_LAUNCH_IDS = (8, 3)
 
 
-def dkv_launch(tiling, g, dk, dv, itemsize, has_seg=False):
+def dkv_launch(tiling, g, dk, dv, itemsize, unmasked_ids=False):
   """(num_warps, num_stages) of the dK/dV kernel for G heads a group and inputs of `itemsize`
-  bytes: the tiling's own when set, else SMALL_HEAD_DKV_LAUNCH (with segment ids
-  SMALL_HEAD_DKV_LAUNCH_IDS) where it was measured to help and to fit, else the backward's."""
+  bytes: the tiling's own when set, else SMALL_HEAD_DKV_LAUNCH (SMALL_HEAD_DKV_LAUNCH_IDS where
+  the kernel runs its unmasked path with segment ids) where it was measured to help and to fit,
+  else the backward's."""
   m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[2]  # the tile's real rows
   small = max(dk, dv) <= 64 and m <= 128 and tiling.bwd_block_k <= 64 and itemsize <= 2
-  warps, stages = ((SMALL_HEAD_DKV_LAUNCH_IDS if has_seg else SMALL_HEAD_DKV_LAUNCH) if small
+  warps, stages = ((SMALL_HEAD_DKV_LAUNCH_IDS if unmasked_ids else SMALL_HEAD_DKV_LAUNCH) if small
                    else (tiling.bwd_num_warps, tiling.bwd_num_stages))
   return tiling.dkv_num_warps or warps, tiling.dkv_num_stages or stages
 
@@ -546,10 +549,10 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k
   splits = max(1, tiling.bwd_splits)
-  warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize, has_seg)
   # the unmasked inner tiles need G a power of two and no wrapped copy rows (m > tq * gp)
   unmasked = (g == gp and m == tq * gp and tiling.bwd_unmasked_tiles
               and (not has_seg or tiling.bwd_unmasked_with_ids))
+  warps, stages = dkv_launch(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize, has_seg and unmasked)
   kfull = (unmasked_ends(seg, bseg, bpure, nc=nc, block=block, stride=stride, tq=tq, bk=bk)
            if has_seg and unmasked else jnp.zeros((b, ncp), jnp.int32))
   ins = head_ins + [_whole(ncp), _whole(ncp)] + tail_ins

@@ -110,9 +110,10 @@ def test_compress_attention_fwd_and_grads(g, kv, t, use_seg, tiling):
 
 
 def test_dkv_launch_rule(monkeypatch):
-  """4 warps / 3 stages (8 / 3 with segment ids) only where measured and known to fit (16-bit
-  inputs, heads <= 64, tiles of <= 128 real rows, <= 64 keys); explicit dkv_* settings win; the
-  rest keep the backward's launch; and the dK/dV pallas_call gets what the rule says."""
+  """4 warps / 3 stages (8 / 3 where the unmasked path runs with segment ids) only where measured
+  and known to fit (16-bit inputs, heads <= 64, tiles of <= 128 real rows, <= 64 keys); explicit
+  dkv_* settings win; the rest keep the backward's launch; and the dK/dV pallas_call gets what
+  the rule says: with ids (8, 3), with ids and the path off (4, 3)."""
   from pallas_kernels import compress_attention as ca
   assert ca.dkv_launch(CmpTiling(), 16, 64, 64, 2) == ca.SMALL_HEAD_DKV_LAUNCH == (4, 3)
   assert ca.dkv_launch(CmpTiling(), 16, 64, 64, 2, True) == ca.SMALL_HEAD_DKV_LAUNCH_IDS == (8, 3)
@@ -144,6 +145,11 @@ def test_dkv_launch_rule(monkeypatch):
                                                         interpret=True)[0]
                                      .astype(jnp.float32)))).trace(q)
   assert {"num_warps": 8, "num_stages": 3} in seen["params"], seen  # ... with segment ids
+  seen.clear()
+  jax.jit(jax.grad(lambda q: jnp.sum(compress_attention(
+      q, kc, kc, 16, 8, segment_ids=seg, interpret=True,
+      tiling=CmpTiling(bwd_unmasked_with_ids=False))[0].astype(jnp.float32)))).trace(q)
+  assert {"num_warps": 4, "num_stages": 3} in seen["params"], seen  # ids, the path off
 
 
 # ----------------------------------------------------------------------------- top-n
@@ -910,6 +916,32 @@ def test_compress_kernels_skip_the_mask_inside_one_document(fused):
   first = -(-((jnp.arange(ncp // bk) * bk + bk - 1) * d + l - 1) // tq)
   assert int(jnp.sum(jnp.minimum(ends, t // tq) > first[None])) > 0, seed  # the path is reached
   _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l)
+
+
+def test_compress_split_runs_start_inside_blocks_and_ids_recur():
+  """The forward / dq id split (seg_unmasked_steps) at fixed runs (not drawn): run starts 129 and
+  257 lie inside compressed blocks (l = 8, d = 4) right after a key step's boundary (16 blocks =
+  64 tokens: 129 = 2 * 64 + 1, so the step from which ids can be skipped is the one after the
+  block that straddles the start), and id 0 recurs (its second run starts at 257, its first at
+  0: the run's start, not the id's first position, bounds the id-free steps). Checked: the runs'
+  last tiles reach id-free steps; forward and gradients against the reference, with the split and
+  without it."""
+  from pallas_kernels import compress_attention as ca
+  seed = _seed()
+  t, g, l, d = 400, 4, 8, 4
+  q, kc, vc, _, w_o, w_l = _packed_case(seed, t, g, (60, 200), b=1)
+  bounds = [0, 57, 129, 257, t]  # ids 0, 1, 2, 0
+  seg = jnp.asarray(np.repeat([0, 1, 2, 0], np.diff(bounds))[None], jnp.int32)
+  tiling = CmpTiling(block_k=16, bwd_block_k=4, bwd_rows=16, rows=16, bwd_splits=2)
+  tq, bk = ca.tile_shape(g, tiling.rows)[0], tiling.block_k
+  for start, end in ((129, 257), (257, t)):
+    last = (end - tq) // tq * tq + tq - 1  # the last position of the run's last whole tile
+    steps = -(-ca.num_cmp_blocks(last + 1, l, d) // bk)
+    mid = -(-(-(-start // d)) // bk)
+    assert (start // d) % bk == 0 and start % d and mid < steps, (start, mid, steps)
+  _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l)
+  _packed_check(seed, dataclasses.replace(tiling, seg_unmasked_steps=False), q, kc, vc, seg, w_o,
+                w_l)
 
 
 @pytest.mark.parametrize("t,g", [(300, 4), (301, 3)])  # 301, G = 3: a partial last tile, padded heads
