@@ -344,9 +344,10 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v
 
   init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
-  # One masked loop: a mask-free loop over the leading chunks (tried 2026-11-30) was no faster here
-  # and 13% slower in the dq kernel (nsa_h200_profile_3511786.json).
-  # With ids (seg_unmasked_steps): ids compared on the steps before `mid` only.
+  # Without ids one masked loop: a mask-free loop over the leading chunks (tried 2026-11-30) was no
+  # faster here and 13% slower in the dq kernel (nsa_h200_profile_3511786.json). With ids
+  # (seg_unmasked_steps) two: ids compared on the steps before `mid` only, the causal / window
+  # test on all (the id test costs more: doc_mask_trial_h100_s40).
   carry = lax.fori_loop(first, mid, functools.partial(body, ids=has_seg), init)
   m_i, l_i, accs = (lax.fori_loop(mid, steps, functools.partial(body, ids=False), carry)
                     if seg_split else carry)
