@@ -34,6 +34,16 @@ def inputs(key, t, b, h, k, dk, dv, dtype, mean_doc_len):
   return q, kk_, v, ct, seg
 
 
+def fwd_bwd_ms(attn, q, kk, v, ct, iters):
+  """(forward ms, backward ms, jitted forward, jitted gradient of sum(o * ct) in q, k, v): medians,
+  the backward read as (fwd + bwd) - fwd."""
+  f = jax.jit(attn)
+  fb = jax.jit(jax.grad(lambda q, kk, v: jnp.sum(attn(q, kk, v).astype(jnp.float32) * ct),
+                        argnums=(0, 1, 2)))
+  fwd = bc.time_ms(f, q, kk, v, iters=iters)
+  return fwd, bc.time_ms(fb, q, kk, v, iters=iters) - fwd, f, fb
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--out", required=True)
@@ -57,12 +67,8 @@ def main(argv=None):
 
     def timed(impl, with_seg):
       s = seg if with_seg else None
-      f = jax.jit(lambda q, kk, v: ops.dense_attention(q, kk, v, s, implementation=impl))
-      fb = jax.jit(jax.grad(lambda q, kk, v: jnp.sum(
-          ops.dense_attention(q, kk, v, s, implementation=impl).astype(jnp.float32) * ct),
-          argnums=(0, 1, 2)))
-      fwd = bc.time_ms(f, q, kk, v, iters=a.iters)
-      return fwd, bc.time_ms(fb, q, kk, v, iters=a.iters) - fwd
+      return fwd_bwd_ms(lambda q, kk, v: ops.dense_attention(q, kk, v, s, implementation=impl),
+                        q, kk, v, ct, a.iters)[:2]
 
     base = "cudnn" if on_gpu else "xla"
     base_f, base_b = timed(base, False)

@@ -24,9 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
-from benchmarks.dense_doc_trial import inputs
+from benchmarks.dense_doc_trial import fwd_bwd_ms, inputs
 from experiments import bench_common as bc
 from experiments.bench_window import parse_shape
+from nsa_jax import ops
 from pallas_kernels import window_attention as wk
 
 VARIANTS = {
@@ -77,38 +78,28 @@ def main(argv=None):
     base_f = base_b = None
     if on_gpu:  # cuDNN's causal call without ids: the baseline of every row
       q, kk, v, ct, _ = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype, 4096)
-      f = jax.jit(lambda q, kk, v: jax.nn.dot_product_attention(q, kk, v, is_causal=True,
-                                                                implementation="cudnn"))
-      fb = jax.jit(jax.grad(lambda q, kk, v: jnp.sum(f(q, kk, v).astype(jnp.float32) * ct),
-                            argnums=(0, 1, 2)))
-      base_f = bc.time_ms(f, q, kk, v, iters=a.iters)
-      base_b = bc.time_ms(fb, q, kk, v, iters=a.iters) - base_f
+      base_f, base_b = fwd_bwd_ms(
+          lambda q, kk, v: ops.dense_attention(q, kk, v, implementation="cudnn"), q, kk, v, ct,
+          a.iters)[:2]
       print(f"{shape} cudnn causal, no ids: fwd {base_f:.3f} ms, bwd {base_b:.3f} ms", flush=True)
     for doc in docs:
       q, kk, v, ct, seg = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype,
                                  4096 if doc == "none" else int(doc))
       s = None if doc == "none" else seg
+      docs_per_row = 1.0 if s is None else round(float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2)
       ref = None
       for name in variants:
         tiling = dataclasses.replace(wk.WINDOW_TILING, **VARIANTS[name])
-
-        def attn(q, kk, v, tiling=tiling):
-          return wk.window_attention(q, kk, v, t, s, tiling=tiling, interpret=not on_gpu)[0]
-
-        f = jax.jit(attn)
-        fb = jax.jit(jax.value_and_grad(
-            lambda q, kk, v: jnp.sum(attn(q, kk, v).astype(jnp.float32) * ct), argnums=(0, 1, 2)))
-        fwd = bc.time_ms(f, q, kk, v, iters=a.iters)
-        bwd = bc.time_ms(fb, q, kk, v, iters=a.iters) - fwd
+        fwd, bwd, f, fb = fwd_bwd_ms(
+            lambda q, kk, v, tiling=tiling: wk.window_attention(
+                q, kk, v, t, s, tiling=tiling, interpret=not on_gpu)[0], q, kk, v, ct, a.iters)
         kernels = kernel_ms(fb, (q, kk, v)) if on_gpu else {}
-        got = (f(q, kk, v),) + tuple(fb(q, kk, v)[1])
+        got = (f(q, kk, v),) + tuple(fb(q, kk, v))
         if ref is None:
           ref, diff = got, 0.0
         else:
           diff = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
                      for x, y in zip(got, ref))
-        docs_per_row = (1.0 if s is None else
-                        round(float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2))
         print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
               f"{kernels}, max |diff| vs {variants[0]} {diff:.2e}", flush=True)
         for pass_, ms, base in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):

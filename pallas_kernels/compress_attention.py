@@ -200,6 +200,19 @@ def seg_free_step(first, steps, seg_q, qrun_ref, pos, *, stride, bk):
   return jnp.clip(jnp.where(one_run, mid, steps), first, steps)
 
 
+def key_walk(body, init, first, steps, *, has_seg, seg_split, seg_q, qrun_ref, pos, stride, bk):
+  """The forward / dq kernels' loop over key steps [first, steps): body(i, carry, ids), ids
+  compared (when given) on every step, or with seg_split only before seg_free_step's step and the
+  causal / window test alone from there on. Without ids one masked loop: a mask-free loop over
+  the leading chunks (tried 2026-11-30) was no faster in the forward and 13% slower in the dq
+  kernel (nsa_h200_profile_3511786.json); the id test costs more (doc_mask_trial_h100_s40)."""
+  if not seg_split:
+    return lax.fori_loop(first, steps, functools.partial(body, ids=has_seg), init)
+  mid = seg_free_step(first, steps, seg_q, qrun_ref, pos, stride=stride, bk=bk)
+  carry = lax.fori_loop(first, mid, functools.partial(body, ids=True), init)
+  return lax.fori_loop(mid, steps, functools.partial(body, ids=False), carry)
+
+
 def doc_first_step(first, qlo_ref, pos, steps, *, stride, bk):
   """`first` raised past the keys before the tile's documents: a block visible to a row starts at
   or after that row's document start qlo (doc_bounds), so no step before the tile's smallest
@@ -326,8 +339,6 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
   if has_seg:
     first = doc_first_step(first, qlo_ref, pos, steps, stride=stride, bk=bk)
-  mid = (seg_free_step(first, steps, seg_q, qrun_ref, pos, stride=stride, bk=bk) if seg_split
-         else steps)
 
   def body(i, carry, ids):
     m_i, l_i, accs = carry
@@ -344,13 +355,8 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v
 
   init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
-  # Without ids one masked loop: a mask-free loop over the leading chunks (tried 2026-11-30) was no
-  # faster here and 13% slower in the dq kernel (nsa_h200_profile_3511786.json). With ids
-  # (seg_unmasked_steps) two: ids compared on the steps before `mid` only, the causal / window
-  # test on all (the id test costs more: doc_mask_trial_h100_s40).
-  carry = lax.fori_loop(first, mid, functools.partial(body, ids=has_seg), init)
-  m_i, l_i, accs = (lax.fori_loop(mid, steps, functools.partial(body, ids=False), carry)
-                    if seg_split else carry)
+  m_i, l_i, accs = key_walk(body, init, first, steps, has_seg=has_seg, seg_split=seg_split,
+                            seg_q=seg_q, qrun_ref=qrun_ref, pos=pos, stride=stride, bk=bk)
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   for (off, _), a in zip(dv_pieces, accs):
@@ -365,12 +371,13 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
   kh, ncp, dv = kc.shape[1], kc.shape[2], vc.shape[3]
   g = h // kh
   tq, gp, m = tile_shape(g, tiling.rows)
+  split = has_seg and tiling.seg_unmasked_steps
   kernel = functools.partial(
       _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
       bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
-      has_seg=has_seg, seg_split=has_seg and tiling.seg_unmasked_steps, window=window)
+      has_seg=has_seg, seg_split=split, window=window)
   qlo, _ = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
-  qrun = run_starts(seg) if has_seg and tiling.seg_unmasked_steps else qlo  # qlo: unread
+  qrun = run_starts(seg) if split else qlo  # (qlo: a placeholder the kernel does not read)
   o, lse = pl.pallas_call(
       kernel,
       grid=(cdiv(t, tq), kh, b),
@@ -404,8 +411,6 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
   if has_seg:
     first = doc_first_step(first, qlo_ref, pos, steps, stride=stride, bk=bk)
-  mid = (seg_free_step(first, steps, seg_q, qrun_ref, pos, stride=stride, bk=bk) if seg_split
-         else steps)
 
   def body(i, accs, ids):
     start = pl.multiple_of(i * bk, bk)
@@ -421,9 +426,8 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_
     return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
-  accs = lax.fori_loop(first, mid, functools.partial(body, ids=has_seg), init)
-  if seg_split:  # ids compared on the steps before `mid` only (seg_unmasked_steps)
-    accs = lax.fori_loop(mid, steps, functools.partial(body, ids=False), accs)
+  accs = key_walk(body, init, first, steps, has_seg=has_seg, seg_split=seg_split, seg_q=seg_q,
+                  qrun_ref=qrun_ref, pos=pos, stride=stride, bk=bk)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
