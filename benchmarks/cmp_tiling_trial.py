@@ -3,7 +3,10 @@
 # (swept at T = 65536, 64/4 heads, 192/128) had never been re-swept. At the 8k training layer
 # (B = 8, 16 query heads in 1 KV group, 64/64) nsa_cmp_dkv took 10.0 ms of a 12-layer step against
 # nsa_cmp_dq's 4.3 ms for 4/3 of its FLOPs (benchmarks/results/step_profile_8k_*.md).
-#   python3 benchmarks/cmp_tiling_trial.py --out=DIR [--shapes=8k,16k] [--iters=20]
+#   python3 benchmarks/cmp_tiling_trial.py --out=DIR [--shapes=8k,16k] [--iters=20] [--docs=4096]
+# --docs: packed documents (segment ids, random cuts with that mean length in tokens, as
+# benchmarks/dense_doc_trial.py) instead of one document a row; with them the variants
+# "no seg split" and "dkv masked ids" switch off the id paths' shortcuts (CmpTiling).
 # Each variant: forward ms, forward+backward ms (jit, bf16, gradient of sum(o * ct)), and its
 # gradients' largest relative difference from the default tiling's (the kernels must agree).
 # Writes DIR/cmp_tiling_trial.{json,md}.
@@ -55,10 +58,12 @@ VARIANTS = {  # name: CmpTiling overrides ("default" is the committed CmpTiling(
     "fwd stages 3": {"num_stages": 3},
     "fwd keys 128": {"block_k": 128, "dq_block_k": 64},
     "fwd rows 32": {"rows": 32},
+    "no seg split": {"seg_unmasked_steps": False},  # with --docs: ids compared on every key step
+    "dkv masked ids": {"bwd_unmasked_with_ids": False},  # with --docs: every dK/dV tile masked
 }
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="/tmp/cmp_tiling")
   ap.add_argument("--shapes", default="8k")
@@ -66,7 +71,11 @@ def main():
                   help="comma-separated subset of VARIANTS (default all; 'default' alone: none)")
   ap.add_argument("--extra", default="", help="JSON {name: overrides} of more variants")
   ap.add_argument("--iters", type=int, default=20)
-  a = ap.parse_args()
+  ap.add_argument("--docs", type=int, default=0,
+                  help="mean document length in tokens for packed-document segment ids (0: none)")
+  a = ap.parse_args(argv)
+  if a.docs < 0:
+    ap.error(f"--docs={a.docs}: give a positive mean document length, or 0 for no ids")
   variants = ({k: VARIANTS[k] for k in a.variants.split(",")} if a.variants
               else dict(VARIANTS))
   if a.extra:  # always run, with or without --variants
@@ -83,6 +92,11 @@ def main():
     kc = jax.random.normal(ks[1], (b, nc, kh, dk), jnp.bfloat16)
     vc = jax.random.normal(ks[2], (b, nc, kh, dv), jnp.bfloat16)
     ct = jax.random.normal(ks[3], (b, t, h, dv), jnp.bfloat16)
+    seg, docs_per_row = None, 1.0
+    if a.docs:  # document ends at uniformly random places per row
+      cuts = jax.random.bernoulli(jax.random.key(1), 1.0 / a.docs, (b, t))
+      seg = jnp.cumsum(cuts.astype(jnp.int32), axis=1)
+      docs_per_row = round(float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2)
     base = None
     for name, over in variants.items():
       if name.startswith("dq "):  # change dq only: pin dK/dV to the default's launch here
@@ -90,9 +104,9 @@ def main():
         over = {"dkv_num_warps": w, "dkv_num_stages": st, **over}
       til = CmpTiling(**over)
       fwd = jax.jit(lambda q, kc, vc, til=til: compress_attention(
-          q, kc, vc, l, d, tiling=til, interpret=interpret)[0])
+          q, kc, vc, l, d, seg, tiling=til, interpret=interpret)[0])
       loss = lambda q, kc, vc, til=til: jnp.sum(compress_attention(
-          q, kc, vc, l, d, tiling=til, interpret=interpret)[0].astype(jnp.float32) * ct)
+          q, kc, vc, l, d, seg, tiling=til, interpret=interpret)[0].astype(jnp.float32) * ct)
       grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
       t0 = time.perf_counter()
       try:
@@ -110,18 +124,23 @@ def main():
       f_ms = bc.time_ms(fwd, q, kc, vc, iters=a.iters)
       fb_ms = bc.time_ms(grad, q, kc, vc, iters=a.iters)
       rows.append(dict(shape=shape, variant=name, tiling=over, B=b, T=t, q_heads=h, kv_heads=kh,
-                       d_k=dk, d_v=dv, fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3),
+                       d_k=dk, d_v=dv, docs=a.docs or None, documents_per_row=docs_per_row,
+                       fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3),
                        bwd_ms=round(fb_ms - f_ms, 3), grad_rel_diff_vs_default=err,
                        compile_s=round(compile_s, 1)))
       print(json.dumps(rows[-1]), flush=True)
   os.makedirs(a.out, exist_ok=True)
   prov = bc.provenance()
-  prov["command"] = " ".join(["python3", "benchmarks/cmp_tiling_trial.py", *sys.argv[1:]])
+  prov["command"] = " ".join(["python3", "benchmarks/cmp_tiling_trial.py",
+                              *(sys.argv[1:] if argv is None else argv)])
   with open(os.path.join(a.out, "cmp_tiling_trial.json"), "w") as f:
     json.dump({"provenance": prov, "rows": rows}, f, indent=1)
   lines = [f"# Compression backward tiling trial\n",
            f"Command: `{prov.get('command')}`  ", f"Hardware: {prov.get('hardware')}. "
-           f"Date: {prov.get('date')}. Code: {prov.get('code_commit')}.\n",
+           f"Date: {prov.get('date')}. Code: {prov.get('code_commit')}. Segment ids: "
+           + (f"packed documents, mean {a.docs} tokens "
+              f"({', '.join(sorted({str(r['documents_per_row']) for r in rows if 'error' not in r}))}"
+              " documents a row)" if a.docs else "none (one document a row)") + ".\n",
            "| shape | variant | fwd ms | fwd+bwd ms | bwd ms | vs default bwd | grad rel diff |",
            "|---|---|---|---|---|---|---|"]
   base_bwd = {r["shape"]: r["bwd_ms"] for r in rows if r["variant"] == "default" and "error" not in r}
@@ -136,6 +155,7 @@ def main():
   with open(os.path.join(a.out, "cmp_tiling_trial.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
+  return rows
 
 
 if __name__ == "__main__":

@@ -158,6 +158,10 @@
 #          benchmarks/dense_doc_trial.py (ids: our kernels vs cuDNN's explicit mask) at 8k and 32k,
 #          and our kernels at 8k with long documents (mean 16384 tokens); ~2 min (the phase without
 #          the last run took ~100 s on an H100, 2026-12-06).
+# cmpdoc   document ids at the 8k training layer, current defaults: the compression kernels
+#          (benchmarks/cmp_tiling_trial.py --docs, with the id shortcuts switched off in turn) at
+#          mean document lengths 4096 and 16384, then the window kernels at w = T
+#          (benchmarks/doc_mask_trial.py: 8 warps with 2 stages, the dK/dV launch without ids); ~4 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -502,6 +506,16 @@ densedoc() {
   # dense 196k vs 314k tokens/s unmasked)
   timeout 90 python3 benchmarks/dense_doc_trial.py --out "$OUT/densedoc/long" \
     --shapes 8192:8:16/1:64/64 --impls pallas --mean_doc_len 16384
+}
+
+cmpdoc() {  # timeouts sum to 560 s
+  local n
+  for n in 4096 16384; do
+    timeout 130 python3 benchmarks/cmp_tiling_trial.py --out="$OUT/cmpdoc/cmp_$n" --shapes=8k \
+      --docs=$n --variants="no seg split,dkv masked ids" --iters=20
+  done
+  timeout 300 python3 benchmarks/doc_mask_trial.py --out "$OUT/cmpdoc/dmt" --docs 4096,16384 \
+    --variants default,dkv_w8_s2,dkv_w4,dkv_masked_ids
 }
 
 ncuprof() {

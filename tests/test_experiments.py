@@ -881,7 +881,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
                                     "ncuprof", "decodehf", "cmdsched", "streams", "window",
                                     "winsweep", "winfused", "winnsa", "warps2nsa", "dqsteps",
-                                    "densedoc"}
+                                    "densedoc", "cmpdoc"}
 
 
 def test_needle_key_blocks_and_coverage():
@@ -1763,6 +1763,25 @@ def test_dense_doc_trial_times_every_implementation_and_they_agree(tmp_path):
   assert "| dense_doc | pallas | fwd |" in open(tmp_path / "dense_doc_trial.md").read()
   with pytest.raises(SystemExit):
     dense_doc_trial.main(["--out", str(tmp_path), "--impls", "flash"])
+
+
+def test_cmp_tiling_trial_with_document_ids_switches_agree(tmp_path):
+  """benchmarks/cmp_tiling_trial.py --docs (the compression kernels with packed-document segment
+  ids): the id paths' switches give the default's gradients exactly, the rows and the table name
+  the documents, and a negative length is refused."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import cmp_tiling_trial
+  rows = cmp_tiling_trial.main(["--out", str(tmp_path), "--shapes", "tiny", "--iters", "1",
+                                "--docs", "96", "--variants", "no seg split,dkv masked ids"])
+  assert [r["variant"] for r in rows] == ["default", "no seg split", "dkv masked ids"]
+  for r in rows:
+    assert "error" not in r, r
+    assert r["grad_rel_diff_vs_default"] == 0.0, r  # the switches change which loop runs only
+    assert r["docs"] == 96 and r["documents_per_row"] >= 3, r
+  md = open(tmp_path / "cmp_tiling_trial.md").read()
+  assert "packed documents, mean 96 tokens" in md and "--docs 96" in md
+  with pytest.raises(SystemExit):
+    cmp_tiling_trial.main(["--out", str(tmp_path), "--docs", "-1"])
 
 
 def test_doc_mask_trial_times_each_switch_and_they_change_no_value(tmp_path, monkeypatch):
