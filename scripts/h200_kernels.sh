@@ -161,7 +161,12 @@
 # cmpdoc   document ids at the 8k training layer, current defaults: the compression kernels
 #          (benchmarks/cmp_tiling_trial.py --docs, with the id shortcuts switched off in turn) at
 #          mean document lengths 4096 and 16384, then the window kernels at w = T
-#          (benchmarks/doc_mask_trial.py: 8 warps with 2 stages, the dK/dV launch without ids); ~4 min.
+#          (benchmarks/doc_mask_trial.py: 8 warps with 2 stages, the dK/dV launch without ids); ~4 min
+#          (206 s on an H100, 2026-12-06).
+# seldoc   the selection branch with packed documents at the 8k training layer
+#          (benchmarks/select_doc_trial.py): Mosaic without ids (what unmasked training runs)
+#          against the Triton kernels with and without ids on the op's own top-n lists, documents
+#          of mean 4096 and 16384 tokens; ~4 min (not yet run).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -516,6 +521,10 @@ cmpdoc() {  # timeouts sum to 560 s
   done
   timeout 300 python3 benchmarks/doc_mask_trial.py --out "$OUT/cmpdoc/dmt" --docs 4096,16384 \
     --variants default,dkv_w8_s2,dkv_w4,dkv_masked_ids
+}
+
+seldoc() {
+  timeout 420 python3 benchmarks/select_doc_trial.py --out "$OUT/seldoc" --docs none,4096,16384
 }
 
 ncuprof() {

@@ -881,7 +881,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
                                     "ncuprof", "decodehf", "cmdsched", "streams", "window",
                                     "winsweep", "winfused", "winnsa", "warps2nsa", "dqsteps",
-                                    "densedoc", "cmpdoc"}
+                                    "densedoc", "cmpdoc", "seldoc"}
 
 
 def test_needle_key_blocks_and_coverage():
@@ -1782,6 +1782,45 @@ def test_cmp_tiling_trial_with_document_ids_switches_agree(tmp_path):
   assert "packed documents, mean 96 tokens" in md and "--docs 96" in md
   with pytest.raises(SystemExit):
     cmp_tiling_trial.main(["--out", str(tmp_path), "--docs", "-1"])
+
+
+def test_select_doc_trial_compares_selection_paths_with_and_without_ids(tmp_path):
+  """benchmarks/select_doc_trial.py (the selection branch with packed documents: backends and
+  tiles with and without the ids on the op's own top-n lists) writes a fwd and a bwd record per
+  variant, the variants with ids agree with each other, and unknown variants, shapes and lengths
+  are refused."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import select_doc_trial
+  recs = select_doc_trial.main(["--out", str(tmp_path), "--shapes", "tiny", "--iters", "1",
+                                "--docs", "48", "--variants", "auto,triton_union4,auto_no_ids"])
+  assert [(r["impl"], r["pass"], r["ids"]) for r in recs] == [
+      (v, p, i) for v, i in (("auto", True), ("triton_union4", True), ("auto_no_ids", False))
+      for p in ("fwd", "bwd")]
+  for r in recs:
+    assert r["max_abs_diff_vs_first"] <= 1e-6, r  # same function, other kernels: same values
+    assert r["docs"] == "48" and r["documents_per_row"] >= 3, r
+  assert json.load(open(tmp_path / "select_doc_trial.json")) == recs
+  assert "| select_doc | triton_union4 | fwd | 256 |" in open(tmp_path / "select_doc_trial.md").read()
+  for bad in (["--variants", "mosaic"], ["--docs", "0"], ["--shapes", "4k"]):
+    with pytest.raises(SystemExit):
+      select_doc_trial.main(["--out", str(tmp_path), *bad])
+
+
+def test_select_doc_trial_lists_respect_documents():
+  """The trial's top-n lists with ids hold no block before the query's document's first block
+  (so the "_no_ids" variants time the same lists, and the ids mask only inside that block)."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import select_doc_trial
+  from pallas_kernels.select_topn import document_first_block
+  import jax.numpy as jnp
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (1, 256, 16, 32), jnp.bfloat16)
+  seg = select_doc_trial.segments(ks[1], 1, 256, 48)
+  idx = np.asarray(select_doc_trial.topn_lists(ks[2], q, 1, seg, True))
+  first = np.asarray(document_first_block(seg, 64))[:, :, None, None]
+  assert ((idx == -1) | (idx >= first)).all()
+  assert (idx[:, :, :, :1] == first).all()  # the forced initial block is the document's first
+  assert (first > 0).any()
 
 
 def test_doc_mask_trial_times_each_switch_and_they_change_no_value(tmp_path, monkeypatch):
