@@ -42,15 +42,44 @@ VARIANTS = {
 COLS = ("docs", "documents_per_row", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")
 
 
-def kernel_ms(fn, args):
-  """{kernel group: ms} of one call, from a profiler trace (empty without a GPU)."""
+def kernel_ms(fn, args, keys=("nsa_win_fwd", "nsa_win_dq", "nsa_win_dkv")):
+  """{kernel group: ms} of one call, from a profiler trace (empty without a GPU). keys: the groups
+  (a kernel joins the first key its name holds, else "other"); None: each kernel name (its first
+  40 characters) on its own."""
   groups = {}
   with tempfile.TemporaryDirectory() as d:
     for name, _, us in bc.kernel_profile(fn, args, d, top=0):
       name = name.split("] ", 1)[-1]
-      key = next((k for k in ("nsa_win_fwd", "nsa_win_dq", "nsa_win_dkv") if k in name), "other")
+      key = name[:40] if keys is None else next((k for k in keys if k in name), "other")
       groups[key] = round(groups.get(key, 0.0) + us / 1e3, 4)
   return groups
+
+
+def run_variant(attn, q, kk, v, ct, iters, on_gpu, ref=None, keys=("nsa_win_fwd", "nsa_win_dq",
+                                                                   "nsa_win_dkv")):
+  """Time attn(q, kk, v) (fwd_bwd_ms) and trace its fwd+bwd kernels on a GPU: (fwd ms, bwd ms,
+  kernel_ms, (output, gradients), largest |difference| of those from ref's; 0.0 without ref)."""
+  fwd, bwd, f, fb = fwd_bwd_ms(attn, q, kk, v, ct, iters)
+  kernels = kernel_ms(fb, (q, kk, v), keys) if on_gpu else {}
+  got = (f(q, kk, v),) + tuple(fb(q, kk, v))
+  diff = 0.0 if ref is None else max(
+      float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+      for x, y in zip(got, ref))
+  return fwd, bwd, kernels, got, diff
+
+
+def variants_and_docs(p, a, known):
+  """a.variants and a.docs as lists, checked: each variant one of `known`, each document setting
+  "none" or a positive mean length (else p.error names the bad value)."""
+  variants = [v for v in a.variants.split(",") if v]
+  for v in variants:
+    if v not in known:
+      p.error(f"--variants: {v!r} is not one of {tuple(known)}")
+  docs = [d for d in a.docs.split(",") if d]
+  for d in docs:
+    if d != "none" and not (d.isdigit() and int(d) > 0):
+      p.error(f"--docs: {d!r} is neither 'none' nor a positive mean document length")
+  return variants, docs
 
 
 def main(argv=None):
@@ -62,14 +91,7 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--name", default="doc_mask_trial")
   a = p.parse_args(argv)
-  variants = [v for v in a.variants.split(",") if v]
-  for v in variants:
-    if v not in VARIANTS:
-      p.error(f"--variants: {v!r} is not one of {tuple(VARIANTS)}")
-  docs = [d for d in a.docs.split(",") if d]
-  for d in docs:
-    if d != "none" and not (d.isdigit() and int(d) > 0):
-      p.error(f"--docs: {d!r} is neither 'none' nor a positive mean document length")
+  variants, docs = variants_and_docs(p, a, VARIANTS)
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   recs = []
@@ -90,16 +112,11 @@ def main(argv=None):
       ref = None
       for name in variants:
         tiling = dataclasses.replace(wk.WINDOW_TILING, **VARIANTS[name])
-        fwd, bwd, f, fb = fwd_bwd_ms(
+        fwd, bwd, kernels, got, diff = run_variant(
             lambda q, kk, v, tiling=tiling: wk.window_attention(
-                q, kk, v, t, s, tiling=tiling, interpret=not on_gpu)[0], q, kk, v, ct, a.iters)
-        kernels = kernel_ms(fb, (q, kk, v)) if on_gpu else {}
-        got = (f(q, kk, v),) + tuple(fb(q, kk, v))
-        if ref is None:
-          ref, diff = got, 0.0
-        else:
-          diff = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
-                     for x, y in zip(got, ref))
+                q, kk, v, t, s, tiling=tiling, interpret=not on_gpu)[0], q, kk, v, ct, a.iters,
+            on_gpu, ref)
+        ref = got if ref is None else ref
         print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
               f"{kernels}, max |diff| vs {variants[0]} {diff:.2e}", flush=True)
         for pass_, ms, base in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):

@@ -19,7 +19,6 @@
 import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.dense_doc_trial import fwd_bwd_ms
+from benchmarks.doc_mask_trial import run_variant, variants_and_docs
 from experiments import bench_common as bc
 from pallas_kernels import select_attention_mgpu as mgpu
 from pallas_kernels.compress_attention import compress_attention
@@ -69,16 +69,6 @@ def topn_lists(key, q, kh, seg, interpret):
       interpret=interpret))(q, kc, lse)
 
 
-def kernel_ms(fn, args):
-  """{kernel name: ms} of one call, from a profiler trace (empty without a GPU)."""
-  groups = {}
-  with tempfile.TemporaryDirectory() as d:
-    for name, _, us in bc.kernel_profile(fn, args, d, top=0):
-      name = name.split("] ", 1)[-1][:40]
-      groups[name] = round(groups.get(name, 0.0) + us / 1e3, 4)
-  return groups
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--out", required=True)
@@ -88,17 +78,10 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--name", default="select_doc_trial")
   a = p.parse_args(argv)
-  variants = [v for v in a.variants.split(",") if v]
-  for v in variants:
-    if v not in VARIANTS:
-      p.error(f"--variants: {v!r} is not one of {tuple(VARIANTS)}")
+  variants, docs = variants_and_docs(p, a, VARIANTS)
   for s in a.shapes.split(","):
     if s not in SHAPES:
       p.error(f"--shapes: {s!r} is not one of {tuple(SHAPES)}")
-  docs = [d for d in a.docs.split(",") if d]
-  for d in docs:
-    if d != "none" and not (d.isdigit() and int(d) > 0):
-      p.error(f"--docs: {d!r} is neither 'none' nor a positive mean document length")
   on_gpu = jax.default_backend() == "gpu"
   interpret = not on_gpu
   recs = []
@@ -127,18 +110,12 @@ def main(argv=None):
           continue  # without documents the "_no_ids" variant is its twin
         s = seg if with_ids else None
         til = mgpu.tiling_for(h // kh, LP) if union_alone else None
-        fwd, bwd, f, fb = fwd_bwd_ms(
+        ids = s is not None
+        fwd, bwd, kernels, got, diff = run_variant(
             lambda q, k, v, s=s, til=til, backend=backend: select_attention(
                 q, k, v, idx, LP, s, backend=backend, tiling=til, interpret=interpret)[0],
-            q, k, v, ct, a.iters)
-        kernels = kernel_ms(fb, (q, k, v)) if on_gpu else {}
-        got = (f(q, k, v),) + tuple(fb(q, k, v))
-        ids = s is not None
-        if ids not in refs:
-          refs[ids], diff = got, 0.0
-        else:
-          diff = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
-                     for x, y in zip(got, refs[ids]))
+            q, k, v, ct, a.iters, on_gpu, refs.get(ids), keys=None)
+        refs.setdefault(ids, got)
         print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
               f"{kernels}, max |diff| {diff:.2e}", flush=True)
         for pass_, ms, base in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
