@@ -10,8 +10,10 @@
 # docs: "none" (one document a row) or a mean document length in tokens (random cuts, as
 # benchmarks/dense_doc_trial.py). The block lists are the whole op's own for those documents
 # (compression lse, then the top-n kernel, both with the ids). Variants: auto (what training
-# runs: select_attention's backend="auto"), triton (backend="triton", the lax.cond), triton_union4
-# (the Triton union tile alone, Mosaic's tiling); "_no_ids": the same call on the same lists
+# runs: select_attention's backend="auto"; with ids at these shapes the Triton union tile alone
+# since STATIC_UNION_IDS, 2026-12-07), triton (backend="triton": the lax.cond between the union
+# and the per-token tile, what "auto" ran with ids before), triton_union4 (the Triton union tile
+# alone as an explicit tiling); "_no_ids": the same call on the same lists
 # without the ids (a different function: only the timing compares). Per row: forward ms, backward
 # ms ((fwd + bwd) - fwd, medians), the device kernels of one fwd+bwd call from a profiler trace
 # (ms per kernel name) and the largest |difference| of output and gradients from the first

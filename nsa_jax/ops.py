@@ -340,7 +340,10 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
                             "STATIC_UNION_MAX_DIM)" if union_only
                            else " (4-token union tiles; the per-token Triton tile when a call's "
                            "neighbouring tokens share few blocks)") if g >= 16 else "")
-          if be == "mosaic" else "Triton")
+          if be == "mosaic" else "Triton" + (
+              " (4-token union tiles only: segment ids, STATIC_UNION_IDS, T <= STATIC_UNION_MAX_T, "
+              "head dims <= STATIC_UNION_MAX_DIM)" if sk.STATIC_UNION_IDS and segment_ids is not None
+              and union_only else ""))
   log_once(logging.INFO, f"NSA select branch: {what} kernels for q{tuple(q.shape)}: {why}")
   return "auto"
 

@@ -351,11 +351,18 @@ MOSAIC_G4_SWITCH = 5.0
 # union tile alone was measured at d = 64 only).
 STATIC_UNION_MAX_T = 8192
 STATIC_UNION_MAX_DIM = 64
+# The same shapes with segment ids: the Mosaic kernels take no ids, so backend="auto" runs Triton,
+# and (STATIC_UNION_IDS) its 4-token union tile alone instead of the lax.cond. In the masked 8k
+# training step (H100, 2026-12-06, benchmarks/results/profdoc_nsa_h100_s41/) the cond took the
+# union branch in every layer; the cond itself is what the Mosaic case above saved. Exact either
+# way; the A/B is benchmarks/select_doc_trial.py ("auto" against "triton", which keeps the cond).
+STATIC_UNION_IDS = True
 
 
 def static_union(g, t, dk, dv):
-  """Whether a G = 16 call whose union branch is Mosaic GPU runs that tile alone, without the
-  lax.cond (STATIC_UNION_MAX_T, STATIC_UNION_MAX_DIM)."""
+  """Whether a G = 16 call whose union branch is Mosaic GPU (or, with segment ids and
+  STATIC_UNION_IDS, Triton) runs that tile alone, without the lax.cond (STATIC_UNION_MAX_T,
+  STATIC_UNION_MAX_DIM)."""
   return g == 16 and t <= STATIC_UNION_MAX_T and max(dk, dv) <= STATIC_UNION_MAX_DIM
 
 
@@ -462,6 +469,13 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
                  "G=16, head dims <= STATIC_UNION_MAX_DIM=%d: Mosaic GPU union tile without the "
                  "lax.cond", t, STATIC_UNION_MAX_T, STATIC_UNION_MAX_DIM)
       backend, tiling, union = "mosaic", union, None
+    elif (STATIC_UNION_IDS and chosen == "triton" and segment_ids is not None
+          and union is not None and static_union(g, t, q.shape[3], v.shape[3])):
+      C.log_once(("static union ids", q.shape), "select_attention: segment ids, T=%d <= "
+                 "STATIC_UNION_MAX_T=%d, G=16, head dims <= STATIC_UNION_MAX_DIM=%d: the Triton "
+                 "union tile without the lax.cond (STATIC_UNION_IDS)", t, STATIC_UNION_MAX_T,
+                 STATIC_UNION_MAX_DIM)
+      tiling, union = union, None
   if backend == "mosaic":
     ok, why = mgpu.supports(q.shape, k.shape, v.shape, block_size, segment_ids is not None, q.dtype)
     if not ok:

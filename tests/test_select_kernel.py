@@ -324,6 +324,91 @@ def test_automatic_choice_runs_the_tile_it_picked(shared, monkeypatch):
   assert bool(jnp.all(o > 500.0)) == shared and bool(jnp.all(o < 500.0)) != shared
 
 
+@pytest.mark.parametrize("static", [True, False])
+def test_auto_with_segment_ids_runs_the_union_tile_alone(static, monkeypatch):
+  """backend="auto" with segment ids at G = 16, T <= STATIC_UNION_MAX_T, head dims <=
+  STATIC_UNION_MAX_DIM (the 8k training layer with packed documents, where the Mosaic kernels
+  refuse the ids): with STATIC_UNION_IDS the Triton 4-token union tile runs alone (no lax.cond;
+  the union tile's forward marked, every token carries the mark), else the cond as before; both
+  match the reference, forward and gradients. backend="triton" and calls without ids keep the
+  cond, and so does a T past the limit."""
+  from pallas_kernels import select_attention as sa
+  monkeypatch.setattr(sa, "STATIC_UNION_IDS", static)
+  rng = np.random.default_rng(_seed())
+  b, t, h, kh, dk, dv, n, bs = 1, 72, 16, 1, 32, 16, 3, 16
+  q, k, v, idx, sid, do, dl = _inputs(rng, b, t, h, kh, dk, dv, n, bs, True, empty=False)
+  q, k, v = (x.astype(DTYPE) for x in (q, k, v))
+  f32 = lambda x: x.astype(jnp.float32)
+  call = lambda sid, backend="auto": lambda q, k, v: select_attention(
+      q, k, v, idx, bs, sid, backend=backend, interpret=INTERPRET)
+  # the lax.cond's custom VJP (_select_auto); the tile alone is _select's
+  cond = lambda fn: "_select_auto" in str(jax.make_jaxpr(fn)(q, k, v))
+  assert cond(call(sid)) != static
+  assert cond(call(sid, "triton")) and cond(call(None))
+  rf = lambda q, k, v: ref.select_attention(f32(q), f32(k), f32(v), idx, bs, sid)
+  ker = call(sid)
+  np.testing.assert_allclose(f32(ker(q, k, v)[0]), rf(q, k, v)[0], atol=TOL, rtol=TOL)
+  loss = lambda fn: lambda q, k, v: jnp.sum(f32(fn(q, k, v)[0]) * do)
+  for name, a, c in zip("qkv", jax.grad(loss(ker), (0, 1, 2))(q, k, v),
+                        jax.grad(loss(rf), (0, 1, 2))(q, k, v)):
+    scale = float(jnp.max(jnp.abs(c))) + 1e-6
+    np.testing.assert_allclose(f32(a) / scale, f32(c) / scale, atol=TOL, rtol=0, err_msg=f"d{name}")
+  if static:  # the tile that ran: the union tile's forward, marked
+    real_forward = sa.forward
+
+    def marked(*args, tiling, **kw):
+      o, lse = real_forward(*args, tiling=tiling, **kw)
+      return (o + 1000.0 if tiling.tokens_per_tile == C.UNION_TOKENS else o), lse
+
+    monkeypatch.setattr(sa, "forward", marked)
+    assert bool(jnp.all(f32(call(sid)(q, k, v)[0]) > 500.0))
+    monkeypatch.setattr(sa, "STATIC_UNION_MAX_T", 64)  # T = 72 past it: the cond again
+    assert cond(call(sid))
+
+
+def test_auto_with_segment_ids_lowers_the_union_tile_alone_for_cuda():
+  """The compiled form of the rule above (8k-layer head dims, abstract H100): with segment ids no
+  stablehlo.case and the union tile's kernels; past STATIC_UNION_MAX_T the case again."""
+  from pallas_kernels import select_attention as sa
+  sd = jax.ShapeDtypeStruct
+
+  def text(t):
+    args = (sd((1, t, 16, 64), jnp.bfloat16), sd((1, t, 1, 64), jnp.bfloat16),
+            sd((1, t, 1, 64), jnp.bfloat16), sd((1, t, 1, 16), jnp.int32), sd((1, t), jnp.int32))
+
+    def f(q, k, v, idx, sid):
+      def loss(q, k, v):
+        o, lse = select_attention(q, k, v, idx, 64, sid, backend="auto")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+      return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(**_H100))
+    with jax.sharding.use_abstract_mesh(mesh):
+      return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+  short = text(300)
+  assert "stablehlo.case" not in short and "mosaic_gpu" not in short
+  assert "nsa_select_fwd_union4" in short and "nsa_select_dq_union4" in short
+  assert "stablehlo.case" in text(sa.STATIC_UNION_MAX_T + 64)
+
+
+def test_op_logs_the_union_tile_alone_with_segment_ids(caplog):
+  """implementation="pallas" logs which selection kernels run: with segment ids at the 8k layer's
+  shapes, the Triton union tile alone (STATIC_UNION_IDS); without ids, or past the limit, not."""
+  import logging
+  import types
+  from nsa_jax import ops
+  cfg = types.SimpleNamespace(num_heads=16, num_kv_heads=1, sel_block=64)
+  q, kv = jnp.zeros((1, 128, 16, 64), jnp.bfloat16), jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  seg = jnp.zeros((1, 128), jnp.int32)
+  for ids, want in ((seg, True), (None, False)):
+    ops.log_once.cache_clear()  # logged once per message and process
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      assert ops._auto_select_backend(q, kv, kv, cfg, ids, True) == "auto"
+    assert ("union tiles only: segment ids" in caplog.text) == want, caplog.text
+
+
 def test_bad_lists_raise_or_count_as_the_reference():
   """From an audit: float block indices (truncated, 1.5 -> block 1) and float segment ids raise;
   indices so large that idx * l' wraps in int32 are ignored as in the reference (not wrapped onto
