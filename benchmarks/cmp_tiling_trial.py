@@ -61,6 +61,7 @@ VARIANTS = {  # name: CmpTiling overrides ("default" is the committed CmpTiling(
     "no seg split": {"seg_unmasked_steps": False},  # with --docs: ids compared on every key step
     "dkv masked ids": {"bwd_unmasked_with_ids": False},  # with --docs: every dK/dV tile masked
 }
+ID_VARIANTS = ("no seg split", "dkv masked ids")  # run with --docs only
 
 
 def main(argv=None):
@@ -81,6 +82,8 @@ def main(argv=None):
   if a.extra:  # always run, with or without --variants
     variants.update(json.loads(a.extra))
   variants = {"default": {}, **variants}
+  if not a.docs:  # the id paths' switches change nothing without ids
+    variants = {k: v for k, v in variants.items() if k not in ID_VARIANTS}
   interpret = jax.default_backend() != "gpu"
   rows = []
   for shape in a.shapes.split(","):
@@ -103,14 +106,16 @@ def main(argv=None):
         w, st = dkv_launch(CmpTiling(), h // kh, dk, dv, 2)
         over = {"dkv_num_warps": w, "dkv_num_stages": st, **over}
       til = CmpTiling(**over)
-      fwd = jax.jit(lambda q, kc, vc, til=til: compress_attention(
-          q, kc, vc, l, d, seg, tiling=til, interpret=interpret)[0])
-      loss = lambda q, kc, vc, til=til: jnp.sum(compress_attention(
-          q, kc, vc, l, d, seg, tiling=til, interpret=interpret)[0].astype(jnp.float32) * ct)
+      # the ids are an argument (a constant would let XLA fold their preprocessing away)
+      fwd = jax.jit(lambda q, kc, vc, *s, til=til: compress_attention(
+          q, kc, vc, l, d, *s, tiling=til, interpret=interpret)[0])
+      loss = lambda q, kc, vc, *s, til=til: jnp.sum(compress_attention(
+          q, kc, vc, l, d, *s, tiling=til, interpret=interpret)[0].astype(jnp.float32) * ct)
       grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+      args = (q, kc, vc) + (() if seg is None else (seg,))
       t0 = time.perf_counter()
       try:
-        gs = jax.block_until_ready(grad(q, kc, vc))
+        gs = jax.block_until_ready(grad(*args))
       except Exception as e:  # a launch configuration the compiler refuses (e.g. shared memory)
         print(f"{shape} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         rows.append(dict(shape=shape, variant=name, tiling=over, error=str(e)[:300]))
@@ -121,8 +126,8 @@ def main(argv=None):
       err = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
                       / (jnp.max(jnp.abs(y.astype(jnp.float32))) + 1e-30))
                 for x, y in zip(gs, base))
-      f_ms = bc.time_ms(fwd, q, kc, vc, iters=a.iters)
-      fb_ms = bc.time_ms(grad, q, kc, vc, iters=a.iters)
+      f_ms = bc.time_ms(fwd, *args, iters=a.iters)
+      fb_ms = bc.time_ms(grad, *args, iters=a.iters)
       rows.append(dict(shape=shape, variant=name, tiling=over, B=b, T=t, q_heads=h, kv_heads=kh,
                        d_k=dk, d_v=dv, docs=a.docs or None, documents_per_row=docs_per_row,
                        fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3),

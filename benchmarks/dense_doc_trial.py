@@ -34,14 +34,17 @@ def inputs(key, t, b, h, k, dk, dv, dtype, mean_doc_len):
   return q, kk_, v, ct, seg
 
 
-def fwd_bwd_ms(attn, q, kk, v, ct, iters):
+def fwd_bwd_ms(attn, q, kk, v, ct, iters, extra=()):
   """(forward ms, backward ms, jitted forward, jitted gradient of sum(o * ct) in q, k, v): medians,
-  the backward read as (fwd + bwd) - fwd."""
+  the backward read as (fwd + bwd) - fwd. attn(q, kk, v, *extra): segment ids, block lists and the
+  like go in `extra`, arguments of the jitted functions (both take (q, kk, v, *extra)), so that
+  XLA cannot fold their preprocessing (sorts, spans, maps) into constants as it would for arrays
+  the function closes over."""
   f = jax.jit(attn)
-  fb = jax.jit(jax.grad(lambda q, kk, v: jnp.sum(attn(q, kk, v).astype(jnp.float32) * ct),
+  fb = jax.jit(jax.grad(lambda q, kk, v, *e: jnp.sum(attn(q, kk, v, *e).astype(jnp.float32) * ct),
                         argnums=(0, 1, 2)))
-  fwd = bc.time_ms(f, q, kk, v, iters=iters)
-  return fwd, bc.time_ms(fb, q, kk, v, iters=iters) - fwd, f, fb
+  fwd = bc.time_ms(f, q, kk, v, *extra, iters=iters)
+  return fwd, bc.time_ms(fb, q, kk, v, *extra, iters=iters) - fwd, f, fb
 
 
 def main(argv=None):
@@ -66,9 +69,9 @@ def main(argv=None):
     q, kk, v, ct, seg = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype, a.mean_doc_len)
 
     def timed(impl, with_seg):
-      s = seg if with_seg else None
-      return fwd_bwd_ms(lambda q, kk, v: ops.dense_attention(q, kk, v, s, implementation=impl),
-                        q, kk, v, ct, a.iters)[:2]
+      return fwd_bwd_ms(lambda q, kk, v, *s: ops.dense_attention(q, kk, v, *s,
+                                                                 implementation=impl),
+                        q, kk, v, ct, a.iters, (seg,) if with_seg else ())[:2]
 
     base = "cudnn" if on_gpu else "xla"
     base_f, base_b = timed(base, False)

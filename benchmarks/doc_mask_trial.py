@@ -56,12 +56,13 @@ def kernel_ms(fn, args, keys=("nsa_win_fwd", "nsa_win_dq", "nsa_win_dkv")):
 
 
 def run_variant(attn, q, kk, v, ct, iters, on_gpu, ref=None, keys=("nsa_win_fwd", "nsa_win_dq",
-                                                                   "nsa_win_dkv")):
-  """Time attn(q, kk, v) (fwd_bwd_ms) and trace its fwd+bwd kernels on a GPU: (fwd ms, bwd ms,
-  kernel_ms, (output, gradients), largest |difference| of those from ref's; 0.0 without ref)."""
-  fwd, bwd, f, fb = fwd_bwd_ms(attn, q, kk, v, ct, iters)
-  kernels = kernel_ms(fb, (q, kk, v), keys) if on_gpu else {}
-  got = (f(q, kk, v),) + tuple(fb(q, kk, v))
+                                                                   "nsa_win_dkv"), extra=()):
+  """Time attn(q, kk, v, *extra) (fwd_bwd_ms: extra are arguments, not constants) and trace its
+  fwd+bwd kernels on a GPU: (fwd ms, bwd ms, kernel_ms, (output, gradients), largest |difference|
+  of those from ref's; 0.0 without ref)."""
+  fwd, bwd, f, fb = fwd_bwd_ms(attn, q, kk, v, ct, iters, extra)
+  kernels = kernel_ms(fb, (q, kk, v, *extra), keys) if on_gpu else {}
+  got = (f(q, kk, v, *extra),) + tuple(fb(q, kk, v, *extra))
   diff = 0.0 if ref is None else max(
       float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
       for x, y in zip(got, ref))
@@ -113,9 +114,9 @@ def main(argv=None):
       for name in variants:
         tiling = dataclasses.replace(wk.WINDOW_TILING, **VARIANTS[name])
         fwd, bwd, kernels, got, diff = run_variant(
-            lambda q, kk, v, tiling=tiling: wk.window_attention(
-                q, kk, v, t, s, tiling=tiling, interpret=not on_gpu)[0], q, kk, v, ct, a.iters,
-            on_gpu, ref)
+            lambda q, kk, v, *s, tiling=tiling: wk.window_attention(
+                q, kk, v, t, *s, tiling=tiling, interpret=not on_gpu)[0], q, kk, v, ct, a.iters,
+            on_gpu, ref, extra=() if s is None else (s,))
         ref = got if ref is None else ref
         print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
               f"{kernels}, max |diff| vs {variants[0]} {diff:.2e}", flush=True)

@@ -6,14 +6,17 @@
 # 50.2 ms without: this trial says how much of that is Triton against Mosaic and how much the id
 # tests themselves.
 #   python3 benchmarks/select_doc_trial.py --out=DIR [--shapes=8k] [--docs=none,4096,16384]
-#       [--variants=auto,auto_no_ids,triton,triton_no_ids,triton_union4,triton_union4_no_ids]
+#       [--variants=auto,auto_no_ids,triton,triton_no_ids,triton_union4,triton_union4_no_ids,
+#                   mosaic_ids]
 # docs: "none" (one document a row) or a mean document length in tokens (random cuts, as
 # benchmarks/dense_doc_trial.py). The block lists are the whole op's own for those documents
 # (compression lse, then the top-n kernel, both with the ids). Variants: auto (what training
 # runs: select_attention's backend="auto"; with ids at these shapes the Triton union tile alone
 # since STATIC_UNION_IDS, 2026-12-07), triton (backend="triton": the lax.cond between the union
 # and the per-token tile, what "auto" ran with ids before), triton_union4 (the Triton union tile
-# alone as an explicit tiling); "_no_ids": the same call on the same lists
+# alone as an explicit tiling), mosaic_ids (the Mosaic forward and dq with the ids as document
+# bounds, select_attention_mgpu.SEGMENT_IDS switched on for it; dK/dV Triton with the ids);
+# "_no_ids": the same call on the same lists
 # without the ids (a different function: only the timing compares). Per row: forward ms, backward
 # ms ((fwd + bwd) - fwd, medians), the device kernels of one fwd+bwd call from a profiler trace
 # (ms per kernel name) and the largest |difference| of output and gradients from the first
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 from benchmarks.dense_doc_trial import fwd_bwd_ms
 from benchmarks.doc_mask_trial import run_variant, variants_and_docs
 from experiments import bench_common as bc
+from pallas_kernels import _common as C
 from pallas_kernels import select_attention_mgpu as mgpu
 from pallas_kernels.compress_attention import compress_attention
 from pallas_kernels.select_attention import select_attention
@@ -39,6 +43,7 @@ SHAPES = {  # name: (B, T, H, K, d_k, d_v)
     "8k": (8, 8192, 16, 1, 64, 64),
     "16k": (4, 16384, 16, 1, 64, 64),
     "tiny": (1, 256, 16, 1, 32, 32),  # a CPU smoke test (interpret mode)
+    "tiny64": (1, 128, 16, 1, 64, 64),  # the same with head dims the Mosaic kernels take
 }
 L, D, LP, N = 32, 16, 64, 16  # compression block / stride, selection block, top-n (paper)
 VARIANTS = {  # name: (backend, union tile alone, with the ids)
@@ -48,6 +53,7 @@ VARIANTS = {  # name: (backend, union tile alone, with the ids)
     "triton_no_ids": ("triton", False, False),
     "triton_union4": ("triton", True, True),
     "triton_union4_no_ids": ("triton", True, False),
+    "mosaic_ids": ("mosaic", False, True),
 }
 COLS = ("docs", "documents_per_row", "ids", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")
 
@@ -111,12 +117,18 @@ def main(argv=None):
         if seg is None and not with_ids:
           continue  # without documents the "_no_ids" variant is its twin
         s = seg if with_ids else None
-        til = mgpu.tiling_for(h // kh, LP) if union_alone else None
+        til = C.clustered_tiling(h // kh, LP) if union_alone else None  # "auto"'s union tile
         ids = s is not None
-        fwd, bwd, kernels, got, diff = run_variant(
-            lambda q, k, v, s=s, til=til, backend=backend: select_attention(
-                q, k, v, idx, LP, s, backend=backend, tiling=til, interpret=interpret)[0],
-            q, k, v, ct, a.iters, on_gpu, refs.get(ids), keys=None)
+        flag = mgpu.SEGMENT_IDS  # read when traced: on for mosaic_ids only
+        mgpu.SEGMENT_IDS = backend == "mosaic" and ids
+        try:
+          fwd, bwd, kernels, got, diff = run_variant(
+              lambda q, k, v, idx, *s, til=til, backend=backend: select_attention(
+                  q, k, v, idx, LP, *s, backend=backend, tiling=til, interpret=interpret)[0],
+              q, k, v, ct, a.iters, on_gpu, refs.get(ids), keys=None,
+              extra=(idx,) + ((s,) if ids else ()))
+        finally:
+          mgpu.SEGMENT_IDS = flag
         refs.setdefault(ids, got)
         print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
               f"{kernels}, max |diff| {diff:.2e}", flush=True)

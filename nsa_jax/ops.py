@@ -342,8 +342,8 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
                            "neighbouring tokens share few blocks)") if g >= 16 else "")
           if be == "mosaic" else "Triton" + (
               " (4-token union tiles only: segment ids, STATIC_UNION_IDS, T <= STATIC_UNION_MAX_T, "
-              "head dims <= STATIC_UNION_MAX_DIM)" if sk.STATIC_UNION_IDS and segment_ids is not None
-              and union_only else ""))
+              "head dims <= STATIC_UNION_MAX_DIM)" if sk.union_alone_with_ids(
+                  g, q.shape[1], q.shape[3], v_slc.shape[3], segment_ids is not None) else ""))
   log_once(logging.INFO, f"NSA select branch: {what} kernels for q{tuple(q.shape)}: {why}")
   return "auto"
 

@@ -182,7 +182,7 @@ def _select_mosaic(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, 
 
 def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
                        deterministic):
-  del deterministic, has_seg  # segment ids are refused before this point
+  del deterministic  # segment ids: refused before this point unless mgpu.SEGMENT_IDS
   g = q.shape[2] // k.shape[2]
   maps = C.tile_maps(block_idx, tiling)
   if tiling.tokens_per_tile == mgpu.WS_ROWS // g:  # 128-row tiles: two consumer warpgroups
@@ -190,7 +190,8 @@ def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_s
                              interpret=interpret)
     maps = None  # dq runs 64-row tiles: its maps are built in the backward
   else:
-    o, lse = mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale, interpret=interpret)
+    o, lse = mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale, interpret=interpret,
+                          seg=seg if has_seg else None)
   return (o, lse), (q, k, v, block_idx, seg, maps, o, lse)
 
 
@@ -203,14 +204,15 @@ def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, determinis
 
 def _mosaic_backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_size, scale, tiling,
                      has_seg, interpret, deterministic):
-  """(dq, dk, dv): Mosaic GPU dq, and dK/dV from the Mosaic partials (G >= 8) or Triton."""
+  """(dq, dk, dv): Mosaic GPU dq, and dK/dV from the Mosaic partials (G >= 8, no segment ids) or
+  Triton."""
   if maps is None:
     maps = C.tile_maps(block_idx, mgpu.tiling_for(q.shape[2] // k.shape[2], block_size))
   delta = bwd.delta_of(o, do, dlse)
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
-               interpret=interpret)
-  if mgpu.dkv_supports(q.shape[2] // k.shape[2], k.shape[3], v.shape[3])[0]:  # deterministic
+               interpret=interpret, seg=seg if has_seg else None)
+  if not has_seg and mgpu.dkv_supports(q.shape[2] // k.shape[2], k.shape[3], v.shape[3])[0]:
     dkx, dvx, first, nitems = mgpu.dkv_partials(q, k, v, block_idx, do, lse, delta,
                                                 chunk_entries=tiling.chunk_entries, scale=scale,
                                                 interpret=interpret)
@@ -258,7 +260,7 @@ def _select_auto_fwd(q, k, v, block_idx, seg, block_size, scale, tilings, has_se
     maps = C.tile_maps(block_idx, tilings[1])
     if union_backend == "mosaic":
       return (*mgpu.forward(q, k, v, maps, block_size=block_size, scale=scale,
-                            interpret=interpret), maps)
+                            interpret=interpret, seg=seg if has_seg else None), maps)
     return (*run(tilings[1], maps), maps)
 
   def run_other():
@@ -366,12 +368,19 @@ def static_union(g, t, dk, dv):
   return g == 16 and t <= STATIC_UNION_MAX_T and max(dk, dv) <= STATIC_UNION_MAX_DIM
 
 
+def union_alone_with_ids(g, t, dk, dv, has_seg):
+  """Whether a backend="auto" call that runs Triton because of its segment ids takes the Triton
+  union tile alone, without the lax.cond (STATIC_UNION_IDS; the shapes of static_union)."""
+  return STATIC_UNION_IDS and has_seg and static_union(g, t, dk, dv)
+
+
 def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpret):
   """(backend, why) for backend="auto": "mosaic" where the Mosaic GPU kernels were measured faster
   on the H200 (compiled only; each keeps a lax.cond to a Triton tile for block lists that
   neighbouring tokens share little, see _select_auto, except G = 16 up to STATIC_UNION_MAX_T
   tokens at head dims <= STATIC_UNION_MAX_DIM: the union tile alone, static_union), else
-  "triton"."""
+  "triton" (with segment ids at those shapes its union tile alone: union_alone_with_ids).
+  Segment ids reach Mosaic GPU only with select_attention_mgpu.SEGMENT_IDS."""
   if interpret:
     return "triton", "interpreted (no GPU): the Triton kernels"
   ok, why = mgpu.supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
@@ -458,7 +467,9 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
   # neighbouring tokens share most blocks and the other tile otherwise (lax.cond; both exact; the
   # switch says where they cross on the H200; see _select_auto and auto_union). A chosen Mosaic
   # backend runs that union branch; the other branch is Triton; G = 16 up to STATIC_UNION_MAX_T
-  # tokens at head dims <= STATIC_UNION_MAX_DIM runs the Mosaic union tile alone (static_union).
+  # tokens at head dims <= STATIC_UNION_MAX_DIM runs the Mosaic union tile alone (static_union),
+  # and with segment ids, where "auto" runs Triton, the Triton union tile alone
+  # (union_alone_with_ids).
   # (An explicit backend="mosaic" runs Mosaic only.)
   union = union_backend = switch = None
   if tiling is None and (backend == "triton" or chosen == "mosaic"):
@@ -469,8 +480,8 @@ def select_attention(q, k, v, block_idx, block_size, segment_ids=None, scale=Non
                  "G=16, head dims <= STATIC_UNION_MAX_DIM=%d: Mosaic GPU union tile without the "
                  "lax.cond", t, STATIC_UNION_MAX_T, STATIC_UNION_MAX_DIM)
       backend, tiling, union = "mosaic", union, None
-    elif (STATIC_UNION_IDS and chosen == "triton" and segment_ids is not None
-          and union is not None and static_union(g, t, q.shape[3], v.shape[3])):
+    elif (chosen == "triton" and union is not None
+          and union_alone_with_ids(g, t, q.shape[3], v.shape[3], segment_ids is not None)):
       C.log_once(("static union ids", q.shape), "select_attention: segment ids, T=%d <= "
                  "STATIC_UNION_MAX_T=%d, G=16, head dims <= STATIC_UNION_MAX_DIM=%d: the Triton "
                  "union tile without the lax.cond (STATIC_UNION_IDS)", t, STATIC_UNION_MAX_T,

@@ -29,7 +29,8 @@ wgmma minimum. The program walks the union of its tokens' selected blocks (l' = 
      output in registers.
 Layout: q is regrouped to [B, K, T*G, d_k] (tokens x heads of a group contiguous; free when K = 1),
 k / v to [B, K, T', d] with T' padded to whole blocks (zeros, never visible: causally after every
-real query). No segment ids (the Triton backend handles them).
+real query). Segment ids only with SEGMENT_IDS (off by default: the Triton backend handles them):
+then the selection forward and dq mask keys before each row's document start.
 """
 
 from __future__ import annotations
@@ -88,6 +89,14 @@ LEAN_SMEM = True
 # So it applies from RING_MIN_DIM (d_k = d_v >= 128) only.
 KV_RING = True
 RING_MIN_DIM = 128
+# Segment ids (packed documents) in the selection forward and dq (read when traced). Documents are
+# contiguous runs (nsa_jax.reference.check_segment_ids), so key s is in query t's document and not
+# after it iff doc_start(t) <= s <= t: the ids become a per-row lower bound. In an ascending union
+# only the entries that start before the tile's last token's document start can hold keys under a
+# row's bound (doc_maps counts them); those and the last entry get the mask. dK/dV with ids stays
+# Triton. Off by default until timed against the Triton kernels with ids
+# (benchmarks/select_doc_trial.py, variant mosaic_ids).
+SEGMENT_IDS = False
 
 
 def _staging(interpret):
@@ -128,10 +137,12 @@ def _check(h, kh, dk, dv, has_seg, dtype):
 
 
 def supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
-  """(ok, reason): whether the Mosaic GPU selection kernels handle this call."""
+  """(ok, reason): whether the Mosaic GPU selection kernels handle this call (segment ids only
+  with SEGMENT_IDS)."""
   if block_size != BLOCK:
     return False, f"block_size={block_size}: the Mosaic GPU kernel handles l' = {BLOCK} only"
-  return _check(q_shape[2], k_shape[2], q_shape[3], v_shape[3], has_seg, dtype)
+  return _check(q_shape[2], k_shape[2], q_shape[3], v_shape[3], has_seg and not SEGMENT_IDS,
+                dtype)
 
 
 def _tiles(t, g, rows=ROWS):
@@ -221,11 +232,46 @@ def _store(acc, m_i, l_i, o_s, lse_s, o_dst, lse_dst, dtype):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _causal_last_loop(body, cnt, init):
+def _causal_last_loop(body, cnt, init, nlo=None):
   """fori_loop of body(j, carry, causal) over an ascending union of cnt entries: no causal mask
-  but at the last entry (the tiles' own block; see forward's precondition)."""
-  carry = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), init)
-  return lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, carry)
+  but at the last entry (the tiles' own block; see forward's precondition). nlo (documents,
+  doc_maps): body also takes `lower`, the document lower bound, on entries 0 .. nlo-1 and the last."""
+  if nlo is None:
+    carry = lax.fori_loop(0, cnt - 1, functools.partial(body, causal=False), init)
+    return lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt, body, carry)
+  m = jnp.clip(nlo, 0, jnp.maximum(cnt - 1, 0))
+  carry = lax.fori_loop(0, m, functools.partial(body, causal=False, lower=True), init)
+  carry = lax.fori_loop(m, cnt - 1, functools.partial(body, causal=False, lower=False), carry)
+  return lax.fori_loop(jnp.maximum(cnt - 1, 0), cnt,
+                       functools.partial(body, causal=True, lower=True), carry)
+
+
+def _doc_bound(doc_refs, b, tile, kk, tq, pos):
+  """(lo [ROWS, BLOCK]: each row's document start, nlo: the union entries that need it) from
+  doc_maps' refs, or (None, None) without documents."""
+  if doc_refs is None:
+    return None, None
+  lo_ref, nlo_ref = doc_refs
+  tok = pos - tile * tq
+  lo = pos * 0
+  for i in range(tq):
+    lo = jnp.where(tok == i, lo_ref[b, tile * tq + i], lo)
+  return lo, nlo_ref[b, tile, kk, 0]
+
+
+def doc_maps(seg, maps, t, tq):
+  """The document bound's inputs: (lo [B, nT*tq] int32, each token's document start, tokens past T
+  repeating token T-1's; nlo [B, nT, K, 1], per tile the union entries starting before its last
+  token's document start: the ascending union's prefix that can hold keys under a row's bound).
+  maps: tile_union's (ub, bits, cnt) of tq-token tiles."""
+  from nsa_jax.reference import document_starts
+  ub, _, cnt = maps
+  b, nt = ub.shape[:2]
+  lo = jnp.pad(document_starts(seg).astype(jnp.int32), ((0, 0), (0, nt * tq - t)), mode="edge")
+  last = lo.reshape(b, nt, tq)[:, :, -1]  # the tile's largest start (starts never decrease)
+  live = jnp.arange(ub.shape[-1], dtype=jnp.int32) < cnt
+  nlo = jnp.sum(live & (ub * BLOCK < last[:, :, None, None]), axis=-1, keepdims=True)
+  return lo, nlo.astype(jnp.int32)
 
 
 class _Walk(NamedTuple):
@@ -329,19 +375,20 @@ def ring_applies(dk, dv, overlap=False):
 
 
 def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, scale, dtype,
-            interpret, slots=2, ring=False):
+            interpret, slots=2, ring=False, doc_refs=None):
   """One 64-row tile against the key blocks that `blocks(b, tile, kk, tok, pos)` names: it returns
   (count, block_of(j), visible(j, blk, c_id) -> [64, 64] bool, row_picked or None) for the tile
   (see forward / cmp_forward). With row_picked (the selection) and FAST_MASK, the pick is a row
   bias and the causal mask applies at the last union entry only. ring: K and V in one ring of
-  3 buffers (KV_RING; scoped as _tile_start's ring form)."""
+  3 buffers (KV_RING; scoped as _tile_start's ring form). doc_refs: doc_maps' (SEGMENT_IDS)."""
   (q_s, k_s, v_s, p_s, o_s, lse_s), (q_bar, k_bar, v_bar), (b, kk, rows), walk = _tile_start(
       blocks, q_ref, k_ref, v_ref, scoped, g=g, tq=tq, slots=slots, ring=ring)
   cnt, block_of, visible, row_picked, fetch, c_id, pos = walk
+  lo, nlo = _doc_bound(doc_refs, b, lax.axis_index("tile"), kk, tq, pos)
   plgpu.barrier_wait(q_bar.at[0])
   row_picked = row_picked if FAST_MASK else None
 
-  def body(j, carry, causal=True):
+  def body(j, carry, causal=True, lower=lo is not None):
     acc, m_i, l_i = carry
     if ring:  # K_j in buffer 2j % 3, V_j in (2j + 1) % 3
       kslot, vslot = lax.rem(2 * j, 3), lax.rem(2 * j + 1, 3)
@@ -361,6 +408,8 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
       s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [0])
       if causal:
         s = jnp.where(blk * BLOCK + c_id <= pos, s, -jnp.inf)
+    if lower:  # keys before the row's document start
+      s = jnp.where(blk * BLOCK + c_id >= lo, s, -jnp.inf)
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     plgpu.barrier_wait(v_bar.at[vslot])
@@ -386,7 +435,7 @@ def _kernel(blocks, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g, tq, dv, s
     # The union is ascending and every token's blocks end at or before its own block, which all
     # tokens of a tile share (64 % tq == 0): only the last entry can hold keys after a token.
     # tile_union sorts only for tq > 1; with one token a tile (G = 64) every step is masked.
-    acc, m_i, l_i = _causal_last_loop(body, cnt, _softmax_init(dv))
+    acc, m_i, l_i = _causal_last_loop(body, cnt, _softmax_init(dv), nlo)
   _store(acc, m_i, l_i, o_s, lse_s, o_ref.at[b, kk, rows], lse_ref.at[b, kk, rows], dtype)
 
 
@@ -467,9 +516,10 @@ def overlap_slots(dk, dv):
   return slots if slots >= 3 else 0  # _cap_slots keeps more than 2 only where they fit
 
 
-def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False):
+def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False, docs=None):
   """Launch the kernel over (tiles, groups, batch): o [B,T,H,Dv], lse [B,T,H] (q's T).
-  overlap: the selection walk as _kernel_overlap (the caller checked it applies)."""
+  overlap: the selection walk as _kernel_overlap (the caller checked it applies). docs: doc_maps'
+  arrays (the selection with documents; not with overlap)."""
   b, t, h, dk = q.shape
   g, dv, dtype = h // kh, vg.shape[-1], q.dtype
   tp = nt * tq
@@ -490,12 +540,15 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False
               (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=slots),
                plgpu.Barrier(num_barriers=slots)))
 
+  nm = len(maps)
+
   def entry(*refs):
     *map_refs, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    kw = {} if docs is None else {"doc_refs": tuple(map_refs[nm:])}
     pl.run_scoped(
-        lambda *s: kernel(functools.partial(blocks, *map_refs), q_ref, k_ref, v_ref, o_ref,
+        lambda *s: kernel(functools.partial(blocks, *map_refs[:nm]), q_ref, k_ref, v_ref, o_ref,
                           lse_ref, s, g=g, tq=tq, dv=dv, scale=scale, dtype=dtype,
-                          interpret=interpret, slots=slots),
+                          interpret=interpret, slots=slots, **kw),
         *scoped)
 
   o, lse = plgpu.kernel(
@@ -505,7 +558,7 @@ def _run(blocks, maps, q, kg, vg, *, kh, nt, tq, scale, interpret, overlap=False
       grid=(nt, kh, b), grid_names=("tile", "group", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(*maps, _rows_major(q, kh, tp), kg, vg)
+  )(*maps, *(docs or ()), _rows_major(q, kh, tp), kg, vg)
   return _from_rows_major(o, h, t), _from_rows_major(lse, h, t)
 
 
@@ -533,20 +586,22 @@ def _cmp_blocks(b, tile, kk, tok, pos, *, tq, t, nc, block, stride):
   return (nv + BLOCK - 1) // BLOCK, lambda j: j, visible, None
 
 
-def forward(q, k, v, maps, *, block_size, scale, interpret=False):
+def forward(q, k, v, maps, *, block_size, scale, interpret=False, seg=None):
   """(o [B,T,H,Dv] in q.dtype, lse [B,T,H] float32) from the union maps of `tiling_for(G, l')`.
 
   The maps must come from lists without blocks that start after their token (select_attention
-  drops those first): with FAST_MASK the causal mask is applied at the last union entry only."""
-  ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
+  drops those first): with FAST_MASK the causal mask is applied at the last union entry only.
+  seg: [B, T] int32 document ids, contiguous runs (SEGMENT_IDS; no OVERLAP walk then)."""
+  ok, why = supports(q.shape, k.shape, v.shape, block_size, seg is not None, q.dtype)
   if not ok:
     raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
   b, t, h, dk = q.shape
   kh = k.shape[2]
   tq, nt = _tiles(t, h // kh)
+  docs = None if seg is None else doc_maps(seg, maps, t, tq)
   return _run(_select_blocks, maps, q, _blocks_major(k), _blocks_major(v), kh=kh, nt=nt, tq=tq,
-              scale=scale, interpret=interpret,
-              overlap=overlap_applies(tq, dk, v.shape[3], interpret))
+              scale=scale, interpret=interpret, docs=docs,
+              overlap=seg is None and overlap_applies(tq, dk, v.shape[3], interpret))
 
 
 def forward_runs_ring(g, dk, dv, interpret=False):
@@ -763,7 +818,7 @@ def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):
 # ----------------------------------------------------------------------------- selection dq
 
 def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               scoped, *, g, tq, dk, dv, scale, dtype, interpret, slots=2):
+               scoped, *, g, tq, dk, dv, scale, dtype, interpret, slots=2, doc_refs=None):
   """dq of one 64-row tile: for each union block, S = Q K^T, P = exp2(S - lse) on visible keys,
   dP = dO V^T, dS = P (dP - delta), dq += dS K (P and dS never leave the tile)."""
   (q_s, do_s, lse_s, delta_s, k_s, v_s, ds_s), (in_bar, k_bar, v_bar) = scoped
@@ -778,6 +833,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   cnt, block_of, visible, row_picked, fetch, c_id, pos = _walk(
       blocks, b, tile, kk, g=g, tq=tq, k_ref=k_ref, v_ref=v_ref, k_s=k_s, v_s=v_s, k_bar=k_bar,
       v_bar=v_bar, slots=slots)
+  lo, nlo = _doc_bound(doc_refs, b, tile, kk, tq, pos)
   for i in range(4):
     plgpu.barrier_wait(in_bar.at[i])
   lse2 = plgpu.load(lse_s, layout=wg.reduce(1)) * LOG2E
@@ -786,7 +842,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
 
   fast, regs = FAST_MASK, REG_P and not interpret
 
-  def body(j, dq_acc, causal=True):
+  def body(j, dq_acc, causal=True, lower=lo is not None):
     slot = _prefetch(fetch, j, cnt, slots)
     blk = block_of(j)
     plgpu.barrier_wait(k_bar.at[slot])
@@ -808,6 +864,8 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
     else:
       p = jnp.where(visible(j, blk, c_id),
                     jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse2, s.shape, [0])), 0.0)
+    if lower:  # keys before the row's document start
+      p = jnp.where(blk * BLOCK + c_id >= lo, p, 0.0)
     if not regs:
       plgpu.barrier_wait(v_bar.at[slot])
       dp = _mm(do_s, v_s.at[slot].T, (ROWS, BLOCK))
@@ -825,7 +883,7 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   init = plgpu.layout_cast(jnp.zeros((ROWS, dk), jnp.float32), wg)
   if fast and tq > 1:  # as in the forward: only the last (ascending) union entry can need the
     # causal mask (with tq = 1 the list is the token's own, unsorted: every step is masked)
-    dq = _causal_last_loop(body, cnt, init)
+    dq = _causal_last_loop(body, cnt, init, nlo)
   else:
     dq = lax.fori_loop(0, cnt, body, init)
   q_s[...] = (dq * scale).astype(dtype)  # q is no longer needed: its buffer stages dq
@@ -834,10 +892,10 @@ def _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
   plgpu.wait_smem_to_gmem(0)
 
 
-def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
+def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False, seg=None):
   """dq [B,T,H,Dk] of the selection (lse natural-log [B,T,H]; delta = rowsum(o * do) - dlse).
-  Same precondition on the maps as forward()."""
-  ok, why = supports(q.shape, k.shape, v.shape, block_size, False, q.dtype)
+  Same precondition on the maps as forward(); seg as forward's."""
+  ok, why = supports(q.shape, k.shape, v.shape, block_size, seg is not None, q.dtype)
   if not ok:
     raise ValueError(f"select_attention[mosaic] does not support this call: {why}")
   b, t, h, dk = q.shape
@@ -849,11 +907,15 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
   slots = fwd_slots(dk, dv, dq=True)
 
-  def entry(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+  docs = () if seg is None else doc_maps(seg, maps, t, tq)
+
+  def entry(ub_ref, bits_ref, cnt_ref, *refs):
+    *doc_refs, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
     pl.run_scoped(
         lambda *s: _dq_kernel(ub_ref, bits_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                               delta_ref, dq_ref, s, g=g, tq=tq, dk=dk, dv=dv, scale=scale,
-                              dtype=dtype, interpret=interpret, slots=slots),
+                              dtype=dtype, interpret=interpret, slots=slots,
+                              doc_refs=tuple(doc_refs) or None),
         (plgpu.SMEM((ROWS, dk), dtype, transforms=tr),
          plgpu.SMEM((ROWS, dv), dtype, transforms=tr),
          plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
@@ -868,7 +930,7 @@ def dq(q, k, v, maps, do, lse, delta, *, block_size, scale, interpret=False):
       grid=(nt, kh, b), grid_names=("tile", "group", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(*maps, rows_major(q), _blocks_major(k), _blocks_major(v), rows_major(do.astype(dtype)),
+  )(*maps, *docs, rows_major(q), _blocks_major(k), _blocks_major(v), rows_major(do.astype(dtype)),
     rows_major(lse.astype(jnp.float32)), rows_major(delta.astype(jnp.float32)))
   return _from_rows_major(out, h, t)
 

@@ -1792,18 +1792,34 @@ def test_select_doc_trial_compares_selection_paths_with_and_without_ids(tmp_path
   sys.path.insert(0, ROOT)
   from benchmarks import select_doc_trial
   recs = select_doc_trial.main(["--out", str(tmp_path), "--shapes", "tiny", "--iters", "1",
-                                "--docs", "48", "--variants", "auto,triton_union4,auto_no_ids"])
+                                "--docs", "48", "--variants", "auto,triton,auto_no_ids"])
   assert [(r["impl"], r["pass"], r["ids"]) for r in recs] == [
-      (v, p, i) for v, i in (("auto", True), ("triton_union4", True), ("auto_no_ids", False))
+      (v, p, i) for v, i in (("auto", True), ("triton", True), ("auto_no_ids", False))
       for p in ("fwd", "bwd")]
   for r in recs:
     assert r["max_abs_diff_vs_first"] <= 1e-6, r  # same function, other kernels: same values
     assert r["docs"] == "48" and r["documents_per_row"] >= 3, r
   assert json.load(open(tmp_path / "select_doc_trial.json")) == recs
-  assert "| select_doc | triton_union4 | fwd | 256 |" in open(tmp_path / "select_doc_trial.md").read()
+  assert "| select_doc | triton | fwd | 256 |" in open(tmp_path / "select_doc_trial.md").read()
   for bad in (["--variants", "mosaic"], ["--docs", "0"], ["--shapes", "4k"]):
     with pytest.raises(SystemExit):
       select_doc_trial.main(["--out", str(tmp_path), *bad])
+
+
+def test_select_doc_trial_runs_the_mosaic_kernels_with_ids(tmp_path):
+  """The trial's mosaic_ids variant (Mosaic forward and dq with document bounds, in Mosaic GPU's
+  interpreter here) agrees with the Triton kernels on the same lists and ids within bf16 rounding,
+  and leaves select_attention_mgpu.SEGMENT_IDS as it found it."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import select_doc_trial
+  from pallas_kernels import select_attention_mgpu as mgpu
+  before = mgpu.SEGMENT_IDS
+  recs = select_doc_trial.main(["--out", str(tmp_path), "--shapes", "tiny64", "--iters", "1",
+                                "--docs", "40", "--variants", "auto,mosaic_ids"])
+  assert mgpu.SEGMENT_IDS == before
+  assert [(r["impl"], r["pass"]) for r in recs] == [
+      (v, p) for v in ("auto", "mosaic_ids") for p in ("fwd", "bwd")]
+  assert all(r["ids"] and r["max_abs_diff_vs_first"] < 0.05 for r in recs), recs
 
 
 def test_select_doc_trial_lists_respect_documents():

@@ -176,11 +176,105 @@ def test_future_blocks_are_invisible(backend, h):
   _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
+def _doc_ids(rng, b, t, mean):
+  """[B, T] int32 ids of contiguous documents cut at random places (not on block boundaries)."""
+  return jnp.asarray(np.cumsum(rng.random((b, t)) < 1.0 / mean, axis=1), jnp.int32)
+
+
+# (b, t, h, kh, n, lists): G = 16 (4 tokens a tile), G = 4 (16 tokens; dK/dV Triton either way
+# with ids), G = 64 (one token a tile, unsorted lists, every step masked); "any": any earlier
+# blocks (a caller's lists: blocks before the document, wholly or in part); "doc": only blocks
+# from the document's first on, as the top-n picks them
+DOC_CASES = [(1, 300, 16, 1, 4, "any"), (2, 200, 16, 1, 3, "doc"), (1, 260, 8, 2, 3, "any"),
+             (1, 200, 64, 1, 3, "any")]
+
+
+@pytest.mark.parametrize("case", DOC_CASES, ids=[f"G{c[2] // c[3]}_{c[5]}_T{c[1]}" for c in DOC_CASES])
+def test_segment_ids_as_document_bounds_match_reference(monkeypatch, case):
+  """SEGMENT_IDS: the Mosaic forward and dq take packed documents as a per-row lower bound (the
+  document start) on the prefix of union entries that can hold earlier keys (doc_maps) and the
+  last entry: forward, lse and gradients (dK/dV Triton with the ids) against the reference with
+  the same ids."""
+  monkeypatch.setattr(mgpu, "SEGMENT_IDS", True)
+  b, t, h, kh, n, lists = case
+  dk = dv = 64
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
+  seg = _doc_ids(rng, b, t, 70)
+  if lists == "doc":  # the document's first block first, then random later ones up to the token's
+    starts = np.asarray(ref.document_starts(seg))
+    x = np.full((b, t, kh, n), -1, np.int32)
+    for bb in range(b):
+      for tt in range(t):
+        for kk in range(kh):
+          cand = np.arange(starts[bb, tt] // 64, tt // 64 + 1)
+          m = int(rng.integers(1, min(n, len(cand)) + 1))
+          x[bb, tt, kk, :m] = np.sort(rng.choice(cand, m, replace=False))
+    idx = jnp.asarray(x)
+  # the bound must matter: some (token, picked block) pairs hold keys of an earlier document
+  starts = ref.document_starts(seg)[:, :, None, None]
+  assert bool(jnp.any((idx >= 0) & (idx * 64 < starts))), "no block holds an earlier document"
+  ours = lambda q, k, v: select_attention(q, k, v, idx, 64, seg, backend="mosaic",
+                                          interpret=INTERPRET)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64, seg)
+  o, lse = ours(q, k, v)
+  ro, rlse = theirs(f32(q), f32(k), f32(v))
+  np.testing.assert_allclose(f32(o), ro, atol=TOL, rtol=TOL)
+  fin = jnp.isfinite(rlse)
+  assert bool(jnp.all(jnp.isfinite(lse) == fin))
+  np.testing.assert_allclose(jnp.where(fin, lse, 0.0), jnp.where(fin, rlse, 0.0), atol=1e-3,
+                             rtol=1e-4)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
+
+
+def test_doc_maps_count_the_entries_under_the_bound():
+  """doc_maps: each token's document start (tokens past T repeat the last), and per tile the
+  number of union entries starting before its last token's document start, by brute force."""
+  rng = np.random.default_rng(_seed())
+  b, t, kh, n, tq = 2, 150, 2, 3, 4
+  _, _, _, idx, _ = _inputs(rng, b, t, 4 * kh, kh, 64, 64, n)
+  seg = _doc_ids(rng, b, t, 40)
+  maps = C.tile_union(idx, tq)
+  lo, nlo = mgpu.doc_maps(seg, maps, t, tq)
+  starts = np.asarray(ref.document_starts(seg))
+  nt = -(-t // tq)
+  assert lo.shape == (b, nt * tq) and nlo.shape == (b, nt, kh, 1)
+  np.testing.assert_array_equal(np.asarray(lo)[:, :t], starts)
+  np.testing.assert_array_equal(np.asarray(lo)[:, t:], np.repeat(starts[:, -1:], nt * tq - t, 1))
+  x = np.asarray(idx)
+  for bb in range(b):
+    for it in range(nt):
+      last = starts[bb, min(it * tq + tq - 1, t - 1)]
+      for kk in range(kh):
+        union = {int(j) for i in range(it * tq, min(it * tq + tq, t)) for j in x[bb, i, kk] if j >= 0}
+        assert int(nlo[bb, it, kk, 0]) == sum(j * 64 < last for j in union), (bb, it, kk)
+
+
+def test_segment_ids_lower_for_cuda(monkeypatch):
+  """With SEGMENT_IDS, value_and_grad of backend="mosaic" with ids lowers for CUDA (G = 16, 64/64:
+  the 8k layer's shapes; the forward without the OVERLAP walk, dK/dV Triton)."""
+  monkeypatch.setattr(mgpu, "SEGMENT_IDS", True)
+  sd = jax.ShapeDtypeStruct
+  t = 300
+  args = (sd((1, t, 16, 64), jnp.bfloat16), sd((1, t, 1, 64), jnp.bfloat16),
+          sd((1, t, 1, 64), jnp.bfloat16), sd((1, t, 1, 16), jnp.int32), sd((1, t), jnp.int32))
+
+  def f(q, k, v, idx, sid):
+    def loss(q, k, v):
+      o, lse = select_attention(q, k, v, idx, 64, sid, backend="mosaic")
+      return jnp.sum(f32(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+  text = _cuda_text(f, args)
+  assert "nsa_select_dkv" in text  # the Triton dK/dV with the ids
+
+
 def test_refusals_name_the_problem():
   q = jnp.zeros((1, 64, 16, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   idx = jnp.zeros((1, 64, 1, 2), jnp.int32)
-  with pytest.raises(ValueError, match="segment ids"):
+  with pytest.raises(ValueError, match="segment ids"):  # unless mgpu.SEGMENT_IDS (off by default)
     select_attention(q, kv, kv, idx, 64, jnp.zeros((1, 64), jnp.int32), backend="mosaic")
   with pytest.raises(ValueError, match="l' = 64"):
     select_attention(q, kv, kv, idx, 32, backend="mosaic")

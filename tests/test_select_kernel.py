@@ -392,21 +392,31 @@ def test_auto_with_segment_ids_lowers_the_union_tile_alone_for_cuda():
   assert "stablehlo.case" in text(sa.STATIC_UNION_MAX_T + 64)
 
 
-def test_op_logs_the_union_tile_alone_with_segment_ids(caplog):
+def test_op_logs_the_union_tile_alone_with_segment_ids(caplog, monkeypatch):
   """implementation="pallas" logs which selection kernels run: with segment ids at the 8k layer's
-  shapes, the Triton union tile alone (STATIC_UNION_IDS); without ids, or past the limit, not."""
+  shapes, the Triton union tile alone (STATIC_UNION_IDS); not without ids, past
+  STATIC_UNION_MAX_T, at G = 8 or with the switch off (what select_attention runs then: the cond)."""
   import logging
   import types
   from nsa_jax import ops
-  cfg = types.SimpleNamespace(num_heads=16, num_kv_heads=1, sel_block=64)
-  q, kv = jnp.zeros((1, 128, 16, 64), jnp.bfloat16), jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  from pallas_kernels import select_attention as sa
   seg = jnp.zeros((1, 128), jnp.int32)
-  for ids, want in ((seg, True), (None, False)):
+
+  def logged(ids, heads=16):
+    cfg = types.SimpleNamespace(num_heads=heads, num_kv_heads=1, sel_block=64)
+    q, kv = jnp.zeros((1, 128, heads, 64), jnp.bfloat16), jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     ops.log_once.cache_clear()  # logged once per message and process
     caplog.clear()
     with caplog.at_level(logging.INFO):
       assert ops._auto_select_backend(q, kv, kv, cfg, ids, True) == "auto"
-    assert ("union tiles only: segment ids" in caplog.text) == want, caplog.text
+    return "union tiles only: segment ids" in caplog.text
+
+  assert logged(seg) and not logged(None) and not logged(seg, heads=8)
+  monkeypatch.setattr(sa, "STATIC_UNION_MAX_T", 64)
+  assert not logged(seg)
+  monkeypatch.setattr(sa, "STATIC_UNION_MAX_T", 8192)
+  monkeypatch.setattr(sa, "STATIC_UNION_IDS", False)
+  assert not logged(seg)
 
 
 def test_bad_lists_raise_or_count_as_the_reference():
