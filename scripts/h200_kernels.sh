@@ -164,9 +164,12 @@
 #          (benchmarks/doc_mask_trial.py: 8 warps with 2 stages, the dK/dV launch without ids); ~4 min
 #          (206 s on an H100, 2026-12-06).
 # seldoc   the selection branch with packed documents at the 8k training layer
-#          (benchmarks/select_doc_trial.py): Mosaic without ids (what unmasked training runs)
-#          against the Triton kernels with and without ids on the op's own top-n lists, documents
-#          of mean 4096 and 16384 tokens; ~4 min (not yet run).
+#          (benchmarks/select_doc_trial.py) on the op's own top-n lists, documents of mean 16384
+#          (the corpus's case) then 4096 tokens: auto (with ids: the Triton union tile alone,
+#          STATIC_UNION_IDS), auto_no_ids (Mosaic without ids, what unmasked training runs),
+#          triton (the lax.cond, "auto" with ids before 2026-12-07), mosaic_ids (the Mosaic
+#          forward and dq with document bounds, SEGMENT_IDS), triton_no_ids; ~5-8 min (not yet
+#          run; rows are written as they finish).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -524,7 +527,8 @@ cmpdoc() {  # timeouts sum to 560 s
 }
 
 seldoc() {
-  timeout 420 python3 benchmarks/select_doc_trial.py --out "$OUT/seldoc" --docs none,4096,16384
+  timeout 560 python3 benchmarks/select_doc_trial.py --out "$OUT/seldoc" --docs 16384,4096 \
+    --variants auto,auto_no_ids,triton,mosaic_ids,triton_no_ids
 }
 
 ncuprof() {
