@@ -264,10 +264,10 @@ def doc_maps(seg, maps, t, tq):
   repeating token T-1's; nlo [B, nT, K, 1], per tile the union entries starting before its last
   token's document start: the ascending union's prefix that can hold keys under a row's bound).
   maps: tile_union's (ub, bits, cnt) of tq-token tiles."""
-  from nsa_jax.reference import document_starts
+  from pallas_kernels.compress_attention import run_starts  # (that module imports this one)
   ub, _, cnt = maps
   b, nt = ub.shape[:2]
-  lo = jnp.pad(document_starts(seg).astype(jnp.int32), ((0, 0), (0, nt * tq - t)), mode="edge")
+  lo = jnp.pad(run_starts(seg), ((0, 0), (0, nt * tq - t)), mode="edge")
   last = lo.reshape(b, nt, tq)[:, :, -1]  # the tile's largest start (starts never decrease)
   live = jnp.arange(ub.shape[-1], dtype=jnp.int32) < cnt
   nlo = jnp.sum(live & (ub * BLOCK < last[:, :, None, None]), axis=-1, keepdims=True)

@@ -494,10 +494,7 @@ def supports(q_shape, kc_shape, block, stride, sel_block, rows=None):
 
 def document_first_block(seg, sel_block):
   """[B, T] selection block holding each token's document start (segments are contiguous)."""
-  t = seg.shape[1]
-  pos = jnp.arange(t, dtype=jnp.int32)
-  boundary = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-  return lax.cummax(jnp.where(boundary, pos, 0), axis=1) // sel_block
+  return ca.run_starts(seg) // sel_block
 
 
 def select_topn(q, k_cmp, lse, *, block, stride, sel_block, num_selected, num_init=1, num_local=2,
