@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
+from benchmarks.dense_doc_trial import segments
 from experiments import bench_common as bc
 from pallas_kernels.compress_attention import CmpTiling, compress_attention, dkv_launch
 
@@ -97,8 +98,7 @@ def main(argv=None):
     ct = jax.random.normal(ks[3], (b, t, h, dv), jnp.bfloat16)
     seg, docs_per_row = None, 1.0
     if a.docs:  # document ends at uniformly random places per row
-      cuts = jax.random.bernoulli(jax.random.key(1), 1.0 / a.docs, (b, t))
-      seg = jnp.cumsum(cuts.astype(jnp.int32), axis=1)
+      seg = segments(jax.random.key(1), b, t, a.docs)
       docs_per_row = round(float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2)
     base = None
     for name, over in variants.items():

@@ -29,9 +29,13 @@ def inputs(key, t, b, h, k, dk, dv, dtype, mean_doc_len):
   ct = jax.random.normal(kc, (b, t, h, dv), dtype)
   # ~T / mean_doc_len document ends at uniformly random places per row (4096: as bench_window
   # --segments)
-  cuts = jax.random.bernoulli(ks, 1.0 / mean_doc_len, (b, t))
-  seg = jnp.cumsum(cuts.astype(jnp.int32), axis=1)
-  return q, kk_, v, ct, seg
+  return q, kk_, v, ct, segments(ks, b, t, mean_doc_len)
+
+
+def segments(key, b, t, mean_doc_len):
+  """[B, T] int32 ids: document ends at uniformly random places (about T / mean_doc_len a row)."""
+  cuts = jax.random.bernoulli(key, 1.0 / mean_doc_len, (b, t))
+  return jnp.cumsum(cuts.astype(jnp.int32), axis=1)
 
 
 def fwd_bwd_ms(attn, q, kk, v, ct, iters, extra=()):

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
-from benchmarks.dense_doc_trial import fwd_bwd_ms
+from benchmarks.dense_doc_trial import fwd_bwd_ms, segments
 from benchmarks.doc_mask_trial import run_variant, variants_and_docs
 from experiments import bench_common as bc
 from pallas_kernels import _common as C
@@ -56,12 +56,6 @@ VARIANTS = {  # name: (backend, union tile alone, with the ids)
     "mosaic_ids": ("mosaic", False, True),
 }
 COLS = ("docs", "documents_per_row", "ids", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")
-
-
-def segments(key, b, t, mean_doc_len):
-  """[B, T] int32 ids: document ends at uniformly random places (about T / mean_doc_len a row)."""
-  cuts = jax.random.bernoulli(key, 1.0 / mean_doc_len, (b, t))
-  return jnp.cumsum(cuts.astype(jnp.int32), axis=1)
 
 
 def topn_lists(key, q, kh, seg, interpret):
