@@ -170,6 +170,11 @@
 #          triton (the lax.cond, "auto" with ids before 2026-12-07), mosaic_ids (the Mosaic
 #          forward and dq with document bounds, SEGMENT_IDS), triton_no_ids; ~5-8 min (not yet
 #          run; rows are written as they finish).
+# cudnnpacked  cuDNN's packed-sequence layout (per-row document offsets, jax's private cuDNN call)
+#          against our Triton kernels with ids and cuDNN without ids, at the 8k training layer:
+#          w = T (dense layers) and w = 512 (NSA's window branch), mean document lengths 4096 and
+#          512, the segment cap at the inputs' maximum and at 64 (benchmarks/cudnn_packed_trial.py,
+#          output and gradients compared with ours); ~2 min (not yet run).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -529,6 +534,10 @@ cmpdoc() {  # timeouts sum to 560 s
 seldoc() {
   timeout 560 python3 benchmarks/select_doc_trial.py --out "$OUT/seldoc" --docs 16384,4096 \
     --variants auto,auto_no_ids,triton,mosaic_ids,triton_no_ids
+}
+
+cudnnpacked() {
+  timeout 400 python3 benchmarks/cudnn_packed_trial.py --out "$OUT/cudnnpacked"
 }
 
 ncuprof() {
