@@ -7,7 +7,8 @@
 # Hopper only); the public jax.nn.dot_product_attention does not pass them. A win here would let
 # dense layers and NSA's window branch keep cuDNN with packed documents (docs/STATUS.md, Known
 # gaps: masked dense steps cost ~27% more, NSA's window branch ~+8 ms a step at the 8k layer).
-# Nothing in the library calls this; it is a measurement first.
+# The library runs it only with NSA_CUDNN_PACKED=M set (nsa_jax/cudnn_packed.py); this is the
+# measurement that decides whether it should become the default.
 #
 #   python3 benchmarks/cudnn_packed_trial.py --out=DIR [--shapes=8192:8:16/1:64/64]
 #       [--docs=4096,512] [--windows=0,512] [--max_docs=0,64]
@@ -29,42 +30,20 @@ import jax.numpy as jnp
 from benchmarks.dense_doc_trial import fwd_bwd_ms, segments
 from experiments import bench_common as bc
 from experiments.bench_window import parse_shape  # "T:B:H/K:dk/dv", checked
-from nsa_jax import ops
-
-
-def packed_params(seg, max_docs):
-  """(seqlen [B, M], offsets [B, M + 1]) of cuDNN's packed layout for [B, T] document ids whose
-  documents are contiguous runs (a new id starts a document): row b's r-th run starts at
-  offsets[b, r] and holds seqlen[b, r] tokens; entries past a row's last run are -1 (cuDNN's
-  padding). Runs past M are dropped: callers check count_docs(seg) <= M first."""
-  b, t = seg.shape
-  start = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-  run = jnp.cumsum(start.astype(jnp.int32), axis=1) - 1  # [B, T] run index of each token
-  rows = jnp.arange(b)[:, None]
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  # non-starts (and runs past M) scatter out of bounds and are dropped
-  offsets = jnp.full((b, max_docs + 1), -1, jnp.int32).at[
-      rows, jnp.where(start, run, max_docs + 1)].set(pos, mode="drop")
-  counts = jnp.zeros((b, max_docs), jnp.int32).at[rows, run].add(1, mode="drop")
-  seqlen = jnp.where(counts > 0, counts, -1)
-  return seqlen, offsets
+from nsa_jax import cudnn_packed, ops
 
 
 def count_docs(seg):
   """Host-side: the largest number of documents (contiguous runs) in one row."""
-  seg = np.asarray(seg)
-  return int((1 + (seg[:, 1:] != seg[:, :-1]).sum(axis=1)).max())
+  return int(np.asarray(cudnn_packed.documents_per_row(seg)).max())
 
 
-def cudnn_packed(q, k, v, seg, window, max_docs):
-  """Causal attention inside each document (window > 0: the last `window` tokens of it) through
-  cuDNN's packed layout. BTNH, 16-bit, Hopper."""
-  from jax._src.cudnn import fused_attention_stablehlo as fa
-  seqlen, offsets = packed_params(seg, max_docs)
-  return fa.dot_product_attention(
-      q, k, v, None, None, seqlen, seqlen, offsets, offsets, scale=q.shape[-1] ** -0.5,
-      mask_type=fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
-      sliding_window_length=window if window > 0 else None)
+def packed(q, k, v, seg, window, max_docs):
+  """What the library runs with NSA_CUDNN_PACKED=max_docs: cuDNN's packed layout, our Triton
+  kernels for a batch with more documents a row than the cap (chosen inside the graph)."""
+  return cudnn_packed.packed_attention(
+      q, k, v, seg, window or None, max_docs,
+      fallback=lambda q, k, v, s: ours(q, k, v, s, window))
 
 
 def ours(q, k, v, seg, window):
@@ -132,7 +111,7 @@ def main(argv=None):
             print(f"  max_docs={m} < {n_docs} documents in a row: skipped", flush=True)
             continue
           variants.append((f"cuDNN packed M={m}",
-                           lambda q, k, v, s, m=m: cudnn_packed(q, k, v, s, window, m), m))
+                           lambda q, k, v, s, m=m: packed(q, k, v, s, window, m), m))
         for name, fn, m in variants:
           try:
             fwd, bwd = fwd_bwd_ms(fn, q, k, v, ct, a.iters, (seg,))[:2]

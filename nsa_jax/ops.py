@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax import reference
 from nsa_jax.config import DENSE_IMPLEMENTATIONS, NSAConfig
+from nsa_jax import cudnn_packed
 from nsa_jax.layers import BATCH_MESH_AXES, HEAD_MESH_AXIS, auto_mesh
 
 log = logging.getLogger("nsa_jax")
@@ -210,6 +211,18 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
     raise ValueError(f"NSA_WINDOW_BACKEND={forced!r}: expected one of {WINDOW_BACKENDS} (or "
                      "unset for the rule)")
   cudnn_ok = _cudnn_window_applies(q, segment_ids, allow_cudnn)
+  m = cudnn_packed.packed_cap() if segment_ids is not None and allow_cudnn else 0
+  if m and not forced:
+    from pallas_kernels import window_attention as wk
+    ok, no = cudnn_packed.applies(q, q, v)
+    ok2, no2 = wk.supports(q.shape, v.shape[:3] + q.shape[-1:], v.shape)
+    if ok and ok2:
+      log_once(logging.INFO, f"NSA window branch for q{tuple(q.shape)} v{tuple(v.shape)}: "
+               f"cudnn-packed (segment ids, {cudnn_packed.ENV}={m}; our Triton kernels for a "
+               f"batch with more than {m} documents a row)")
+      return "cudnn-packed"
+    log_once(logging.WARNING, f"{cudnn_packed.ENV}={m} is set, but cuDNN's packed layout does not "
+             f"take the window branch on q{tuple(q.shape)} v{tuple(v.shape)} ({no or no2})")
   if forced and (cudnn_ok or forced == "triton"):
     be, why = forced, "NSA_WINDOW_BACKEND"
   elif cudnn_ok and q.shape[-1] == v.shape[-1]:
@@ -285,8 +298,17 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
   if be in ("triton", "cudnn-fwd"):
     return wk.window_attention(q, k, v, window, segment_ids, scale, interpret=not on_gpu(),
                                backend=be)[0]
+  if be == "cudnn-packed":
+    if segment_ids is None:
+      raise ValueError("window backend 'cudnn-packed' needs segment ids (it packs documents). "
+                       "Fix: backend='cudnn' or None (the rule)")
+    m = cudnn_packed.packed_cap() or 64
+    return cudnn_packed.packed_attention(
+        q, k, v, segment_ids, window, m, scale,
+        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, window, s, scale)[0])
   if be != "xla":
-    raise ValueError(f"window backend {be!r}: expected one of {WINDOW_BACKENDS + ('xla',)}")
+    raise ValueError(f"window backend {be!r}: expected one of "
+                     f"{WINDOW_BACKENDS + ('cudnn-packed', 'xla')}")
   o, _ = xla.window_attention(q, k, v, window, segment_ids, scale)
   return o
 
@@ -602,6 +624,14 @@ def dense_backend(q, v, segment_ids=None):
   dk, dv = q.shape[-1], v.shape[-1]
   if segment_ids is not None:
     ok, no = _kernels_take(q, v)
+    m = cudnn_packed.packed_cap()
+    if m and ok and cudnn_packed.applies(q, q, v)[0]:
+      return "cudnn-packed", (f"segment ids, {cudnn_packed.ENV}={m}: cuDNN's packed layout, our "
+                              f"Triton kernels for a batch with more than {m} documents a row")
+    if m:
+      log_once(logging.WARNING, f"{cudnn_packed.ENV}={m} is set, but cuDNN's packed layout does "
+               f"not take dense attention on q{tuple(q.shape)} v{tuple(v.shape)} "
+               f"({cudnn_packed.applies(q, q, v)[1] or no})")
     if ok:
       return "pallas", ("segment ids: the Triton kernels take them (cuDNN's causal call would need "
                         "an explicit O(T^2) mask)")
@@ -644,6 +674,11 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
   if implementation == "pallas":
     from pallas_kernels import window_attention as wk
     return wk.window_attention(q, k, v, q.shape[1], segment_ids, scale, interpret=not on_gpu())[0]
+  if implementation == "cudnn-packed":  # only "auto" picks it (NSA_CUDNN_PACKED)
+    from pallas_kernels import window_attention as wk
+    return cudnn_packed.packed_attention(
+        q, k, v, segment_ids, None, cudnn_packed.packed_cap(), scale,
+        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, q.shape[1], s, scale)[0])
   if implementation == "xla" and q.shape[-1] != v.shape[-1]:
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
   impl = None if implementation == "xla" else implementation  # xla: d_k == d_v here
