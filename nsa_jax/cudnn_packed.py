@@ -8,9 +8,23 @@ lengths ("packed layout", Hopper and later), which jax exposes only through its 
 the environment variable NSA_CUDNN_PACKED=M (M: the static cap on documents in one row; unset or
 0: off), so the choice can be timed (benchmarks/cudnn_packed_trial.py) before it becomes a default.
 
-The cap is static because cuDNN's call shapes hold it (its softmax statistics are B * M x N x T
-floats). A row with more than M documents never gets a cut answer: `packed_attention` checks the
-count inside the jitted graph and runs the fallback (our kernels) for the whole call instead.
+The cap is static because cuDNN's call shapes hold it, and memory grows with it: the softmax
+statistics saved for the backward are B x M x heads x T floats, and the backward's workspace is
+about 8 bytes x B x M x T x heads x head dim (a review helper on an H100, 2026-12-07: at the 8k
+training layer, B = 8, 16 heads of 64, 4.4 GB at M = 8 and 33 GB at M = 64, against 0.15 GB for
+our kernels), so M should be the data's real largest count, not a generous bound. A row with more
+than M documents never gets a cut answer: `packed_attention` checks the count inside the jitted
+graph and runs the fallback (our kernels) for the whole call instead.
+
+Measured (one H100, the 8k training layer, benchmarks/results/cudnn_packed_h100_s42/): with at
+most 3-5 documents a row (M = 8) the dense backward takes 4.8-6.8 ms against 9.7-13.4 ms for our
+kernels; with 25 a row (M = 32) it is slower (3.9 against 3.3 ms). Off by default until a training
+run confirms it.
+
+Documents are runs of equal ids (a change of id starts one), as the data pipeline makes them
+(cumulative counts); ids that come back to an earlier value are separate documents here, while
+the other paths treat equal ids as one document.
+
 The private call is pinned to jax 0.11.2's signature; a jax that changes it fails loudly here.
 """
 import logging
@@ -47,9 +61,11 @@ def packed_params(seg, max_docs: int):
   run = jnp.cumsum(start.astype(jnp.int32), axis=1) - 1  # [B, T] run index of each token
   rows = jnp.arange(b)[:, None]
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  # non-starts (and runs past M) scatter out of bounds and are dropped
+  # non-starts and runs past M scatter out of bounds and are dropped (offsets[:, M] stays -1:
+  # jax packs every row's non-negative entries together, so an extra start would shift the rows
+  # after it)
   offsets = jnp.full((b, max_docs + 1), -1, jnp.int32).at[
-      rows, jnp.where(start, run, max_docs + 1)].set(pos, mode="drop")
+      rows, jnp.where(start & (run < max_docs), run, max_docs + 1)].set(pos, mode="drop")
   counts = jnp.zeros((b, max_docs), jnp.int32).at[rows, run].add(1, mode="drop")
   return jnp.where(counts > 0, counts, -1), offsets
 
@@ -70,7 +86,21 @@ def applies(q, k, v) -> tuple[bool, str]:
   cc = getattr(jax.devices()[0], "compute_capability", "0")
   if float(cc) < 9.0:
     return False, f"compute capability {cc}: the packed layout needs Hopper (9.0) or later"
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  try:
+    version = fa.check_cudnn_version()
+  except RuntimeError as e:
+    return False, f"cuDNN: {e}"
+  if version < 90600:
+    return False, f"cuDNN {version}: the packed layout needs 9.6 or later"
   return True, ""
+
+
+def workspace_bytes(q, max_docs: int) -> int:
+  """The packed backward's workspace, about 8 bytes x B x M x T x heads x head dim (measured, see
+  the module docstring); the forward needs none."""
+  b, t, h, d = q.shape
+  return 8 * b * max_docs * t * h * d
 
 
 def packed_attention(q, k, v, seg, window, max_docs, scale=None, fallback=None):
@@ -96,6 +126,8 @@ def packed_attention(q, k, v, seg, window, max_docs, scale=None, fallback=None):
   return jax.lax.cond(fits, cudnn, fallback, q, k, v, seg)
 
 
-def log_choice(log_once, what, q, m):
-  log_once(logging.INFO, f"{what} for q{tuple(q.shape)}: cuDNN packed layout ({ENV}={m}: up to "
-           f"{m} documents a row; our Triton kernels for a batch with more)")
+def choice_note(q, m: int) -> str:
+  """The log line's reason for choosing the packed call (the cap and its backward workspace)."""
+  return (f"segment ids, {ENV}={m}: cuDNN's packed layout (backward workspace ~"
+          f"{workspace_bytes(q, m) / 2**30:.1f} GiB a call), our Triton kernels for a batch with "
+          f"more than {m} documents a row")

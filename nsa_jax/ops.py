@@ -212,14 +212,16 @@ def window_backend(q, v, segment_ids=None, allow_cudnn=True) -> str:
                      "unset for the rule)")
   cudnn_ok = _cudnn_window_applies(q, segment_ids, allow_cudnn)
   m = cudnn_packed.packed_cap() if segment_ids is not None and allow_cudnn else 0
+  if m and forced:
+    log_once(logging.WARNING, f"{cudnn_packed.ENV}={m} and NSA_WINDOW_BACKEND={forced} are both "
+             f"set: the window branch follows NSA_WINDOW_BACKEND")
   if m and not forced:
     from pallas_kernels import window_attention as wk
     ok, no = cudnn_packed.applies(q, q, v)
     ok2, no2 = wk.supports(q.shape, v.shape[:3] + q.shape[-1:], v.shape)
     if ok and ok2:
       log_once(logging.INFO, f"NSA window branch for q{tuple(q.shape)} v{tuple(v.shape)}: "
-               f"cudnn-packed (segment ids, {cudnn_packed.ENV}={m}; our Triton kernels for a "
-               f"batch with more than {m} documents a row)")
+               f"cudnn-packed ({cudnn_packed.choice_note(q, m)})")
       return "cudnn-packed"
     log_once(logging.WARNING, f"{cudnn_packed.ENV}={m} is set, but cuDNN's packed layout does not "
              f"take the window branch on q{tuple(q.shape)} v{tuple(v.shape)} ({no or no2})")
@@ -254,8 +256,9 @@ def _window_flat(q, v, segment_ids):
   cuDNN and d_k == d_v (otherwise jnp.pad, the Pallas kernels' layout or the plain-JAX path adds
   nested jits)."""
   if window_backend(q, v, segment_ids) != "cudnn":
-    return False, ("the window branch runs Pallas kernels or plain JAX here (segment ids, a dtype "
-                   "cuDNN does not take, d_k != d_v, or NSA_WINDOW_BACKEND)")
+    return False, ("the window branch runs Pallas kernels, cuDNN's packed layout or plain JAX "
+                   "here (segment ids, a dtype cuDNN does not take, d_k != d_v, or "
+                   "NSA_WINDOW_BACKEND)")
   if q.shape[-1] != v.shape[-1]:
     return False, f"the window branch pads d_v={v.shape[-1]} to d_k={q.shape[-1]} for cuDNN"
   return True, ""
@@ -302,10 +305,18 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
     if segment_ids is None:
       raise ValueError("window backend 'cudnn-packed' needs segment ids (it packs documents). "
                        "Fix: backend='cudnn' or None (the rule)")
-    m = cudnn_packed.packed_cap() or 64
+    m = cudnn_packed.packed_cap()
+    if not m:
+      raise ValueError(f"window backend 'cudnn-packed' needs its document cap: set "
+                       f"{cudnn_packed.ENV}=M (the largest number of documents in one row)")
+    ok, no = cudnn_packed.applies(q, k, v)
+    if not ok:
+      raise ValueError(f"window backend 'cudnn-packed' does not take this call ({no}). Fix: "
+                       "backend=None (the rule)")
     return cudnn_packed.packed_attention(
         q, k, v, segment_ids, window, m, scale,
-        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, window, s, scale)[0])
+        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, window, s, scale,
+                                                        interpret=not on_gpu())[0])
   if be != "xla":
     raise ValueError(f"window backend {be!r}: expected one of "
                      f"{WINDOW_BACKENDS + ('cudnn-packed', 'xla')}")
@@ -626,8 +637,7 @@ def dense_backend(q, v, segment_ids=None):
     ok, no = _kernels_take(q, v)
     m = cudnn_packed.packed_cap()
     if m and ok and cudnn_packed.applies(q, q, v)[0]:
-      return "cudnn-packed", (f"segment ids, {cudnn_packed.ENV}={m}: cuDNN's packed layout, our "
-                              f"Triton kernels for a batch with more than {m} documents a row")
+      return "cudnn-packed", cudnn_packed.choice_note(q, m)
     if m:
       log_once(logging.WARNING, f"{cudnn_packed.ENV}={m} is set, but cuDNN's packed layout does "
                f"not take dense attention on q{tuple(q.shape)} v{tuple(v.shape)} "
@@ -666,7 +676,7 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
                        "'xla')")
   if implementation == "auto":
     implementation, why = dense_backend(q, v, segment_ids)
-    if segment_ids is not None and implementation != "pallas" and on_gpu():
+    if segment_ids is not None and implementation not in ("pallas", "cudnn-packed") and on_gpu():
       level = logging.WARNING  # an explicit T x T mask on a GPU: memory grows as T^2
   log_once(level, f"dense attention implementation: {implementation} for q{tuple(q.shape)} ({why})")
   if implementation == "reference":
@@ -678,7 +688,8 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
     from pallas_kernels import window_attention as wk
     return cudnn_packed.packed_attention(
         q, k, v, segment_ids, None, cudnn_packed.packed_cap(), scale,
-        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, q.shape[1], s, scale)[0])
+        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, q.shape[1], s, scale,
+                                                        interpret=not on_gpu())[0])
   if implementation == "xla" and q.shape[-1] != v.shape[-1]:
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
   impl = None if implementation == "xla" else implementation  # xla: d_k == d_v here

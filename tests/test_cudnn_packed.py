@@ -28,7 +28,7 @@ def _random_docs(key, b, t, mean_len):
 def test_offsets_and_lengths_match_a_brute_force_walk():
   """Documents of 1 token, a row of one document, ids that do not start at 0 or come back to an
   earlier value (a new run is a new document); -1 padding past a row's last run; runs past the
-  cap dropped (callers check the count first)."""
+  cap dropped (callers check the count first), without touching the other rows."""
   seg = np.concatenate([np.asarray(_random_docs(jax.random.key(5), 3, 40, 6)),
                         np.full((1, 40), 7, np.int32),
                         np.array([[3] * 10 + [4] + [3] * 9 + list(range(9, 29))], np.int32)])
@@ -44,7 +44,9 @@ def test_offsets_and_lengths_match_a_brute_force_walk():
       assert list(offsets[b]) == starts + [-1] * (m + 1 - len(starts)), b
       assert list(seqlen[b]) == lens + [-1] * (m - len(lens)), b
   seqlen, offsets = (np.asarray(x) for x in cp.packed_params(jnp.asarray(seg), 4))
-  assert list(offsets[4]) == [0, 10, 11, 20, 21] and list(seqlen[4]) == [10, 1, 9, 1]
+  # past the cap: dropped, and offsets[:, M] stays -1 (jax packs every row's starts together, so
+  # a fifth start here would shift the rows after it)
+  assert list(offsets[4]) == [0, 10, 11, 20, -1] and list(seqlen[4]) == [10, 1, 9, 1]
 
 
 def test_cap_from_the_environment(monkeypatch):
@@ -59,34 +61,60 @@ def test_cap_from_the_environment(monkeypatch):
 
 
 def _stand_in(calls):
-  """A stand-in for jax's private cuDNN call: causal softmax attention inside the segments that
-  the offsets and lengths describe (float32, GQA by repeating K/V heads), with cuDNN's window
-  (pos - w, pos]; tokens outside every segment attend nowhere (zeros)."""
+  """A stand-in for jax's private cuDNN call: it applies jax's own packing of the offsets and
+  lengths (`_fix_seqlen_offsets`: every row's segments packed together, offsets in elements of the
+  flattened BTNH arrays, q and kv strides apart) and attends causally inside the segments they
+  describe (float32, GQA by repeating K/V heads), with cuDNN's window (pos - w, pos]; a token in
+  no segment attends nowhere (zeros)."""
   def fake(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, *, scale, mask_type,
            qkv_layout, sliding_window_length):
     from jax._src.cudnn import fused_attention_stablehlo as fa
     assert bias is None and mask is None and qkv_layout == "BTNH"
     assert mask_type == fa.MaskType.PADDING_CAUSAL
-    assert q_seqlen is kv_seqlen and q_offsets is kv_offsets
     calls.append(sliding_window_length)
-    b, t, h, _ = q.shape
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    assert q_offsets.shape[1] > 2, "the tests use caps above 1 (jax packs only then)"
+    qs, ks, qo, ko = fa._fix_seqlen_offsets(q_seqlen, kv_seqlen, q_offsets, kv_offsets, q, k)
+
+    def doc_of_tokens(seqlen, offsets, stride):
+      tok = jnp.arange(b * t)  # global token index in the flattened [B * T] stream
+      seqlen, offsets = seqlen.reshape(-1), offsets.reshape(-1)[:seqlen.size]
+      first = offsets // stride
+      inside = ((tok[None] >= first[:, None]) & (tok[None] < first[:, None] + seqlen[:, None])
+                & (seqlen[:, None] > 0) & (offsets[:, None] >= 0))  # [segments, B * T]
+      return jnp.where(inside.any(0), jnp.argmax(inside, axis=0), -1).reshape(b, t)
+
+    qdoc = doc_of_tokens(qs, qo, h * d)
+    kdoc = doc_of_tokens(ks, ko, kh * d)
     pos = jnp.arange(t)
-    m = q_seqlen.shape[1]
-    inside = ((pos[None, None, :] >= q_offsets[:, :m, None])
-              & (pos[None, None, :] < q_offsets[:, :m, None] + q_seqlen[:, :, None])
-              & (q_seqlen[:, :, None] > 0))  # [B, M, T]
-    doc = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)  # [B, T]
-    allowed = ((doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
+    allowed = ((qdoc[:, :, None] == kdoc[:, None, :]) & (qdoc[:, :, None] >= 0)
                & (pos[:, None] >= pos[None, :])[None])
     if sliding_window_length is not None:
       allowed &= (pos[:, None] - pos[None, :] < sliding_window_length)[None]
-    rep = h // k.shape[2]
+    rep = h // kh
     kk, vv = (jnp.repeat(x.astype(jnp.float32), rep, axis=2) for x in (k, v))
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kk) * scale
     s = jnp.where(allowed[:, None], s, -jnp.inf)
     p = jnp.nan_to_num(jax.nn.softmax(s, axis=-1))
     return jnp.einsum("bhqk,bkhd->bqhd", p, vv).astype(q.dtype)
   return fake
+
+
+def test_stand_in_sees_a_cut_row_shift_the_rows_after_it(monkeypatch):
+  """The stand-in is faithful to jax's packing: offsets with a stray start in a row's last slot
+  (the bug a review found in packed_params) give wrong answers in the next row, which fits."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  fake = _stand_in([])
+  ks = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (2, 16, 2, 8)) for kk in ks)
+  seq = jnp.array([[4, 4, 4], [8, 8, -1]])
+  good = jnp.array([[0, 4, 8, -1], [0, 8, -1, -1]])
+  bad = good.at[0, 3].set(12)
+  run = lambda off: fake(q, k, v, None, None, seq, seq, off, off, scale=0.5,
+                         mask_type=fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+                         sliding_window_length=None)
+  assert not np.allclose(run(good)[1], run(bad)[1])
 
 
 @pytest.mark.skipif(ON_GPU, reason="the stand-in replaces the real cuDNN call (tested below)")
@@ -104,8 +132,9 @@ def test_packed_attention_wiring_and_fallback(monkeypatch, window):
   q = jax.random.normal(ks[0], (b, t, h, d))
   k = jax.random.normal(ks[1], (b, t, kh, d))
   v = jax.random.normal(ks[2], (b, t, kh, d))
-  seg = _random_docs(ks[3], b, t, 6)
-  n = int(cp.documents_per_row(seg).max())
+  pos = jnp.arange(t)[None]
+  seg = _random_docs(ks[3], b, t, 6) + 100 * ((pos >= 15).astype(jnp.int32) + (pos >= 30))
+  n = int(cp.documents_per_row(seg).max())  # at least 3 (the cuts at 15 and 30)
   w = t if window is None else window
   ref = reference.window_attention(q, k, v, w, seg)[0]
   marker = lambda q, k, v, s: reference.window_attention(q, k, v, w, s)[0] + 100.0
@@ -132,6 +161,7 @@ def test_backend_rules_pick_it_only_when_asked(monkeypatch, caplog):
   seg = jnp.zeros((1, 64), jnp.int32)
   monkeypatch.delenv("NSA_WINDOW_BACKEND", raising=False)
   monkeypatch.setenv(cp.ENV, "16")
+  monkeypatch.setattr(ops, "on_gpu", lambda: False)
   assert ops.window_backend(bf, v, seg) == "xla" and ops.dense_backend(bf, v, seg)[0] == "xla"
   monkeypatch.setattr(ops, "on_gpu", lambda: True)
   monkeypatch.setattr(cp, "applies", lambda q, k, v: (True, ""))
@@ -141,7 +171,12 @@ def test_backend_rules_pick_it_only_when_asked(monkeypatch, caplog):
     assert ops.dense_backend(bf, v, seg)[0] == "cudnn-packed"
     assert ops.window_backend(bf, v) == "cudnn" and ops.dense_backend(bf, v)[0] == "cudnn"
     assert ops.window_backend(bf, v, seg, allow_cudnn=False) == "triton"
-  assert "NSA_CUDNN_PACKED=16" in caplog.text
+  assert "NSA_CUDNN_PACKED=16" in caplog.text and "backward workspace ~0.0 GiB" in caplog.text
+  monkeypatch.setenv("NSA_WINDOW_BACKEND", "triton")
+  with caplog.at_level(logging.WARNING, logger="nsa_jax"):
+    assert ops.window_backend(bf, v, seg) == "triton"
+  assert "the window branch follows NSA_WINDOW_BACKEND" in caplog.text
+  monkeypatch.delenv("NSA_WINDOW_BACKEND")
   monkeypatch.delenv(cp.ENV)
   assert ops.window_backend(bf, v, seg) == "triton" and ops.dense_backend(bf, v, seg)[0] == "pallas"
   monkeypatch.setenv(cp.ENV, "16")
@@ -153,6 +188,46 @@ def test_backend_rules_pick_it_only_when_asked(monkeypatch, caplog):
   assert caplog.text.count("compute capability 8.0") == 2
   with pytest.raises(ValueError, match="needs segment ids"):
     ops.window_attention(bf, v, v, 8, None, backend="cudnn-packed")
+  monkeypatch.delenv(cp.ENV)
+  with pytest.raises(ValueError, match="needs its document cap: set NSA_CUDNN_PACKED"):
+    ops.window_attention(bf, v, v, 8, seg, backend="cudnn-packed")
+  monkeypatch.setenv(cp.ENV, "16")
+  with pytest.raises(ValueError, match="compute capability 8.0"):
+    ops.window_attention(bf, v, v, 8, seg, backend="cudnn-packed")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the stand-in replaces the real cuDNN call (tested below)")
+def test_ops_paths_through_the_packed_call(monkeypatch):
+  """ops.window_attention(backend="cudnn-packed") and dense_attention (with "auto" resolving to
+  the packed call) give the reference's document-masked attention with a non-default scale, with
+  the cap above and below the documents a row (the fallback: our kernels, interpreted here)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  calls = []
+  monkeypatch.setattr(fa, "dot_product_attention", _stand_in(calls))
+  monkeypatch.setattr(cp, "applies", lambda q, k, v: (True, ""))
+  monkeypatch.setattr(ops, "dense_backend", lambda q, v, s=None: ("cudnn-packed", "test"))
+  seed = int.from_bytes(np.random.bytes(4), "little")
+  ks = jax.random.split(jax.random.key(seed), 4)
+  b, t, h, kh, d = 2, 64, 4, 2, 16
+  q = jax.random.normal(ks[0], (b, t, h, d))
+  k = jax.random.normal(ks[1], (b, t, kh, d))
+  v = jax.random.normal(ks[2], (b, t, kh, d))
+  pos = jnp.arange(t)[None]
+  seg = _random_docs(ks[3], b, t, 12) + 100 * ((pos >= 20).astype(jnp.int32) + (pos >= 41))
+  n = int(cp.documents_per_row(seg).max())  # at least 3 (the cuts at 20 and 41)
+  scale = 0.3
+  for cap in (n + 2, n - 1):
+    monkeypatch.setenv(cp.ENV, str(cap))
+    calls.clear()
+    got = jax.jit(lambda q, k, v, s: ops.window_attention(q, k, v, 7, s, scale,
+                                                          backend="cudnn-packed"))(q, k, v, seg)
+    np.testing.assert_allclose(got, reference.window_attention(q, k, v, 7, seg, scale)[0],
+                               atol=2e-5, rtol=2e-5, err_msg=f"window, cap {cap}, seed {seed}")
+    assert calls == [7]
+    got = jax.jit(lambda q, k, v, s: ops.dense_attention(q, k, v, s, scale))(q, k, v, seg)
+    np.testing.assert_allclose(got, reference.dense_causal_attention(q, k, v, seg, scale)[0],
+                               atol=2e-5, rtol=2e-5, err_msg=f"dense, cap {cap}, seed {seed}")
+    assert calls == [7, None]
 
 
 def test_applies_names_what_it_refuses():
