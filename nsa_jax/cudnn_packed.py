@@ -131,3 +131,20 @@ def choice_note(q, m: int) -> str:
   return (f"segment ids, {ENV}={m}: cuDNN's packed layout (backward workspace ~"
           f"{workspace_bytes(q, m) / 2**30:.1f} GiB a call), our Triton kernels for a batch with "
           f"more than {m} documents a row")
+
+
+def cap_report(seg_batches, cap: int) -> tuple[int, str]:
+  """(log level, message): how the cap M fits the documents a row of some batches' segment ids
+  (numpy [B, T] each): the largest count, and the share of batches that would run the fallback
+  (a batch falls back whole when one of its rows holds more than M documents)."""
+  import numpy as np
+  counts = [1 + (np.asarray(s)[:, 1:] != np.asarray(s)[:, :-1]).sum(axis=1) for s in seg_batches]
+  over = sum(int(c.max() > cap) for c in counts)
+  allc = np.concatenate(counts)
+  msg = (f"{ENV}={cap}: documents a row in {len(counts)} training batches: max {int(allc.max())}, "
+         f"mean {allc.mean():.1f}; {over} of {len(counts)} batches hold a row above the cap and "
+         f"run our Triton kernels instead of cuDNN's packed layout")
+  if over:
+    return logging.WARNING, msg + (f". Fix: raise {ENV} to {int(allc.max())} or more (the "
+                                   f"backward workspace grows with it) or leave it unset")
+  return logging.INFO, msg

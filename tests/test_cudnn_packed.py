@@ -271,3 +271,22 @@ def test_cudnn_packed_matches_reference_on_gpu(window):
     for name, a, r in zip(("o", "dq", "dk", "dv"), got, want):
       err = float(jnp.max(jnp.abs(a - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1.0))
       assert err < 3e-2, f"{name}: {err:.3g} (cap {cap}, {n} documents, seed {seed})"
+
+
+def test_cap_report_on_training_batches():
+  """The training loop's line on how NSA_CUDNN_PACKED's cap fits the data (logged on a GPU with
+  document masking): counts from the data pipeline's own segment ids; a warning naming the
+  batches that fall back and the cap that would hold them."""
+  from nsa_jax.training.data import segment_ids
+  eos = 0
+  rows = np.array([[5, 0, 5, 5, 0, 5, 5, 5],    # 3 documents (the end token belongs to its own)
+                   [5, 5, 5, 5, 5, 5, 5, 5]])   # 1
+  many = np.array([[0, 0, 0, 0, 0, 5, 5, 5],    # 6
+                   [5, 5, 5, 5, 5, 5, 5, 5]])
+  batches = [segment_ids(rows, eos), segment_ids(many, eos)]
+  level, msg = cp.cap_report(batches, 3)
+  assert level == logging.WARNING
+  assert "max 6, mean 2.8; 1 of 2 batches hold a row above the cap" in msg
+  assert "raise NSA_CUDNN_PACKED to 6 or more" in msg
+  level, msg = cp.cap_report(batches, 6)
+  assert level == logging.INFO and "0 of 2 batches" in msg and "Fix" not in msg

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no public context manager
 
+from nsa_jax import cudnn_packed
 from nsa_jax.config import ModelConfig, NSAConfig
 from nsa_jax.training import data as data_lib
 from nsa_jax.training import metrics as metrics_lib
@@ -444,6 +445,11 @@ def _iterators(config, model_cfg, start_step=0):
                 "tokenizer's end-of-text id", eos, len(head))
   train = data_lib.BatchIterator(sources["train"], split="train", step=start_step, **kw)
   val = data_lib.BatchIterator(sources["val"], split="val", **kw)
+  cap = cudnn_packed.packed_cap()
+  if eos is not None and cap and jax.default_backend() == "gpu":  # how often the cap holds
+    level, msg = cudnn_packed.cap_report(
+        [train.batch(start_step + i)["segment_ids"] for i in range(16)], cap)
+    log.log(level, msg)
   return train, [val.batch(i) for i in range(config.train.eval_batches)]
 
 
