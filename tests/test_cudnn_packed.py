@@ -25,6 +25,19 @@ def _random_docs(key, b, t, mean_len):
   return jnp.cumsum(cuts.astype(jnp.int32), axis=1)
 
 
+def _case(t, mean_len, cuts):
+  """(seed, q, k, v, seg, most documents a row): float32, B = 2, 4 q / 2 KV heads of 16, fresh
+  random inputs, random document cuts plus fixed ones at `cuts` (so at least len(cuts) + 1
+  documents a row: caps below the count stay above 1)."""
+  seed = int.from_bytes(np.random.bytes(4), "little")
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (2, t, 4, 16))
+  k, v = (jax.random.normal(kk, (2, t, 2, 16)) for kk in ks[1:3])
+  pos = jnp.arange(t)[None]
+  seg = _random_docs(ks[3], 2, t, mean_len) + 100 * sum((pos >= c).astype(jnp.int32) for c in cuts)
+  return seed, q, k, v, seg, int(cp.documents_per_row(seg).max())
+
+
 def test_offsets_and_lengths_match_a_brute_force_walk():
   """Documents of 1 token, a row of one document, ids that do not start at 0 or come back to an
   earlier value (a new run is a new document); -1 padding past a row's last run; runs past the
@@ -126,15 +139,8 @@ def test_packed_attention_wiring_and_fallback(monkeypatch, window):
   from jax._src.cudnn import fused_attention_stablehlo as fa
   calls = []
   monkeypatch.setattr(fa, "dot_product_attention", _stand_in(calls))
-  seed = int.from_bytes(np.random.bytes(4), "little")
-  ks = jax.random.split(jax.random.key(seed), 4)
-  b, t, h, kh, d = 2, 48, 4, 2, 16
-  q = jax.random.normal(ks[0], (b, t, h, d))
-  k = jax.random.normal(ks[1], (b, t, kh, d))
-  v = jax.random.normal(ks[2], (b, t, kh, d))
-  pos = jnp.arange(t)[None]
-  seg = _random_docs(ks[3], b, t, 6) + 100 * ((pos >= 15).astype(jnp.int32) + (pos >= 30))
-  n = int(cp.documents_per_row(seg).max())  # at least 3 (the cuts at 15 and 30)
+  t = 48
+  seed, q, k, v, seg, n = _case(t, 6, (15, 30))
   w = t if window is None else window
   ref = reference.window_attention(q, k, v, w, seg)[0]
   marker = lambda q, k, v, s: reference.window_attention(q, k, v, w, s)[0] + 100.0
@@ -206,15 +212,7 @@ def test_ops_paths_through_the_packed_call(monkeypatch):
   monkeypatch.setattr(fa, "dot_product_attention", _stand_in(calls))
   monkeypatch.setattr(cp, "applies", lambda q, k, v: (True, ""))
   monkeypatch.setattr(ops, "dense_backend", lambda q, v, s=None: ("cudnn-packed", "test"))
-  seed = int.from_bytes(np.random.bytes(4), "little")
-  ks = jax.random.split(jax.random.key(seed), 4)
-  b, t, h, kh, d = 2, 64, 4, 2, 16
-  q = jax.random.normal(ks[0], (b, t, h, d))
-  k = jax.random.normal(ks[1], (b, t, kh, d))
-  v = jax.random.normal(ks[2], (b, t, kh, d))
-  pos = jnp.arange(t)[None]
-  seg = _random_docs(ks[3], b, t, 12) + 100 * ((pos >= 20).astype(jnp.int32) + (pos >= 41))
-  n = int(cp.documents_per_row(seg).max())  # at least 3 (the cuts at 20 and 41)
+  seed, q, k, v, seg, n = _case(64, 12, (20, 41))
   scale = 0.3
   for cap in (n + 2, n - 1):
     monkeypatch.setenv(cp.ENV, str(cap))
