@@ -10,7 +10,7 @@
 # pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-xdist==3.8.0 execnet==2.1.2) and
 # ml-collections==1.1.0 for the training tests (as for scripts/h200_runs.sh). Four workers share
 # the GPU, each allocating memory as it goes.
-# GPU_TEST_FILES="tests/test_decode.py" runs other files instead of the five kernel files (e.g.
+# GPU_TEST_FILES="tests/test_decode.py" runs other files instead of the five kernel files and the cuDNN packed-layout file (e.g.
 # the module, aux-selector, fold, XLA-path, reference and sharding files: 179 tests in 235 s on
 # the H200, 2026-11-30). Writes $OUT/gpu_tests.log and $OUT/gpu_tests.xml (JUnit, per-test times).
 set -uo pipefail
@@ -36,7 +36,8 @@ if [ -n "$files" ]; then
   export PYTHONPATH=$PWD:/tmp/pytest_site
 fi
 FILES=${GPU_TEST_FILES:-"tests/test_select_kernel.py tests/test_mosaic_kernels.py
-  tests/test_compress_kernels.py tests/test_window_kernel.py tests/test_decode.py"}
+  tests/test_compress_kernels.py tests/test_window_kernel.py tests/test_decode.py
+  tests/test_cudnn_packed.py"}
 nvidia-smi -L | tee "$OUT/gpu_tests.log"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu_tests.log"
 # shellcheck disable=SC2086
