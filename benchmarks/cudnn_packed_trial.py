@@ -16,7 +16,8 @@
 # --max_docs: the static segment cap M of the packed call (0: the inputs' own maximum, rounded up
 # to a multiple of 8); a row with more documents than M is refused, never cut.
 # Each packed variant's output and gradients (q, k, v) are compared with our kernels'
-# (max |diff| / max |ours|). Writes DIR/cudnn_packed_trial.{json,md} after every variant.
+# (max |diff| / max |ours|), and each variant's forward + backward temporaries (XLA's
+# memory_analysis) recorded. Writes DIR/cudnn_packed_trial.{json,md} after every variant.
 import argparse
 import os
 import sys
@@ -44,6 +45,13 @@ def packed(q, k, v, seg, window, max_docs):
   return cudnn_packed.packed_attention(
       q, k, v, seg, window or None, max_docs,
       fallback=lambda q, k, v, s: ours(q, k, v, s, window))
+
+
+def temp_bytes(jitted, *args):
+  """XLA's temporary memory for one call of a jitted function (the packed backward's workspace
+  lands here); 0 where the backend does not say."""
+  stats = jitted.lower(*args).compile().memory_analysis()
+  return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
 
 
 def ours(q, k, v, seg, window):
@@ -114,19 +122,21 @@ def main(argv=None):
                            lambda q, k, v, s, m=m: packed(q, k, v, s, window, m), m))
         for name, fn, m in variants:
           try:
-            fwd, bwd = fwd_bwd_ms(fn, q, k, v, ct, a.iters, (seg,))[:2]
+            fwd, bwd, _, fb = fwd_bwd_ms(fn, q, k, v, ct, a.iters, (seg,))
             diffs = (rel_diffs(fn, variants[0][1], q, k, v, ct, seg) if m is not None else {})
+            temp_gb = temp_bytes(fb, q, k, v, seg) / 2**30
           except Exception as e:  # e.g. cuDNN refusing the graph: say so, go on
             print(f"  docs~{mean_len} {name}: failed: {type(e).__name__}: {str(e)[:300]}",
                   flush=True)
             continue
           print(f"  docs~{mean_len} (max {n_docs} a row) {name}: fwd {fwd:.3f} bwd {bwd:.3f} ms "
-                f"{diffs}", flush=True)
+                f"(fwd + bwd temporaries {temp_gb:.2f} GiB) {diffs}", flush=True)
           for pass_, ms, ref in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
             recs.append(bc.record(
                 op="dense_doc" if window == 0 else "window_doc", impl=name, pass_=pass_, t=t,
                 batch=b, q_heads=h, kv_heads=kh, d_k=dk, d_v=dv, ms=ms, cudnn_ms=ref,
                 window=window or t, mean_doc_len=mean_len, max_docs_in_a_row=n_docs,
+                fwd_bwd_temp_gib=round(temp_gb, 3),
                 **{f"rel_diff_{n}_vs_ours": x for n, x in diffs.items()}))
           bc.write_results(recs, a.out, a.name, preamble=(
               f"# cuDNN's packed layout with document ids ({bc.hardware()}, {bc.utc_now()})\n\n"

@@ -1774,6 +1774,9 @@ def test_cudnn_packed_trial_refuses_to_run_off_a_gpu(tmp_path):
     with pytest.raises(SystemExit):
       cp.main(["--out", str(tmp_path)])
   assert cp.count_docs(np.array([[0, 0, 1, 1, 0], [2, 2, 2, 2, 2]], np.int32)) == 3
+  # the temporaries column: XLA's own figure (a 512 x 512 float32 product held across a sort)
+  x = jax.numpy.ones((512, 512))
+  assert cp.temp_bytes(jax.jit(lambda x: jax.numpy.sort(x @ x, axis=0) @ x), x) >= 512 * 512 * 4
 
 
 def test_cmp_tiling_trial_with_document_ids_switches_agree(tmp_path):
