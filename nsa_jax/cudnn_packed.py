@@ -11,8 +11,8 @@ the environment variable NSA_CUDNN_PACKED=M (M: the static cap on documents in o
 The cap is static because cuDNN's call shapes hold it, and memory grows with it: the softmax
 statistics saved for the backward are B x M x heads x T floats, and the backward's workspace is
 about 8 bytes x B x M x T x heads x head dim (a review helper on an H100, 2026-12-07: at the 8k
-training layer, B = 8, 16 heads of 64, 4.4 GB at M = 8 and 33 GB at M = 64, against 0.15 GB for
-our kernels), so M should be the data's real largest count, not a generous bound. A row with more
+training layer, B = 8, 16 heads of 64, 4.3 GiB at M = 8 and 33 GiB at M = 64, against 0.15 GiB
+for our kernels), so M should be the data's real largest count, not a generous bound. A row with more
 than M documents never gets a cut answer: `packed_attention` checks the count inside the jitted
 graph and runs the fallback (our kernels) for the whole call instead.
 

@@ -174,8 +174,8 @@
 #          against our Triton kernels with ids and cuDNN without ids, at the 8k training layer:
 #          w = T (dense layers) and w = 512 (NSA's window branch), mean document lengths 4096 and
 #          512, the segment cap at the inputs' maximum and at 64 (benchmarks/cudnn_packed_trial.py,
-#          output and gradients compared with ours; M = 64 needs a ~33 GB backward workspace at
-#          this shape); ~3 min (parts ran on an H100 in three calls, 2026-12-07:
+#          output and gradients compared with ours; M = 64 needs a ~33 GiB backward workspace at
+#          this shape); ~6-8 min, cut at 560 s (parts ran on an H100 in three calls, 2026-12-07:
 #          benchmarks/results/cudnn_packed_h100_s42/; the whole phase has not run).
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
@@ -539,7 +539,7 @@ seldoc() {
 }
 
 cudnnpacked() {
-  timeout 400 python3 benchmarks/cudnn_packed_trial.py --out "$OUT/cudnnpacked"
+  timeout 560 python3 benchmarks/cudnn_packed_trial.py --out "$OUT/cudnnpacked"
 }
 
 ncuprof() {
