@@ -28,7 +28,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.dense_doc_trial import fwd_bwd_ms, segments
+from benchmarks.dense_doc_trial import fwd_bwd_ms, fwd_bwd_records, segments
 from experiments import bench_common as bc
 from experiments.bench_window import parse_shape  # "T:B:H/K:dk/dv", checked
 from nsa_jax import cudnn_packed, ops
@@ -131,13 +131,12 @@ def main(argv=None):
             continue
           print(f"  docs~{mean_len} (max {n_docs} a row) {name}: fwd {fwd:.3f} bwd {bwd:.3f} ms "
                 f"(fwd + bwd temporaries {temp_gb:.2f} GiB) {diffs}", flush=True)
-          for pass_, ms, ref in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
-            recs.append(bc.record(
-                op="dense_doc" if window == 0 else "window_doc", impl=name, pass_=pass_, t=t,
-                batch=b, q_heads=h, kv_heads=kh, d_k=dk, d_v=dv, ms=ms, cudnn_ms=ref,
-                window=window or t, mean_doc_len=mean_len, max_docs_in_a_row=n_docs,
-                fwd_bwd_temp_gib=round(temp_gb, 3),
-                **{f"rel_diff_{n}_vs_ours": x for n, x in diffs.items()}))
+          recs += fwd_bwd_records(
+              (fwd, bwd), (base_f, base_b), op="dense_doc" if window == 0 else "window_doc",
+              impl=name, t=t, batch=b, q_heads=h, kv_heads=kh, d_k=dk, d_v=dv,
+              window=window or t, mean_doc_len=mean_len, max_docs_in_a_row=n_docs,
+              fwd_bwd_temp_gib=round(temp_gb, 3),
+              **{f"rel_diff_{n}_vs_ours": x for n, x in diffs.items()})
           bc.write_results(recs, a.out, a.name, preamble=(
               f"# cuDNN's packed layout with document ids ({bc.hardware()}, {bc.utc_now()})\n\n"
               f"cudnn_ms: cuDNN's causal (window = T) or sliding-window call without ids, same "

@@ -51,6 +51,13 @@ def fwd_bwd_ms(attn, q, kk, v, ct, iters, extra=()):
   return fwd, bc.time_ms(fb, q, kk, v, *extra, iters=iters) - fwd, f, fb
 
 
+def fwd_bwd_records(ms, cudnn_ms, **fields):
+  """The "fwd" and "bwd" result rows of one variant: ms and cudnn_ms are (forward, backward)
+  pairs, `fields` the rest of bench_common.record's arguments and the trial's own columns."""
+  return [bc.record(pass_=pass_, ms=m, cudnn_ms=ref, **fields)
+          for pass_, m, ref in zip(("fwd", "bwd"), ms, cudnn_ms)]
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--out", required=True)
@@ -97,12 +104,11 @@ def main(argv=None):
       del out
       print(f"{shape} {impl} with ids: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, output vs "
             f"{impls[0]} {diff:.2e}", flush=True)
-      for pass_, ms, ref in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
-        recs.append(bc.record(op="dense_doc", impl=impl, pass_=pass_, t=t, batch=b, q_heads=h,
-                              kv_heads=k, d_k=dk, d_v=dv, ms=ms,
-                              cudnn_ms=ref if ref > 0 else None,
-                              documents_per_row=round(float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2),
-                              out_rel_diff_vs_first=diff))
+      recs += fwd_bwd_records((fwd, bwd), tuple(r if r > 0 else None for r in (base_f, base_b)),
+                              op="dense_doc", impl=impl, t=t, batch=b, q_heads=h, kv_heads=k,
+                              d_k=dk, d_v=dv, documents_per_row=round(
+                                  float((seg[:, -1] - seg[:, 0]).mean()) + 1, 2),
+                              out_rel_diff_vs_first=diff)
       bc.write_results(recs, a.out, a.name, preamble=(
           f"# Dense causal attention with document ids ({bc.hardware()}, {bc.utc_now()})\n\n"
           f"cudnn_ms: {base} causal without ids, same run (speedup < 1: the document mask costs "

@@ -138,7 +138,7 @@ def cap_report(seg_batches, cap: int) -> tuple[int, str]:
   (numpy [B, T] each): the largest count, and the share of batches that would run the fallback
   (a batch falls back whole when one of its rows holds more than M documents)."""
   import numpy as np
-  counts = [1 + (np.asarray(s)[:, 1:] != np.asarray(s)[:, :-1]).sum(axis=1) for s in seg_batches]
+  counts = [np.asarray(documents_per_row(np.asarray(s))) for s in seg_batches]
   over = sum(int(c.max() > cap) for c in counts)
   allc = np.concatenate(counts)
   msg = (f"{ENV}={cap}: documents a row in {len(counts)} training batches: max {int(allc.max())}, "

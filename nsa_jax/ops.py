@@ -277,6 +277,17 @@ def _padded_attention(q, k, v, scale, implementation, **kw):
                                       **kw)[..., :dv]
 
 
+def _packed_or_kernels(q, k, v, segment_ids, window, cap, scale):
+  """cuDNN's packed layout with the document cap `cap` (nsa_jax/cudnn_packed.py), our Triton
+  window kernels (w = T for window=None) for a batch with a row above the cap."""
+  from pallas_kernels import window_attention as wk
+  w = q.shape[1] if window is None else window
+  return cudnn_packed.packed_attention(
+      q, k, v, segment_ids, window, cap, scale,
+      fallback=lambda q, k, v, s: wk.window_attention(q, k, v, w, s, scale,
+                                                      interpret=not on_gpu())[0])
+
+
 def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True,
                      backend=None):
   """Sliding-window branch, by window_backend(...) unless `backend` names one of
@@ -313,10 +324,7 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
     if not ok:
       raise ValueError(f"window backend 'cudnn-packed' does not take this call ({no}). Fix: "
                        "backend=None (the rule)")
-    return cudnn_packed.packed_attention(
-        q, k, v, segment_ids, window, m, scale,
-        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, window, s, scale,
-                                                        interpret=not on_gpu())[0])
+    return _packed_or_kernels(q, k, v, segment_ids, window, m, scale)
   if be != "xla":
     raise ValueError(f"window backend {be!r}: expected one of "
                      f"{WINDOW_BACKENDS + ('cudnn-packed', 'xla')}")
@@ -636,12 +644,13 @@ def dense_backend(q, v, segment_ids=None):
   if segment_ids is not None:
     ok, no = _kernels_take(q, v)
     m = cudnn_packed.packed_cap()
-    if m and ok and cudnn_packed.applies(q, q, v)[0]:
-      return "cudnn-packed", cudnn_packed.choice_note(q, m)
     if m:
+      packed_ok, packed_no = cudnn_packed.applies(q, q, v)
+      if ok and packed_ok:
+        return "cudnn-packed", cudnn_packed.choice_note(q, m)
       log_once(logging.WARNING, f"{cudnn_packed.ENV}={m} is set, but cuDNN's packed layout does "
                f"not take dense attention on q{tuple(q.shape)} v{tuple(v.shape)} "
-               f"({cudnn_packed.applies(q, q, v)[1] or no})")
+               f"({packed_no or no})")
     if ok:
       return "pallas", ("segment ids: the Triton kernels take them (cuDNN's causal call would need "
                         "an explicit O(T^2) mask)")
@@ -685,11 +694,7 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
     from pallas_kernels import window_attention as wk
     return wk.window_attention(q, k, v, q.shape[1], segment_ids, scale, interpret=not on_gpu())[0]
   if implementation == "cudnn-packed":  # only "auto" picks it (NSA_CUDNN_PACKED)
-    from pallas_kernels import window_attention as wk
-    return cudnn_packed.packed_attention(
-        q, k, v, segment_ids, None, cudnn_packed.packed_cap(), scale,
-        fallback=lambda q, k, v, s: wk.window_attention(q, k, v, q.shape[1], s, scale,
-                                                        interpret=not on_gpu())[0])
+    return _packed_or_kernels(q, k, v, segment_ids, None, cudnn_packed.packed_cap(), scale)
   if implementation == "xla" and q.shape[-1] != v.shape[-1]:
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
   impl = None if implementation == "xla" else implementation  # xla: d_k == d_v here
