@@ -68,6 +68,8 @@
 #          projection as before 2026-12-02): step-only rates of the 8k NSA LM and its dense twin
 #          (benchmarks/compile_time_trial.py, KV_STEPS timed steps, default 30); PF_VARIANTS
 #          overrides the variant list (~85 s per NSA variant, ~35 s per dense one).
+# packedpair  masked 8k runs with and without NSA_CUDNN_PACKED (cuDNN's packed layout for ids):
+#          dense packed / plain, NSA packed / plain, one GPU, carry `.whl`; ~6-8 min.
 # determinism  is 8k training bitwise reproducible, with and without XLA's determinism flags
 #          (one GPU, carry `.whl`; DET_FLAGS picks the flags)
 #
@@ -211,6 +213,23 @@ determinism() {  # is GPU training bitwise reproducible? The 8k LM (CTX_STEPS st
     rm -rf "$T/det/$run/checkpoints"
   done
   python3 benchmarks/determinism_report.py "$R"
+}
+packedpair() {  # masked 8k runs on one GPU with and without cuDNN's packed layout (NSA_CUDNN_PACKED,
+  # cap PP_CAP, default 8): dense packed, dense plain, NSA packed, NSA plain, PP_LIMIT s each
+  # (default 130; a masked 8k run took ~80-100 s on an H100, 2026-12-06)
+  local m v
+  for m in dense nsa; do
+    for v in packed plain; do
+      rm -rf "$T/context/${m}_8192"
+      if [ $v = packed ]; then export NSA_CUDNN_PACKED=${PP_CAP:-8}; else unset NSA_CUDNN_PACKED; fi
+      CTX_EXTRA="--config.data.document_mask=True ${CTX_EXTRA:-}" \
+        ctx_run "$m" 8192 8 0 "${PP_LIMIT:-130}" 15
+      mv "$R/context_${m}_8192.log" "$R/packedpair_${m}_$v.log"
+      keep "$T/context/${m}_8192" "packedpair_${m}_$v"
+    done
+  done
+  unset NSA_CUDNN_PACKED
+  grep -H "tokens_per_s\|cudnn-packed\|packed layout\|fall back" "$R"/packedpair_*.log | tail -n 40
 }
 context8_1gpu_rev() {  # the 8k pair in the other order (dense first): does running second cost?
   rm -rf "$T/context/nsa_8192" "$T/context/dense_8192"
