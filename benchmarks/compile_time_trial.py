@@ -123,6 +123,7 @@ def one(variant):
                        for x in jax.tree.leaves(state["params"])))
   step = train.make_train_step(setup, c.optim.grad_accum_steps)
   batches, _ = train._iterators(c, setup.model_cfg)
+  train.set_dense_packed_cap(c, setup.model_cfg, batches, mesh)  # as a training run chooses
   batch = train.to_global(next(batches), setup)
   setup_s = time.perf_counter() - t0
   with jax.set_mesh(mesh):

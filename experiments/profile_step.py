@@ -180,6 +180,7 @@ def profile_config(config, tag, warmup, timed, steps, hlo_path=None):
   setup = train.build_setup(config, mesh)
   train.check_batch_layout(config, mesh, setup.model_cfg)
   batches, _ = train._iterators(config, setup.model_cfg)
+  train.set_dense_packed_cap(config, setup.model_cfg, batches, mesh)  # as a training run chooses
   state = train.create_train_state(setup)
   step = train.make_train_step(setup, config.optim.grad_accum_steps)
   batch = train.to_global(next(batches), setup)  # one batch, reused: the data is not measured

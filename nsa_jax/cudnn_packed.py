@@ -1,25 +1,34 @@
-"""cuDNN's packed-sequence flash attention for packed documents (segment ids), opt-in.
+"""cuDNN's packed-sequence flash attention for packed documents (segment ids).
 
-With segment ids the library's GPU default for dense layers and NSA's window branch is our Triton
-window kernels, because cuDNN's causal / sliding-window call through jax.nn.dot_product_attention
-takes no document ids. cuDNN itself does take packed documents: per-row segment offsets and
-lengths ("packed layout", Hopper and later), which jax exposes only through its private
-`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`. This module calls that, behind
-the environment variable NSA_CUDNN_PACKED=M (M: the static cap on documents in one row; unset or
-0: off), so the choice can be timed (benchmarks/cudnn_packed_trial.py) before it becomes a default.
+cuDNN's causal / sliding-window call through jax.nn.dot_product_attention takes no document ids,
+so with segment ids dense layers and NSA's window branch ran our Triton window kernels. cuDNN itself
+does take packed documents: per-row segment offsets and lengths ("packed layout", Hopper and
+later), which jax exposes only through its private
+`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`. This module calls that.
 
-The cap is static because cuDNN's call shapes hold it, and memory grows with it: the softmax
-statistics saved for the backward are B x M x heads x T floats, and the backward's workspace is
-about 8 bytes x B x M x T x heads x head dim (a review helper on an H100, 2026-12-07: at the 8k
-training layer, B = 8, 16 heads of 64, 4.3 GiB at M = 8 and 33 GiB at M = 64, against 0.15 GiB
-for our kernels), so M should be the data's real largest count, not a generous bound. A row with more
-than M documents never gets a cut answer: `packed_attention` checks the count inside the jitted
-graph and runs the fallback (our kernels) for the whole call instead.
+Who uses it:
+- Dense layers with document masking in training: `config.data.cudnn_packed_cap` ("auto", the
+  default: the training loop sets the cap from its first batches through `auto_cap` and
+  `set_dense_cap`; "off"; or a fixed cap). Library users call `set_dense_cap(M)` themselves.
+- Everything (dense layers and NSA's window branch) with the environment variable
+  NSA_CUDNN_PACKED=M, which overrides the above (0: off for both). NSA's window branch uses it only
+  so: at the 8k training layer it gained nothing in training (below) and costs the workspace.
+
+The cap M (documents in one row) is static because cuDNN's call shapes hold it, and memory grows
+with it: the softmax statistics saved for the backward are B x M x heads x T floats, and the
+backward's workspace is about 8 bytes x B x M x T x heads x head dim (a review helper on an H100,
+2026-12-07: at the 8k training layer, B = 8, 16 heads of 64, 4.3 GiB at M = 8 and 33 GiB at
+M = 64, against 0.15 GiB for our kernels), so M should be the data's real largest count, not a
+generous bound. A row with more than M documents never gets a cut answer: `packed_attention`
+checks the count inside the jitted graph and runs the fallback (our kernels) for the whole call
+instead.
 
 Measured (one H100, the 8k training layer, benchmarks/results/cudnn_packed_h100_s42/): with at
 most 3-5 documents a row (M = 8) the dense backward takes 4.8-6.8 ms against 9.7-13.4 ms for our
-kernels; with 25 a row (M = 32) it is slower (3.9 against 3.3 ms). Off by default until a training
-run confirms it.
+kernels; with 25 a row (M = 32) it is slower (3.9 against 3.3 ms), hence `AUTO_MAX_DOCS`. In
+training (one H100, the masked 8k LM, benchmarks/results/packedpair_h100_s43/): dense 314.7k
+tokens/s with M = 8 against 227.0k with our kernels (+5.8 GB peak); NSA with its window branch
+packed 281.1k against 280.5k.
 
 Documents are runs of equal ids (a change of id starts one), as the data pipeline makes them
 (cumulative counts); ids that come back to an earlier value are separate documents here, while
@@ -36,11 +45,20 @@ import jax.numpy as jnp
 ENV = "NSA_CUDNN_PACKED"
 
 
-def packed_cap() -> int:
-  """The segment cap M from NSA_CUDNN_PACKED (0: off)."""
+# Above this many documents in one row "auto" keeps our kernels: at 25 a row (M = 32) the packed
+# call was slower (module docstring); between 8 and 32 it is untimed.
+AUTO_MAX_DOCS = 16
+# "auto" also keeps our kernels where the estimated backward workspace exceeds this share of the
+# device's memory.
+AUTO_MAX_MEMORY_SHARE = 1 / 8
+_dense_cap = 0  # set_dense_cap's value
+
+
+def env_cap() -> int | None:
+  """The cap from NSA_CUDNN_PACKED (0: off), or None where it is unset."""
   raw = os.environ.get(ENV, "").strip()
   if not raw:
-    return 0
+    return None
   try:
     m = int(raw)
   except ValueError:
@@ -49,6 +67,31 @@ def packed_cap() -> int:
     raise ValueError(f"{ENV}={raw!r}: expected the largest number of documents in one row (a "
                      "non-negative integer, e.g. 64), or unset / 0 for off")
   return m
+
+
+def set_dense_cap(m: int) -> None:
+  """Dense layers with segment ids run cuDNN's packed layout with document cap `m` (0: our
+  kernels), read when a call is traced; NSA_CUDNN_PACKED, where set, overrides it. The training
+  loop sets it from config.data.cudnn_packed_cap."""
+  global _dense_cap
+  if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+    raise ValueError(f"set_dense_cap({m!r}): expected the largest number of documents in one row "
+                     "(a non-negative int; 0 for off)")
+  _dense_cap = m
+
+
+def packed_cap(dense: bool = False) -> int:
+  """The document cap M for a call (0: off): NSA_CUDNN_PACKED where set, else for dense layers
+  set_dense_cap's value, for the window branch 0."""
+  m = env_cap()
+  if m is not None:
+    return m
+  return _dense_cap if dense else 0
+
+
+def cap_source(dense: bool = False) -> str:
+  """Where packed_cap's value comes from, for log lines."""
+  return ENV if env_cap() is not None or not dense else "the dense cap (data.cudnn_packed_cap)"
 
 
 def packed_params(seg, max_docs: int):
@@ -98,8 +141,9 @@ def applies(q, k, v) -> tuple[bool, str]:
 
 def workspace_bytes(q, max_docs: int) -> int:
   """The packed backward's workspace, about 8 bytes x B x M x T x heads x head dim (measured, see
-  the module docstring); the forward needs none."""
-  b, t, h, d = q.shape
+  the module docstring) for q (an array or its [B, T, heads, head dim] shape); the forward needs
+  none."""
+  b, t, h, d = getattr(q, "shape", q)
   return 8 * b * max_docs * t * h * d
 
 
@@ -126,14 +170,14 @@ def packed_attention(q, k, v, seg, window, max_docs, scale=None, fallback=None):
   return jax.lax.cond(fits, cudnn, fallback, q, k, v, seg)
 
 
-def choice_note(q, m: int) -> str:
+def choice_note(q, m: int, source: str = ENV) -> str:
   """The log line's reason for choosing the packed call (the cap and its backward workspace)."""
-  return (f"segment ids, {ENV}={m}: cuDNN's packed layout (backward workspace ~"
+  return (f"segment ids, {source}={m}: cuDNN's packed layout (backward workspace ~"
           f"{workspace_bytes(q, m) / 2**30:.1f} GiB a call), our Triton kernels for a batch with "
           f"more than {m} documents a row")
 
 
-def cap_report(seg_batches, cap: int) -> tuple[int, str]:
+def cap_report(seg_batches, cap: int, source: str = ENV) -> tuple[int, str]:
   """(log level, message): how the cap M fits the documents a row of some batches' segment ids
   (numpy [B, T] each): the largest count, and the share of batches that would run the fallback
   (a batch falls back whole when one of its rows holds more than M documents)."""
@@ -141,10 +185,34 @@ def cap_report(seg_batches, cap: int) -> tuple[int, str]:
   counts = [np.asarray(documents_per_row(np.asarray(s))) for s in seg_batches]
   over = sum(int(c.max() > cap) for c in counts)
   allc = np.concatenate(counts)
-  msg = (f"{ENV}={cap}: documents a row in {len(counts)} training batches: max {int(allc.max())}, "
+  msg = (f"{source}={cap}: documents a row in {len(counts)} training batches: max {int(allc.max())}, "
          f"mean {allc.mean():.1f}; {over} of {len(counts)} batches hold a row above the cap and "
          f"run our Triton kernels instead of cuDNN's packed layout")
   if over:
-    return logging.WARNING, msg + (f". Fix: raise {ENV} to {int(allc.max())} or more (the "
-                                   f"backward workspace grows with it) or leave it unset")
+    return logging.WARNING, msg + (f". Fix: raise {source} to {int(allc.max())} or more (the "
+                                   f"backward workspace grows with it)" +
+                                   (" or leave it unset" if source == ENV else ""))
   return logging.INFO, msg
+
+
+def auto_cap(seg_batches, q_shape, memory_bytes=None) -> tuple[int, str]:
+  """(cap, why) for data.cudnn_packed_cap="auto": the largest count of documents in one row of
+  these batches' segment ids (numpy [B, T] each), rounded up to a multiple of 4 (a later batch
+  with a few more still fits; one with more than the cap runs our kernels, whole); 0 (our
+  kernels) where that count exceeds AUTO_MAX_DOCS or the backward workspace for q_shape (one
+  device's [B, T, heads, head dim]) exceeds AUTO_MAX_MEMORY_SHARE of memory_bytes."""
+  import numpy as np
+  most = max(int(np.asarray(documents_per_row(np.asarray(s))).max()) for s in seg_batches)
+  seen = f"at most {most} documents a row in {len(seg_batches)} batches"
+  if most > AUTO_MAX_DOCS:
+    return 0, (f"{seen}, more than {AUTO_MAX_DOCS}: our Triton kernels (cuDNN's packed layout was "
+               f"slower at 25 a row, and its workspace grows with the count)")
+  cap = -(-most // 4) * 4
+  ws = workspace_bytes(q_shape, cap)
+  if memory_bytes and ws > AUTO_MAX_MEMORY_SHARE * memory_bytes:
+    return 0, (f"{seen}: cuDNN's packed layout with cap {cap} would need ~{ws / 2**30:.1f} GiB of "
+               f"backward workspace, more than {AUTO_MAX_MEMORY_SHARE:.0%} of the device's "
+               f"{memory_bytes / 2**30:.0f} GiB: our Triton kernels (set "
+               f"data.cudnn_packed_cap={cap} to use it anyway)")
+  return cap, (f"{seen}: cuDNN's packed layout with cap {cap} (backward workspace ~"
+               f"{ws / 2**30:.1f} GiB a call; a batch with a row above it runs our Triton kernels)")

@@ -633,22 +633,25 @@ def dense_backend(q, v, segment_ids=None):
 
   GPU: cuDNN's causal flash call for 16-bit inputs without segment ids (where d_k != d_v, the
   smaller of the two zero-padded, if cuDNN takes the padded dim on this GPU; else our kernels);
-  with segment ids (packed documents) our Pallas Triton kernels (the window kernels with w = T:
-  flash tiling, O(T) memory, the ids honoured in the kernels), because cuDNN's causal call takes no
-  document ids and the explicit [B, 1, T, T] mask it would need instead grows as T^2 (2 GB of bf16
-  bias per sequence at 32k). Elsewhere XLA."""
+  with segment ids (packed documents) cuDNN's packed layout where a document cap is set
+  (nsa_jax/cudnn_packed.py: set_dense_cap, which the training loop calls from
+  data.cudnn_packed_cap, or NSA_CUDNN_PACKED), else our Pallas Triton kernels (the window kernels
+  with w = T: flash tiling, O(T) memory, the ids honoured in the kernels), because cuDNN's causal
+  call takes no document ids and the explicit [B, 1, T, T] mask it would need instead grows as
+  T^2 (2 GB of bf16 bias per sequence at 32k). Elsewhere XLA."""
   if not on_gpu():
     return "xla", "no GPU"
   half = q.dtype in (jnp.bfloat16, jnp.float16)
   dk, dv = q.shape[-1], v.shape[-1]
   if segment_ids is not None:
     ok, no = _kernels_take(q, v)
-    m = cudnn_packed.packed_cap()
+    m = cudnn_packed.packed_cap(dense=True)
     if m:
+      src = cudnn_packed.cap_source(dense=True)
       packed_ok, packed_no = cudnn_packed.applies(q, q, v)
       if ok and packed_ok:
-        return "cudnn-packed", cudnn_packed.choice_note(q, m)
-      log_once(logging.WARNING, f"{cudnn_packed.ENV}={m} is set, but cuDNN's packed layout does "
+        return "cudnn-packed", cudnn_packed.choice_note(q, m, src)
+      log_once(logging.WARNING, f"{src}={m} is set, but cuDNN's packed layout does "
                f"not take dense attention on q{tuple(q.shape)} v{tuple(v.shape)} "
                f"({packed_no or no})")
     if ok:
@@ -694,7 +697,12 @@ def _dense_local(q, k, v, segment_ids, scale, implementation):
     from pallas_kernels import window_attention as wk
     return wk.window_attention(q, k, v, q.shape[1], segment_ids, scale, interpret=not on_gpu())[0]
   if implementation == "cudnn-packed":  # only "auto" picks it (NSA_CUDNN_PACKED)
-    return _packed_or_kernels(q, k, v, segment_ids, None, cudnn_packed.packed_cap(), scale)
+    m = cudnn_packed.packed_cap(dense=True)
+    if not m:
+      raise ValueError("dense implementation 'cudnn-packed' needs its document cap: "
+                       "nsa_jax.cudnn_packed.set_dense_cap(M) or NSA_CUDNN_PACKED=M (the largest "
+                       "number of documents in one row)")
+    return _packed_or_kernels(q, k, v, segment_ids, None, m, scale)
   if implementation == "xla" and q.shape[-1] != v.shape[-1]:
     return reference.dense_causal_attention(q, k, v, segment_ids, scale)[0]
   impl = None if implementation == "xla" else implementation  # xla: d_k == d_v here

@@ -73,6 +73,63 @@ def test_cap_from_the_environment(monkeypatch):
       cp.packed_cap()
 
 
+def test_dense_cap_and_its_precedence(monkeypatch):
+  """set_dense_cap reaches dense layers only; NSA_CUDNN_PACKED, where set (0 included), decides for
+  both; bad caps are refused with the fix."""
+  monkeypatch.setattr(cp, "_dense_cap", 0)
+  monkeypatch.delenv(cp.ENV, raising=False)
+  cp.set_dense_cap(12)
+  assert cp.packed_cap(dense=True) == 12 and cp.packed_cap() == 0
+  assert cp.cap_source(dense=True) == "the dense cap (data.cudnn_packed_cap)"
+  monkeypatch.setenv(cp.ENV, "0")
+  assert cp.packed_cap(dense=True) == 0 and cp.cap_source(dense=True) == cp.ENV
+  monkeypatch.setenv(cp.ENV, "5")
+  assert cp.packed_cap(dense=True) == 5 and cp.packed_cap() == 5
+  for bad in (-1, 2.0, True, "4"):
+    with pytest.raises(ValueError, match="set_dense_cap.*non-negative int"):
+      cp.set_dense_cap(bad)
+
+
+def test_auto_cap_rules():
+  """"auto": the most documents in a row, rounded up to a multiple of 4; our kernels (0) above
+  AUTO_MAX_DOCS or where the workspace would exceed its share of the device's memory."""
+  def batch(counts, t=64):  # rows with these document counts (cuts at the first positions)
+    return np.stack([np.cumsum(np.isin(np.arange(t), np.arange(1, c)), dtype=np.int32)
+                     for c in counts])
+  q = (8, 8192, 16, 64)
+  cap, why = cp.auto_cap([batch([1, 3]), batch([2, 9])], q)
+  assert cap == 12 and "at most 9 documents a row in 2 batches" in why and "cap 12" in why
+  assert cp.auto_cap([batch([4])], q)[0] == 4 and cp.auto_cap([batch([1])], q)[0] == 4
+  assert cp.auto_cap([batch([cp.AUTO_MAX_DOCS])], q)[0] == cp.AUTO_MAX_DOCS
+  cap, why = cp.auto_cap([batch([cp.AUTO_MAX_DOCS + 1])], q)
+  assert cap == 0 and "more than 16" in why
+  ws = cp.workspace_bytes(q, 12)
+  assert ws == 8 * 8 * 12 * 8192 * 16 * 64
+  assert cp.auto_cap([batch([9])], q, memory_bytes=8 * ws)[0] == 12
+  cap, why = cp.auto_cap([batch([9])], q, memory_bytes=8 * ws - 1)
+  assert cap == 0 and "data.cudnn_packed_cap=12 to use it anyway" in why
+
+
+def test_dense_backend_follows_the_dense_cap(monkeypatch, caplog):
+  """On a (pretended) Hopper GPU, set_dense_cap sends dense layers with ids to the packed call and
+  leaves the window branch on our kernels; cap 0 restores the kernels."""
+  monkeypatch.setattr(cp, "_dense_cap", 0)
+  monkeypatch.delenv(cp.ENV, raising=False)
+  monkeypatch.delenv("NSA_WINDOW_BACKEND", raising=False)
+  monkeypatch.setattr(ops, "on_gpu", lambda: True)
+  monkeypatch.setattr(cp, "applies", lambda q, k, v: (True, ""))
+  bf = jnp.zeros((1, 64, 4, 32), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 1, 32), jnp.bfloat16)
+  seg = jnp.zeros((1, 64), jnp.int32)
+  assert ops.dense_backend(bf, v, seg)[0] == "pallas"
+  cp.set_dense_cap(8)
+  impl, why = ops.dense_backend(bf, v, seg)
+  assert impl == "cudnn-packed" and "data.cudnn_packed_cap)=8" in why
+  assert ops.window_backend(bf, v, seg) == "triton" and ops.dense_backend(bf, v)[0] == "cudnn"
+  cp.set_dense_cap(0)
+  assert ops.dense_backend(bf, v, seg)[0] == "pallas"
+
+
 def _stand_in(calls):
   """A stand-in for jax's private cuDNN call: it applies jax's own packing of the offsets and
   lengths (`_fix_seqlen_offsets`: every row's segments packed together, offsets in elements of the
@@ -228,6 +285,32 @@ def test_ops_paths_through_the_packed_call(monkeypatch):
     assert calls == [7, None]
 
 
+@pytest.mark.skipif(ON_GPU, reason="the stand-in replaces the real cuDNN call (tested below)")
+def test_dense_layers_through_the_dense_cap(monkeypatch):
+  """dense_attention's "auto" with set_dense_cap (no NSA_CUDNN_PACKED): the packed call with the
+  cap where the rows fit, our kernels (interpreted) where one does not; both the reference's
+  document-masked attention."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  calls = []
+  monkeypatch.setattr(fa, "dot_product_attention", _stand_in(calls))
+  monkeypatch.setattr(cp, "_dense_cap", 0)
+  monkeypatch.delenv(cp.ENV, raising=False)
+  monkeypatch.setattr(cp, "applies", lambda q, k, v: (True, ""))
+  # the rule's choice on a GPU (test_dense_backend_follows_the_dense_cap), the fallback
+  # interpreted on this CPU
+  monkeypatch.setattr(ops, "dense_backend", lambda q, v, s=None: ("cudnn-packed", "test"))
+  seed, q, k, v, seg, n = _case(48, 10, (17,))
+  with pytest.raises(ValueError, match="needs its document cap: nsa_jax.cudnn_packed.set_dense_cap"):
+    ops.dense_attention(q, k, v, seg)
+  for cap in (n + 1, n - 1):
+    cp.set_dense_cap(cap)
+    calls.clear()
+    got = jax.jit(lambda q, k, v, s: ops.dense_attention(q, k, v, s))(q, k, v, seg)
+    np.testing.assert_allclose(got, reference.dense_causal_attention(q, k, v, seg)[0],
+                               atol=2e-5, rtol=2e-5, err_msg=f"cap {cap}, seed {seed}")
+    assert calls == [None]  # traced once: the lax.cond holds both branches
+
+
 def test_applies_names_what_it_refuses():
   ok, why = cp.applies(jnp.zeros((1, 8, 2, 32), jnp.bfloat16), jnp.zeros((1, 8, 1, 32),
                        jnp.bfloat16), jnp.zeros((1, 8, 1, 32), jnp.bfloat16))
@@ -288,3 +371,51 @@ def test_cap_report_on_training_batches():
   assert "raise NSA_CUDNN_PACKED to 6 or more" in msg
   level, msg = cp.cap_report(batches, 6)
   assert level == logging.INFO and "0 of 2 batches" in msg and "Fix" not in msg
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's packed layout runs on a Hopper GPU only")
+def test_cudnn_packed_on_corpus_documents_gpu():
+  """The real call on the training data's own document ids (the embedded corpus at T = 8192 with
+  document masking, the rows with the most documents of the first batches) against the float32
+  reference, forward and gradients, with the error also checked on each document's first 64
+  tokens alone (where attending across a document start would show most)."""
+  from configs import sweep_nsa_vs_dense
+  from nsa_jax.training import data as data_lib
+  cfg = sweep_nsa_vs_dense.get_config("gpu")
+  cfg.data.document_mask = True
+  t = 8192
+  cfg.data.seq_len = t
+  eos = data_lib.document_end_id(cfg.data)
+  it = data_lib.BatchIterator(data_lib.make_sources(cfg.data)["train"], split="train",
+                              global_batch=8, seq_len=t, seed=0, vocab_size=cfg.model.vocab_size,
+                              eos_id=eos)
+  segs = np.concatenate([it.batch(i)["segment_ids"] for i in range(4)])
+  counts = np.asarray(cp.documents_per_row(jnp.asarray(segs)))
+  seg = jnp.asarray(segs[np.argsort(-counts)[:2]])
+  n = int(cp.documents_per_row(seg).max())
+  assert n >= 2, f"the corpus rows hold {counts.max()} documents: nothing to separate"
+  seed = int.from_bytes(np.random.bytes(4), "little")
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, k, v = (jax.random.normal(kk, (2, t, nh, 64), jnp.bfloat16)
+             for kk, nh in zip(ks[:3], (4, 1, 1)))
+  ct = jax.random.normal(ks[3], (2, t, 4, 64), jnp.float32)
+
+  def run(f):
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
+    o = jax.jit(f)(q, k, v).astype(jnp.float32)
+    return (o,) + tuple(g.astype(jnp.float32) for g in jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+
+  want = run(lambda q, k, v: reference.dense_causal_attention(
+      *(x.astype(jnp.float32) for x in (q, k, v)), seg)[0])
+  got = run(lambda q, k, v: cp.packed_attention(q, k, v, seg, None, n))
+  pos = jnp.arange(t)[None]
+  start = jnp.concatenate([jnp.ones((2, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  last_start = jax.lax.cummax(jnp.where(start, pos, 0), axis=1)
+  near = (pos - last_start < 64)[:, :, None, None]
+  for name, a, r in zip(("o", "dq", "dk", "dv"), got, want):
+    scale = jnp.maximum(jnp.max(jnp.abs(r)), 1.0)
+    err = float(jnp.max(jnp.abs(a - r)) / scale)
+    err_near = float(jnp.max(jnp.where(near, jnp.abs(a - r), 0)) / scale)
+    assert err < 3e-2 and err_near < 3e-2, (
+        f"{name}: {err:.3g} overall, {err_near:.3g} near document starts ({n} documents a row, "
+        f"seed {seed})")

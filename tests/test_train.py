@@ -7,6 +7,7 @@ XLA_FLAGS must be set before jax starts.
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -14,10 +15,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs.tiny_cpu import get_config as tiny_cpu_config
+from nsa_jax.training import data as data_lib
 from nsa_jax.training import sharding as shd
 from nsa_jax.training import train
 from nsa_jax.training.checkpointing import Checkpointer, CheckpointError, config_diff
@@ -211,7 +214,9 @@ def test_a_bug_inside_a_config_file_is_not_blamed_on_the_command_line(tmp_path):
     ("optim.clip_norm", float("inf")), ("data.val_percent", 0.0), ("data.val_percent", 100.0),
     ("data.max_bytes", -1), ("data.num_needles", 0), ("data.num_queries", 0),
     ("data.num_questions", 0), ("data.context_loss_weight", -0.1),
-    ("data.single_question_fraction", 1.5), ("optim.b1", True)])
+    ("data.single_question_fraction", 1.5), ("optim.b1", True),
+    ("data.cudnn_packed_cap", "many"), ("data.cudnn_packed_cap", "-2"),
+    ("data.cudnn_packed_cap", 1.5)])
 def test_loop_settings_that_would_crash_or_do_nothing_are_refused(path, value):
   c = small_config()
   block, key = path.split(".")
@@ -608,3 +613,49 @@ if __name__ == "__main__":
     print(json.dumps(sharded_losses(int(sys.argv[2]))))
   elif sys.argv[1] == "golden":
     print(golden_losses())
+
+
+def test_dense_packed_cap_is_chosen_from_the_whole_global_batches(monkeypatch, caplog):
+  """data.cudnn_packed_cap on a (pretended) GPU with document masking: "auto" sets the dense cap
+  from the most documents in a row of the first 16 global batches (every process reads all rows,
+  so all choose alike), "off" and NSA_CUDNN_PACKED=0 leave our kernels, a number is used as
+  given; off a GPU, without masking or without dense layers nothing is set."""
+  from nsa_jax import cudnn_packed as cp
+  monkeypatch.setattr(cp, "_dense_cap", 0)
+  monkeypatch.delenv(cp.ENV, raising=False)
+  c = small_config()
+  c.model.attention = "dense"
+  c.data.document_mask = True
+  c.data.seq_len = c.model.max_seq_len = 1024
+  mesh = shd.make_mesh(c.mesh)
+  model_cfg = train.model_config_from(c.model)
+  it, _ = train._iterators(c, model_cfg)
+  it.rows = range(1, 3)  # as process 1 of 2 would read
+  assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0  # no GPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  counts = [int(cp.documents_per_row(jnp.asarray(data_lib.segment_ids(
+      it.source.row(data_lib._row_rng(c.data.seed, "train", s, r), 1025)[0][None, :-1],
+      it.eos_id))).max()) for s in range(16) for r in range(c.data.global_batch_size)]
+  most = max(counts)
+  assert most > 1, "the corpus rows should hold several documents at 1024 tokens"
+  with caplog.at_level(logging.INFO, logger="nsa_jax"):
+    cap = train.set_dense_packed_cap(c, model_cfg, it, mesh)
+  assert cap == -(-most // 4) * 4 and cp.packed_cap(dense=True) == cap
+  assert f"at most {most} documents a row in 16 batches" in caplog.text
+  assert list(it.rows) == [1, 2] and it.step == 0  # the run's iterator is untouched
+  c.data.cudnn_packed_cap = "off"
+  assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0 == cp.packed_cap(dense=True)
+  c.data.cudnn_packed_cap = "1"
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="nsa_jax"):
+    assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 1 == cp.packed_cap(dense=True)
+  assert "raise data.cudnn_packed_cap to" in caplog.text
+  monkeypatch.setenv(cp.ENV, "0")
+  assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0 == cp.packed_cap(dense=True)
+  monkeypatch.delenv(cp.ENV)
+  c.data.cudnn_packed_cap = "auto"
+  c.model.attention = "nsa"
+  nsa_cfg = train.model_config_from(c.model)
+  assert train.set_dense_packed_cap(c, nsa_cfg, it, mesh) == 0 == cp.packed_cap(dense=True)
+  c.data.document_mask = False
+  assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0

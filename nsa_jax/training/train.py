@@ -7,6 +7,7 @@ jax.Arrays laid out by the mesh rules (see sharding.py), created sharded and nev
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -417,6 +418,7 @@ def check_run_config(config):
   for args in _RANGES:
     _check_bound(config, *args)
   data_lib.document_end_id(config.data)  # document masking's settings, refused here if wrong
+  parse_packed_cap(config.data.cudnn_packed_cap)
 
 
 def check_batch_layout(config, mesh, model_cfg):
@@ -445,12 +447,60 @@ def _iterators(config, model_cfg, start_step=0):
                 "tokenizer's end-of-text id", eos, len(head))
   train = data_lib.BatchIterator(sources["train"], split="train", step=start_step, **kw)
   val = data_lib.BatchIterator(sources["val"], split="val", **kw)
-  cap = cudnn_packed.packed_cap()
-  if eos is not None and cap and jax.default_backend() == "gpu":  # how often the cap holds
-    level, msg = cudnn_packed.cap_report(
-        [train.batch(start_step + i)["segment_ids"] for i in range(16)], cap)
-    log.log(level, msg)
   return train, [val.batch(i) for i in range(config.train.eval_batches)]
+
+
+def parse_packed_cap(value) -> str | int:
+  """config.data.cudnn_packed_cap: "auto", "off" (-> 0) or a positive cap (-> int)."""
+  text = str(value).strip().lower()
+  if text in ("auto", "off", "0"):
+    return 0 if text in ("off", "0") else "auto"
+  try:
+    cap = int(text)
+  except ValueError:
+    cap = -1
+  if cap < 1 or isinstance(value, (bool, float)):
+    raise ValueError(f"config.data.cudnn_packed_cap={value!r}: expected \"auto\", \"off\" or the "
+                     "largest number of documents in one row (a positive integer, e.g. 8). Fix: "
+                     "--config.data.cudnn_packed_cap=auto")
+  return cap
+
+
+def set_dense_packed_cap(config, model_cfg, train, mesh, n_batches=16) -> int:
+  """Dense layers with document masking on a GPU: the document cap of cuDNN's packed layout
+  (nsa_jax/cudnn_packed.py) from config.data.cudnn_packed_cap, "auto" reading the first
+  `n_batches` training batches; set with cudnn_packed.set_dense_cap and logged (0: our Triton
+  kernels). NSA_CUDNN_PACKED, where set, overrides it; its fit is logged instead. Returns the cap."""
+  setting = parse_packed_cap(config.data.cudnn_packed_cap)
+  cudnn_packed.set_dense_cap(0)
+  eos = data_lib.document_end_id(config.data)
+  env = cudnn_packed.env_cap()
+  if eos is None or jax.default_backend() != "gpu" or (
+      "dense" not in model_cfg.attention_kinds and not env):
+    return 0
+  # every process reads the whole global batches, so all of them choose the same cap (one program)
+  whole = copy.copy(train)
+  whole.rows = range(config.data.global_batch_size)
+  segs = [whole.batch(train.step + i)["segment_ids"] for i in range(n_batches)]
+  if env is not None:  # the variable decides, for dense layers and NSA's window branch alike
+    if env:
+      log.log(*cudnn_packed.cap_report(segs, env))
+    return env
+  if setting == 0:
+    log.info("dense layers with document masking: our Triton kernels (data.cudnn_packed_cap=off)")
+    return 0
+  if setting == "auto":
+    per_device = (config.data.global_batch_size // shd.batch_divisor(mesh)
+                  // config.optim.grad_accum_steps, config.data.seq_len,
+                  max(1, model_cfg.n_heads // mesh.shape.get("tensor", 1)), model_cfg.head_dim)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    cap, why = cudnn_packed.auto_cap(segs, per_device, stats.get("bytes_limit"))
+    log.info("dense layers with document masking (data.cudnn_packed_cap=auto): %s", why)
+  else:
+    cap = setting
+    log.log(*cudnn_packed.cap_report(segs, cap, "data.cudnn_packed_cap"))
+  cudnn_packed.set_dense_cap(cap)
+  return cap
 
 
 def warm_start(setup, meta, init_from: str) -> dict:
@@ -504,14 +554,14 @@ def _restore_or_init(setup, ckpt, meta, train_iter, resume: bool, init_from: str
 
 # How an invocation runs, not what it trains: changing these on a resume is routine (the
 # preemption workflow), so they neither warn nor keep a copy of the earlier config.
-_RUN_CONTROL_FIELDS = frozenset({"train.stop_after", "train.time_limit_minutes",
+_RUN_CONTROL_FIELDS = frozenset({"data.cudnn_packed_cap", "train.stop_after", "train.time_limit_minutes",
                                  "train.progress_bar", "train.tensorboard", "train.plot",
                                  "train.hlo_report", "checkpoint.async_save"})
 
 
 # Run fields added to the base config after runs were recorded, at their defaults: an earlier
 # config.json that lacks them ran exactly so (no "settings differ" warning on resume).
-_ADDED_RUN_FIELDS = {"data": {"document_mask": False, "eos_id": -1},
+_ADDED_RUN_FIELDS = {"data": {"document_mask": False, "eos_id": -1, "cudnn_packed_cap": "auto"},
                      "model": {"dense_implementation": "auto", "selection_from_layer": None}}
 
 
@@ -559,6 +609,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   setup = build_setup(config, mesh, model_factory)
   check_batch_layout(config, mesh, setup.model_cfg)
   train_iter, val_batches = _iterators(config, setup.model_cfg)
+  set_dense_packed_cap(config, setup.model_cfg, train_iter, mesh)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
                       async_save=config.checkpoint.async_save)
   meta = {"model": dataclasses.asdict(setup.model_cfg)}
