@@ -7,8 +7,9 @@
 # Hopper only); the public jax.nn.dot_product_attention does not pass them. A win here would let
 # dense layers and NSA's window branch keep cuDNN with packed documents (docs/STATUS.md, Known
 # gaps: masked dense steps cost ~27% more, NSA's window branch ~+8 ms a step at the 8k layer).
-# The library runs it only with NSA_CUDNN_PACKED=M set (nsa_jax/cudnn_packed.py); this is the
-# measurement that decides whether it should become the default.
+# This trial decided (with the masked training runs of 2026-12-07) that dense layers with ids run it
+# by default (data.cudnn_packed_cap="auto", nsa_jax/cudnn_packed.py); NSA's window branch runs it
+# only with NSA_CUDNN_PACKED=M.
 #
 #   python3 benchmarks/cudnn_packed_trial.py --out=DIR [--shapes=8192:8:16/1:64/64]
 #       [--docs=4096,512] [--windows=0,512] [--max_docs=0,64]

@@ -77,7 +77,8 @@ def get_base_config() -> ConfigDict:
   c.data.eos_id = -1               # tokens: the id that ends a document; -1 = the source's default
   # dense layers with document masking on a GPU: cuDNN's packed layout with this cap on documents
   # in one row ("auto": from the first 16 batches, our Triton kernels where rows hold more than
-  # 16 or the workspace would not fit; "off": our kernels; or a number). nsa_jax/cudnn_packed.py
+  # 16 or the workspace would not fit; "off": our kernels; or a number, as a string here: "8").
+  # nsa_jax/cudnn_packed.py
   c.data.cudnn_packed_cap = "auto"
 
   # --- optim (nsa_jax/training/optim.py) ------------------------------------------------------

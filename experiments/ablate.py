@@ -40,7 +40,7 @@ from ml_collections import ConfigDict, config_flags
 MATCH_PARAMS = "MATCH_PARAMS"
 _UI_FIELDS = ("train.progress_bar", "train.tensorboard", "train.plot")  # do not change the run
 # How the same math is traced (added after runs were recorded; left out so their hashes hold).
-_COMPUTE_FIELDS = ("model.layer_loop", "model.dense_implementation")
+_COMPUTE_FIELDS = ("model.layer_loop", "model.dense_implementation", "data.cudnn_packed_cap")
 # Left out of the hash while they hold their unset values (fields added later: keeps the hashes
 # of the runs recorded before). selection_from_layer=0 is a setting, so only None is unset there.
 _UNSET_FIELDS = {"checkpoint.init_from": ("", None), "data.single_question_fraction": (0, None),

@@ -215,9 +215,11 @@ class ModelConfig:
       Python loop (the selection is carried from layer to layer). Not with selector="aux" (each
       layer's gate is trained on its own attention) and not in cached decoding (not written).
     dense_implementation: dense layers' attention (nsa_jax.ops.dense_attention): "auto" (GPU:
-      cuDNN's causal flash call; with document masking the Pallas Triton kernels, which take the
-      segment ids in O(T) memory; elsewhere XLA), or "cudnn" (with segment ids: an explicit
-      [B, 1, T, T] mask), "pallas", "xla", "reference". How, not what: the same math.
+      cuDNN's causal flash call; with document masking cuDNN's packed layout where a document cap
+      is set (nsa_jax/cudnn_packed.py; the training loop sets it from data.cudnn_packed_cap),
+      else the Pallas Triton kernels, which take the segment ids in O(T) memory; elsewhere XLA),
+      or "cudnn" (with segment ids: an explicit [B, 1, T, T] mask), "pallas", "xla",
+      "reference". How, not what: the same math.
   """
 
   vocab_size: int = 256

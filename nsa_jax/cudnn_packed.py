@@ -80,6 +80,11 @@ def set_dense_cap(m: int) -> None:
   _dense_cap = m
 
 
+def dense_cap() -> int:
+  """set_dense_cap's value (0: none set)."""
+  return _dense_cap
+
+
 def packed_cap(dense: bool = False) -> int:
   """The document cap M for a call (0: off): NSA_CUDNN_PACKED where set, else for dense layers
   set_dense_cap's value, for the window branch 0."""
@@ -187,7 +192,8 @@ def cap_report(seg_batches, cap: int, source: str = ENV) -> tuple[int, str]:
   allc = np.concatenate(counts)
   msg = (f"{source}={cap}: documents a row in {len(counts)} training batches: max {int(allc.max())}, "
          f"mean {allc.mean():.1f}; {over} of {len(counts)} batches hold a row above the cap and "
-         f"run our Triton kernels instead of cuDNN's packed layout")
+         f"run our Triton kernels instead of cuDNN's packed layout (on the devices that hold such "
+         f"a row)")
   if over:
     return logging.WARNING, msg + (f". Fix: raise {source} to {int(allc.max())} or more (the "
                                    f"backward workspace grows with it)" +
@@ -195,24 +201,23 @@ def cap_report(seg_batches, cap: int, source: str = ENV) -> tuple[int, str]:
   return logging.INFO, msg
 
 
-def auto_cap(seg_batches, q_shape, memory_bytes=None) -> tuple[int, str]:
-  """(cap, why) for data.cudnn_packed_cap="auto": the largest count of documents in one row of
-  these batches' segment ids (numpy [B, T] each), rounded up to a multiple of 4 (a later batch
-  with a few more still fits; one with more than the cap runs our kernels, whole); 0 (our
-  kernels) where that count exceeds AUTO_MAX_DOCS or the backward workspace for q_shape (one
-  device's [B, T, heads, head dim]) exceeds AUTO_MAX_MEMORY_SHARE of memory_bytes."""
-  import numpy as np
-  most = max(int(np.asarray(documents_per_row(np.asarray(s))).max()) for s in seg_batches)
-  seen = f"at most {most} documents a row in {len(seg_batches)} batches"
+def auto_cap(most: int, n_batches: int, q_shape, memory_bytes=None) -> tuple[int, str]:
+  """(cap, why) for data.cudnn_packed_cap="auto" from `most`, the largest count of documents in
+  one row of the first `n_batches` batches: rounded up to a multiple of 4 (a later batch with a
+  few more still fits; one with more than the cap runs our kernels, whole); 0 (our kernels) where
+  that count exceeds AUTO_MAX_DOCS or the backward workspace for q_shape (one device's [B, T,
+  heads, head dim]) exceeds AUTO_MAX_MEMORY_SHARE of memory_bytes (None: not checked)."""
+  seen = f"at most {most} documents a row in {n_batches} batches"
   if most > AUTO_MAX_DOCS:
     return 0, (f"{seen}, more than {AUTO_MAX_DOCS}: our Triton kernels (cuDNN's packed layout was "
                f"slower at 25 a row, and its workspace grows with the count)")
-  cap = -(-most // 4) * 4
+  cap = max(4, -(-most // 4) * 4)
   ws = workspace_bytes(q_shape, cap)
   if memory_bytes and ws > AUTO_MAX_MEMORY_SHARE * memory_bytes:
     return 0, (f"{seen}: cuDNN's packed layout with cap {cap} would need ~{ws / 2**30:.1f} GiB of "
                f"backward workspace, more than {AUTO_MAX_MEMORY_SHARE:.0%} of the device's "
                f"{memory_bytes / 2**30:.0f} GiB: our Triton kernels (set "
-               f"data.cudnn_packed_cap={cap} to use it anyway)")
+               f"--config.data.cudnn_packed_cap={cap} to use it anyway)")
   return cap, (f"{seen}: cuDNN's packed layout with cap {cap} (backward workspace ~"
-               f"{ws / 2**30:.1f} GiB a call; a batch with a row above it runs our Triton kernels)")
+               f"{ws / 2**30:.1f} GiB a call; a batch with a row above it runs our Triton kernels "
+               f"on the devices that hold such a row)")

@@ -605,8 +605,9 @@ def _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_
 
 
 def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"):
-  """Dense causal attention; implementation "auto" follows dense_backend (GPU: cuDNN, our Triton
-  kernels with segment ids; XLA elsewhere), or one of DENSE_IMPLEMENTATIONS by name.
+  """Dense causal attention; implementation "auto" follows dense_backend (GPU: cuDNN; with segment
+  ids cuDNN's packed layout where a document cap is set, else our Triton kernels; XLA elsewhere),
+  or one of DENSE_IMPLEMENTATIONS by name.
 
   Under a mesh in context it runs per device, like nsa_attention."""
   with jax.named_scope("dense_attention"):

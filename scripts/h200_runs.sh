@@ -68,8 +68,9 @@
 #          projection as before 2026-12-02): step-only rates of the 8k NSA LM and its dense twin
 #          (benchmarks/compile_time_trial.py, KV_STEPS timed steps, default 30); PF_VARIANTS
 #          overrides the variant list (~85 s per NSA variant, ~35 s per dense one).
-# packedpair  masked 8k runs with and without NSA_CUDNN_PACKED (cuDNN's packed layout for ids):
-#          dense packed / plain, NSA packed / plain, one GPU, carry `.whl`; ~6-8 min.
+# packedpair  masked 8k runs with NSA_CUDNN_PACKED=PP_CAP (default 8; cuDNN's packed layout for ids)
+#          and =0 (our kernels): dense packed / plain, NSA packed / plain, one GPU, carry `.whl`;
+#          351 s on an H100 (2026-12-07).
 # determinism  is 8k training bitwise reproducible, with and without XLA's determinism flags
 #          (one GPU, carry `.whl`; DET_FLAGS picks the flags)
 #
@@ -221,7 +222,9 @@ packedpair() {  # masked 8k runs on one GPU with and without cuDNN's packed layo
   for m in dense nsa; do
     for v in packed plain; do
       rm -rf "$T/context/${m}_8192"
-      if [ $v = packed ]; then export NSA_CUDNN_PACKED=${PP_CAP:-8}; else unset NSA_CUDNN_PACKED; fi
+      # plain: NSA_CUDNN_PACKED=0 (since 2026-12-07 an unset variable leaves dense layers on the
+      # packed layout through data.cudnn_packed_cap=auto)
+      export NSA_CUDNN_PACKED=$([ $v = packed ] && echo "${PP_CAP:-8}" || echo 0)
       CTX_EXTRA="--config.data.document_mask=True ${CTX_EXTRA:-}" \
         ctx_run "$m" 8192 8 0 "${PP_LIMIT:-130}" 15
       mv "$R/context_${m}_8192.log" "$R/packedpair_${m}_$v.log"

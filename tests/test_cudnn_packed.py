@@ -93,21 +93,18 @@ def test_dense_cap_and_its_precedence(monkeypatch):
 def test_auto_cap_rules():
   """"auto": the most documents in a row, rounded up to a multiple of 4; our kernels (0) above
   AUTO_MAX_DOCS or where the workspace would exceed its share of the device's memory."""
-  def batch(counts, t=64):  # rows with these document counts (cuts at the first positions)
-    return np.stack([np.cumsum(np.isin(np.arange(t), np.arange(1, c)), dtype=np.int32)
-                     for c in counts])
   q = (8, 8192, 16, 64)
-  cap, why = cp.auto_cap([batch([1, 3]), batch([2, 9])], q)
-  assert cap == 12 and "at most 9 documents a row in 2 batches" in why and "cap 12" in why
-  assert cp.auto_cap([batch([4])], q)[0] == 4 and cp.auto_cap([batch([1])], q)[0] == 4
-  assert cp.auto_cap([batch([cp.AUTO_MAX_DOCS])], q)[0] == cp.AUTO_MAX_DOCS
-  cap, why = cp.auto_cap([batch([cp.AUTO_MAX_DOCS + 1])], q)
+  cap, why = cp.auto_cap(9, 16, q)
+  assert cap == 12 and "at most 9 documents a row in 16 batches" in why and "cap 12" in why
+  assert cp.auto_cap(4, 16, q)[0] == 4 and cp.auto_cap(1, 16, q)[0] == 4
+  assert cp.auto_cap(cp.AUTO_MAX_DOCS, 16, q)[0] == cp.AUTO_MAX_DOCS
+  cap, why = cp.auto_cap(cp.AUTO_MAX_DOCS + 1, 16, q)
   assert cap == 0 and "more than 16" in why
   ws = cp.workspace_bytes(q, 12)
   assert ws == 8 * 8 * 12 * 8192 * 16 * 64
-  assert cp.auto_cap([batch([9])], q, memory_bytes=8 * ws)[0] == 12
-  cap, why = cp.auto_cap([batch([9])], q, memory_bytes=8 * ws - 1)
-  assert cap == 0 and "data.cudnn_packed_cap=12 to use it anyway" in why
+  assert cp.auto_cap(9, 16, q, memory_bytes=8 * ws)[0] == 12
+  cap, why = cp.auto_cap(9, 16, q, memory_bytes=8 * ws - 1)
+  assert cap == 0 and "--config.data.cudnn_packed_cap=12 to use it anyway" in why
 
 
 def test_dense_backend_follows_the_dense_cap(monkeypatch, caplog):

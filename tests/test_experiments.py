@@ -117,6 +117,12 @@ def test_config_hash_ignores_ui_fields_only():
   assert ablate.config_hash(a) == ablate.config_hash(e)
   e.data.single_question_fraction = 0.5
   assert ablate.config_hash(a) != ablate.config_hash(e)
+  # data.cudnn_packed_cap says how dense layers compute, not what: never in the hash
+  h = tiny_config(seed=1)
+  del h.data["cudnn_packed_cap"]
+  assert ablate.config_hash(a) == ablate.config_hash(h)
+  h.data.cudnn_packed_cap = "off"
+  assert ablate.config_hash(a) == ablate.config_hash(h)
   # data.document_mask / data.eos_id (added later) count only when set
   g = tiny_config(seed=1)
   del g.data["document_mask"], g.data["eos_id"]

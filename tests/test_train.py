@@ -615,34 +615,44 @@ if __name__ == "__main__":
     print(golden_losses())
 
 
-def test_dense_packed_cap_is_chosen_from_the_whole_global_batches(monkeypatch, caplog):
-  """data.cudnn_packed_cap on a (pretended) GPU with document masking: "auto" sets the dense cap
-  from the most documents in a row of the first 16 global batches (every process reads all rows,
-  so all choose alike), "off" and NSA_CUDNN_PACKED=0 leave our kernels, a number is used as
-  given; off a GPU, without masking or without dense layers nothing is set."""
+def test_dense_packed_cap_is_chosen_from_the_data(monkeypatch, caplog):
+  """data.cudnn_packed_cap on a (pretended) Hopper GPU with document masking: "auto" sets the
+  dense cap from the most documents in a row of the first 16 batches, with one device's q shape
+  (its rows of a microbatch, its heads) for the memory guard; "off", NSA_CUDNN_PACKED=0, a
+  dense_implementation other than "auto" and a refusing cuDNN leave our kernels; a number is used
+  as given; off a GPU, without masking or without dense layers nothing is set; a training run
+  leaves the caller's cap as it found it."""
+  import types
   from nsa_jax import cudnn_packed as cp
   monkeypatch.setattr(cp, "_dense_cap", 0)
   monkeypatch.delenv(cp.ENV, raising=False)
   c = small_config()
   c.model.attention = "dense"
+  c.model.n_heads, c.model.n_kv_heads = 8, 2
   c.data.document_mask = True
   c.data.seq_len = c.model.max_seq_len = 1024
-  mesh = shd.make_mesh(c.mesh)
+  c.data.global_batch_size, c.optim.grad_accum_steps = 8, 2
+  mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 1, "tensor": 2})
   model_cfg = train.model_config_from(c.model)
   it, _ = train._iterators(c, model_cfg)
-  it.rows = range(1, 3)  # as process 1 of 2 would read
   assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0  # no GPU
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  counts = [int(cp.documents_per_row(jnp.asarray(data_lib.segment_ids(
-      it.source.row(data_lib._row_rng(c.data.seed, "train", s, r), 1025)[0][None, :-1],
-      it.eos_id))).max()) for s in range(16) for r in range(c.data.global_batch_size)]
+  monkeypatch.setattr(cp, "applies", lambda q, k, v: (True, ""))
+  seen = []
+  real = cp.auto_cap
+  monkeypatch.setattr(cp, "auto_cap", lambda *a: seen.append(a) or real(*a))
+  counts = [int(cp.documents_per_row(jnp.asarray(b["segment_ids"])).max())
+            for b in (it.batch(s) for s in range(16))]
   most = max(counts)
   assert most > 1, "the corpus rows should hold several documents at 1024 tokens"
   with caplog.at_level(logging.INFO, logger="nsa_jax"):
     cap = train.set_dense_packed_cap(c, model_cfg, it, mesh)
   assert cap == -(-most // 4) * 4 and cp.packed_cap(dense=True) == cap
+  assert seen[-1][:3] == (most, 16, (2, 1024, 4, model_cfg.head_dim))  # 8 / 2 data / 2 accum
   assert f"at most {most} documents a row in 16 batches" in caplog.text
-  assert list(it.rows) == [1, 2] and it.step == 0  # the run's iterator is untouched
+  assert it.step == 0  # the run's iterator is untouched
+  monkeypatch.setattr(train, "device_memory_bytes", lambda: 1 << 20)
+  assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0  # the workspace would not fit
   c.data.cudnn_packed_cap = "off"
   assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0 == cp.packed_cap(dense=True)
   c.data.cudnn_packed_cap = "1"
@@ -653,9 +663,23 @@ def test_dense_packed_cap_is_chosen_from_the_whole_global_batches(monkeypatch, c
   monkeypatch.setenv(cp.ENV, "0")
   assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0 == cp.packed_cap(dense=True)
   monkeypatch.delenv(cp.ENV)
+  xla_cfg = train.model_config_from({**c.model.to_dict(), "dense_implementation": "xla"})
+  assert train.set_dense_packed_cap(c, xla_cfg, it, mesh) == 0
+  monkeypatch.setattr(cp, "applies", lambda q, k, v: (False, "compute capability 8.0"))
+  assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0
   c.data.cudnn_packed_cap = "auto"
   c.model.attention = "nsa"
   nsa_cfg = train.model_config_from(c.model)
   assert train.set_dense_packed_cap(c, nsa_cfg, it, mesh) == 0 == cp.packed_cap(dense=True)
+  c.model.attention = "dense"
   c.data.document_mask = False
   assert train.set_dense_packed_cap(c, model_cfg, it, mesh) == 0
+
+
+def test_a_training_run_restores_the_dense_cap(tmp_path, monkeypatch):
+  from nsa_jax import cudnn_packed as cp
+  monkeypatch.setattr(cp, "_dense_cap", 0)
+  cp.set_dense_cap(7)
+  c = small_config(num_steps=1)
+  train.train_and_evaluate(c, str(tmp_path / "w"))
+  assert cp.dense_cap() == 7

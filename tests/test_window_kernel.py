@@ -310,6 +310,9 @@ def test_dense_backend_rule(monkeypatch, caplog):
   """ops.dense_backend on a (pretended) GPU: cuDNN for 16-bit inputs (d_v padded where it
   differs), the Pallas kernels with segment ids, the explicit-mask path (warned) where the kernels
   refuse the head dims; XLA off a GPU and for float32; an unknown implementation is refused."""
+  from nsa_jax import cudnn_packed
+  monkeypatch.setattr(cudnn_packed, "_dense_cap", 0)  # no packed layout (test_cudnn_packed.py)
+  monkeypatch.delenv(cudnn_packed.ENV, raising=False)
   bf = jnp.zeros((1, 8, 4, 32), jnp.bfloat16)
   v = jnp.zeros((1, 8, 1, 32), jnp.bfloat16)
   seg = jnp.zeros((1, 8), jnp.int32)

@@ -462,43 +462,65 @@ def parse_packed_cap(value) -> str | int:
   if cap < 1 or isinstance(value, (bool, float)):
     raise ValueError(f"config.data.cudnn_packed_cap={value!r}: expected \"auto\", \"off\" or the "
                      "largest number of documents in one row (a positive integer, e.g. 8). Fix: "
-                     "--config.data.cudnn_packed_cap=auto")
+                     "--config.data.cudnn_packed_cap=auto (or =off, or =8; in a config file a "
+                     "string: c.data.cudnn_packed_cap = \"8\")")
   return cap
+
+
+def device_memory_bytes() -> int:
+  """This process's first device's memory limit in bytes (0 where it reports none, e.g. a CPU)."""
+  return int((jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0))
 
 
 def set_dense_packed_cap(config, model_cfg, train, mesh, n_batches=16) -> int:
   """Dense layers with document masking on a GPU: the document cap of cuDNN's packed layout
   (nsa_jax/cudnn_packed.py) from config.data.cudnn_packed_cap, "auto" reading the first
-  `n_batches` training batches; set with cudnn_packed.set_dense_cap and logged (0: our Triton
-  kernels). NSA_CUDNN_PACKED, where set, overrides it; its fit is logged instead. Returns the cap."""
+  `n_batches` training batches (each process its rows; the processes agree on the largest count
+  and the smallest memory, so all build one program); set with cudnn_packed.set_dense_cap and
+  logged (0: our Triton kernels). NSA_CUDNN_PACKED, where set, overrides it; its fit is logged
+  instead. Returns the cap."""
   setting = parse_packed_cap(config.data.cudnn_packed_cap)
   cudnn_packed.set_dense_cap(0)
-  eos = data_lib.document_end_id(config.data)
-  env = cudnn_packed.env_cap()
-  if eos is None or jax.default_backend() != "gpu" or (
-      "dense" not in model_cfg.attention_kinds and not env):
+  if data_lib.document_end_id(config.data) is None or jax.default_backend() != "gpu":
     return 0
-  # every process reads the whole global batches, so all of them choose the same cap (one program)
-  whole = copy.copy(train)
-  whole.rows = range(config.data.global_batch_size)
-  segs = [whole.batch(train.step + i)["segment_ids"] for i in range(n_batches)]
+  segs = lambda: [train.batch(train.step + i)["segment_ids"] for i in range(n_batches)]
+  env = cudnn_packed.env_cap()
   if env is not None:  # the variable decides, for dense layers and NSA's window branch alike
     if env:
-      log.log(*cudnn_packed.cap_report(segs, env))
+      log.log(*cudnn_packed.cap_report(segs(), env))
     return env
+  if "dense" not in model_cfg.attention_kinds or model_cfg.dense_implementation != "auto":
+    return 0
   if setting == 0:
     log.info("dense layers with document masking: our Triton kernels (data.cudnn_packed_cap=off)")
     return 0
+  # one device's q: its rows of a microbatch, its heads (split only where the KV heads divide
+  # over the tensor axis, as nsa_jax.ops.mesh_layout does)
+  tp = mesh.shape.get("tensor", 1)
+  heads = model_cfg.n_heads // tp if model_cfg.n_kv_heads % tp == 0 else model_cfg.n_heads
+  per_device = (max(1, config.data.global_batch_size // shd.batch_divisor(mesh)
+                    // config.optim.grad_accum_steps), config.data.seq_len, heads,
+                model_cfg.head_dim)
+  dtype = jnp.dtype(model_cfg.dtype)
+  ok, no = cudnn_packed.applies(
+      jax.ShapeDtypeStruct(per_device, dtype), jax.ShapeDtypeStruct(per_device, dtype),
+      jax.ShapeDtypeStruct(per_device[:3] + (model_cfg.head_dim_v or model_cfg.head_dim,), dtype))
+  if not ok:
+    log.info("dense layers with document masking: our Triton kernels (cuDNN's packed layout does "
+             "not apply: %s)", no)
+    return 0
+  local = segs()
+  most = max(int(np.asarray(cudnn_packed.documents_per_row(s)).max()) for s in local)
+  memory = device_memory_bytes()
+  if jax.process_count() > 1:  # one program on every host: the largest count, the least memory
+    most = int(np.max(multihost_utils.process_allgather(np.int64(most))))
+    memory = int(np.min(multihost_utils.process_allgather(np.int64(memory))))
   if setting == "auto":
-    per_device = (config.data.global_batch_size // shd.batch_divisor(mesh)
-                  // config.optim.grad_accum_steps, config.data.seq_len,
-                  max(1, model_cfg.n_heads // mesh.shape.get("tensor", 1)), model_cfg.head_dim)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    cap, why = cudnn_packed.auto_cap(segs, per_device, stats.get("bytes_limit"))
+    cap, why = cudnn_packed.auto_cap(most, n_batches, per_device, memory or None)
     log.info("dense layers with document masking (data.cudnn_packed_cap=auto): %s", why)
   else:
     cap = setting
-    log.log(*cudnn_packed.cap_report(segs, cap, "data.cudnn_packed_cap"))
+    log.log(*cudnn_packed.cap_report(local, cap, "data.cudnn_packed_cap"))
   cudnn_packed.set_dense_cap(cap)
   return cap
 
@@ -561,7 +583,7 @@ _RUN_CONTROL_FIELDS = frozenset({"data.cudnn_packed_cap", "train.stop_after", "t
 
 # Run fields added to the base config after runs were recorded, at their defaults: an earlier
 # config.json that lacks them ran exactly so (no "settings differ" warning on resume).
-_ADDED_RUN_FIELDS = {"data": {"document_mask": False, "eos_id": -1, "cudnn_packed_cap": "auto"},
+_ADDED_RUN_FIELDS = {"data": {"document_mask": False, "eos_id": -1},
                      "model": {"dense_implementation": "auto", "selection_from_layer": None}}
 
 
@@ -599,7 +621,17 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   """Trains config in workdir, resuming from its newest checkpoint; returns a summary dict.
 
   step_hooks: callables (step, metrics) run on the host after each step's metrics arrive.
+  The dense layers' packed-layout cap this run chooses (data.cudnn_packed_cap) is undone at the
+  end, so a later run or model in the same process starts from the caller's setting.
   """
+  before = cudnn_packed.dense_cap()
+  try:
+    return _train_and_evaluate(config, workdir, model_factory, step_hooks)
+  finally:
+    cudnn_packed.set_dense_cap(before)
+
+
+def _train_and_evaluate(config, workdir, model_factory, step_hooks) -> dict:
   is_main = jax.process_index() == 0
   check_run_config(config)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -609,7 +641,7 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
   setup = build_setup(config, mesh, model_factory)
   check_batch_layout(config, mesh, setup.model_cfg)
   train_iter, val_batches = _iterators(config, setup.model_cfg)
-  set_dense_packed_cap(config, setup.model_cfg, train_iter, mesh)
+  packed_cap = set_dense_packed_cap(config, setup.model_cfg, train_iter, mesh)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
                       async_save=config.checkpoint.async_save)
   meta = {"model": dataclasses.asdict(setup.model_cfg)}
@@ -628,6 +660,8 @@ def train_and_evaluate(config, workdir: str, model_factory=None, step_hooks=()) 
                 mesh=dict(mesh.shape), devices=jax.device_count(),
                 device_kind=jax.devices()[0].device_kind, flops_per_token=flops_tok,
                 attention=setup.model_cfg.attention_kinds)
+  if packed_cap:  # dense layers (or with NSA_CUDNN_PACKED, NSA's window branch) on cuDNN's packed layout
+    header["cudnn_packed_cap"] = packed_cap
   if start == 0 and init_from:
     header["init_from"] = init_from
   writer.note(header)
