@@ -495,6 +495,12 @@ def _pallas_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment
   return o
 
 
+def splits_heads(kv_heads: int, tensor: int) -> bool:
+  """Whether attention ops split their heads over a tensor axis of this size (mesh_layout's rule:
+  only where the KV heads divide; otherwise each device computes all heads)."""
+  return kv_heads % tensor == 0
+
+
 def mesh_layout(batch: int, kv_heads: int, what: str):
   """(mesh, batch_axes, head_axis) for the mesh in context, or None when there is none to use.
 
@@ -520,7 +526,7 @@ def mesh_layout(batch: int, kv_heads: int, what: str):
              "per-step batch a multiple of data*fsdp")
     bax = tuple(a for a in bax if sizes[a] == 1)
   tp = sizes.get(HEAD_MESH_AXIS, 1)
-  hax = HEAD_MESH_AXIS if HEAD_MESH_AXIS in sizes and kv_heads % tp == 0 else None
+  hax = HEAD_MESH_AXIS if HEAD_MESH_AXIS in sizes and splits_heads(kv_heads, tp) else None
   if tp > 1 and hax is None:
     log_once(logging.WARNING, f"{what}: {kv_heads} KV head(s) cannot be split over tensor={tp}; "
              "attention runs whole on each tensor-parallel device (query heads gathered). Fix: "

@@ -7,7 +7,6 @@ jax.Arrays laid out by the mesh rules (see sharding.py), created sharded and nev
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import json
@@ -26,7 +25,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no public context manager
 
-from nsa_jax import cudnn_packed
+from nsa_jax import cudnn_packed, ops
 from nsa_jax.config import ModelConfig, NSAConfig
 from nsa_jax.training import data as data_lib
 from nsa_jax.training import metrics as metrics_lib
@@ -494,10 +493,9 @@ def set_dense_packed_cap(config, model_cfg, train, mesh, n_batches=16) -> int:
   if setting == 0:
     log.info("dense layers with document masking: our Triton kernels (data.cudnn_packed_cap=off)")
     return 0
-  # one device's q: its rows of a microbatch, its heads (split only where the KV heads divide
-  # over the tensor axis, as nsa_jax.ops.mesh_layout does)
+  # one device's q: its rows of a microbatch, its heads (as nsa_jax.ops.mesh_layout splits them)
   tp = mesh.shape.get("tensor", 1)
-  heads = model_cfg.n_heads // tp if model_cfg.n_kv_heads % tp == 0 else model_cfg.n_heads
+  heads = model_cfg.n_heads // (tp if ops.splits_heads(model_cfg.n_kv_heads, tp) else 1)
   per_device = (max(1, config.data.global_batch_size // shd.batch_divisor(mesh)
                     // config.optim.grad_accum_steps), config.data.seq_len, heads,
                 model_cfg.head_dim)
@@ -509,18 +507,17 @@ def set_dense_packed_cap(config, model_cfg, train, mesh, n_batches=16) -> int:
     log.info("dense layers with document masking: our Triton kernels (cuDNN's packed layout does "
              "not apply: %s)", no)
     return 0
-  local = segs()
-  most = max(int(np.asarray(cudnn_packed.documents_per_row(s)).max()) for s in local)
-  memory = device_memory_bytes()
-  if jax.process_count() > 1:  # one program on every host: the largest count, the least memory
-    most = int(np.max(multihost_utils.process_allgather(np.int64(most))))
-    memory = int(np.min(multihost_utils.process_allgather(np.int64(memory))))
   if setting == "auto":
+    most = max(int(np.asarray(cudnn_packed.documents_per_row(s)).max()) for s in segs())
+    memory = device_memory_bytes()
+    if jax.process_count() > 1:  # one program on every host: the largest count, the least memory
+      most = int(np.max(multihost_utils.process_allgather(np.int64(most))))
+      memory = int(np.min(multihost_utils.process_allgather(np.int64(memory))))
     cap, why = cudnn_packed.auto_cap(most, n_batches, per_device, memory or None)
     log.info("dense layers with document masking (data.cudnn_packed_cap=auto): %s", why)
   else:
     cap = setting
-    log.log(*cudnn_packed.cap_report(local, cap, "data.cudnn_packed_cap"))
+    log.log(*cudnn_packed.cap_report(segs(), cap, "data.cudnn_packed_cap"))
   cudnn_packed.set_dense_cap(cap)
   return cap
 
