@@ -487,7 +487,10 @@ def test_document_mask_keeps_each_document_blind_to_the_others(attention):
         batch, segment_ids=train.data_lib.segment_ids(r[:, :-1], eos)), doc2)
     nll[name + "_plain"] = _doc2_nll(setup, state, batch, doc2)
   np.testing.assert_allclose(nll["a_masked"], nll["b_masked"], rtol=1e-6, err_msg=str(SEED))
-  assert abs(nll["a_plain"] - nll["b_plain"]) > 1e-4 * abs(nll["a_plain"]), nll  # the test can fail
+  # the test can fail: without the mask the first document moves the sum by well over the masked
+  # check's tolerance (10x its rtol; at initialisation the effect on a summed NLL is small and
+  # random: 6e-5 relative in a CI run of 2026-12-07, below the 1e-4 this asked for before)
+  assert abs(nll["a_plain"] - nll["b_plain"]) > 1e-5 * abs(nll["a_plain"]), (nll, SEED)
 
 
 def test_document_mask_settings_are_refused_before_anything_is_built(tmp_path):
