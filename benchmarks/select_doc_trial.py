@@ -6,16 +6,20 @@
 # 50.2 ms without: this trial says how much of that is Triton against Mosaic and how much the id
 # tests themselves.
 #   python3 benchmarks/select_doc_trial.py --out=DIR [--shapes=8k] [--docs=none,4096,16384]
-#       [--variants=auto,auto_no_ids,triton,triton_no_ids,triton_union4,triton_union4_no_ids,
-#                   mosaic_ids]
+#       [--variants=auto,auto_no_ids,auto_triton_ids,mosaic_dkv_ids,triton,triton_no_ids,
+#                   triton_union4,triton_union4_no_ids,mosaic_ids]
 # docs: "none" (one document a row) or a mean document length in tokens (random cuts, as
 # benchmarks/dense_doc_trial.py). The block lists are the whole op's own for those documents
 # (compression lse, then the top-n kernel, both with the ids). Variants: auto (what training
-# runs: select_attention's backend="auto"; with ids at these shapes the Triton union tile alone
-# since STATIC_UNION_IDS, 2026-12-07), triton (backend="triton": the lax.cond between the union
-# and the per-token tile, what "auto" ran with ids before), triton_union4 (the Triton union tile
-# alone as an explicit tiling), mosaic_ids (the Mosaic forward and dq with the ids as document
-# bounds, select_attention_mgpu.SEGMENT_IDS switched on for it; dK/dV Triton with the ids);
+# runs: select_attention's backend="auto" with the library's settings; with ids at these shapes on
+# Hopper the Mosaic union tile alone taking the ids since select_attention_mgpu.SEGMENT_IDS went
+# on, 2026-12-07), auto_triton_ids ("auto" with SEGMENT_IDS off: the Triton union tile alone,
+# STATIC_UNION_IDS, what "auto" ran with ids before that), triton (backend="triton": the lax.cond
+# between the union and the per-token tile, what "auto" ran with ids before STATIC_UNION_IDS),
+# triton_union4 (the Triton union tile alone as an explicit tiling), mosaic_ids (backend="mosaic"
+# with SEGMENT_IDS on: the Mosaic forward and dq with the ids as document bounds, dK/dV Triton
+# with the ids; at these shapes the same kernels as "auto"), mosaic_dkv_ids ("auto" with
+# select_attention_mgpu.DKV_SEGMENT_IDS on: the Mosaic dK/dV partials take the ids too);
 # "_no_ids": the same call on the same lists
 # without the ids (a different function: only the timing compares). Per row: forward ms, backward
 # ms ((fwd + bwd) - fwd, medians), the device kernels of one fwd+bwd call from a profiler trace
@@ -46,14 +50,16 @@ SHAPES = {  # name: (B, T, H, K, d_k, d_v)
     "tiny64": (1, 128, 16, 1, 64, 64),  # the same with head dims the Mosaic kernels take
 }
 L, D, LP, N = 32, 16, 64, 16  # compression block / stride, selection block, top-n (paper)
-VARIANTS = {  # name: (backend, union tile alone, with the ids)
-    "auto": ("auto", False, True),
-    "auto_no_ids": ("auto", False, False),
-    "triton": ("triton", False, True),
-    "triton_no_ids": ("triton", False, False),
-    "triton_union4": ("triton", True, True),
-    "triton_union4_no_ids": ("triton", True, False),
-    "mosaic_ids": ("mosaic", False, True),
+VARIANTS = {  # name: (backend, union tile alone, with the ids, select_attention_mgpu flags set)
+    "auto": ("auto", False, True, {}),
+    "auto_no_ids": ("auto", False, False, {}),
+    "auto_triton_ids": ("auto", False, True, {"SEGMENT_IDS": False}),
+    "mosaic_dkv_ids": ("auto", False, True, {"SEGMENT_IDS": True, "DKV_SEGMENT_IDS": True}),
+    "triton": ("triton", False, True, {}),
+    "triton_no_ids": ("triton", False, False, {}),
+    "triton_union4": ("triton", True, True, {}),
+    "triton_union4_no_ids": ("triton", True, False, {}),
+    "mosaic_ids": ("mosaic", False, True, {"SEGMENT_IDS": True}),
 }
 COLS = ("docs", "documents_per_row", "ids", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")
 
@@ -107,14 +113,15 @@ def main(argv=None):
       idx = jax.block_until_ready(topn_lists(ks[5], q, kh, seg, interpret))
       refs = {}
       for name in variants:
-        backend, union_alone, with_ids = VARIANTS[name]
+        backend, union_alone, with_ids, flags = VARIANTS[name]
         if seg is None and not with_ids:
           continue  # without documents the "_no_ids" variant is its twin
         s = seg if with_ids else None
         til = C.clustered_tiling(h // kh, LP) if union_alone else None  # "auto"'s union tile
         ids = s is not None
-        flag = mgpu.SEGMENT_IDS  # read when traced: on for mosaic_ids only
-        mgpu.SEGMENT_IDS = backend == "mosaic" and ids
+        saved = {f: getattr(mgpu, f) for f in flags}  # read when traced; put back after
+        for f, value in flags.items():
+          setattr(mgpu, f, value)
         try:
           fwd, bwd, kernels, got, diff = run_variant(
               lambda q, k, v, idx, *s, til=til, backend=backend: select_attention(
@@ -122,7 +129,8 @@ def main(argv=None):
               q, k, v, ct, a.iters, on_gpu, refs.get(ids), keys=None,
               extra=(idx,) + ((s,) if ids else ()))
         finally:
-          mgpu.SEGMENT_IDS = flag
+          for f, value in saved.items():
+            setattr(mgpu, f, value)
         refs.setdefault(ids, got)
         print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
               f"{kernels}, max |diff| {diff:.2e}", flush=True)

@@ -358,6 +358,8 @@ def _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids):
             "select": mgpu.supports(q.shape, k_slc.shape, v_slc.shape, cfg.sel_block, has_seg,
                                     q.dtype)}
   dkv_ok, dkv_why = mgpu.dkv_supports(h // kh, dk, v_slc.shape[-1])
+  if dkv_ok and has_seg and not mgpu.DKV_SEGMENT_IDS:
+    dkv_ok, dkv_why = False, "segment ids: select_attention_mgpu.DKV_SEGMENT_IDS is off"
   notes = {"compress": " (backward: Triton)",
            "select": "" if dkv_ok else f" (dK/dV: Triton, {dkv_why})"}
   out = []

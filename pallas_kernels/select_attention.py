@@ -182,7 +182,8 @@ def _select_mosaic(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, 
 
 def _select_mosaic_fwd(q, k, v, block_idx, seg, block_size, scale, tiling, has_seg, interpret,
                        deterministic):
-  del deterministic  # segment ids: refused before this point unless mgpu.SEGMENT_IDS
+  del deterministic  # segment ids: refused before this point unless mgpu.SEGMENT_IDS (and by
+  # the two-warpgroup tile always: mgpu.ws_supports)
   g = q.shape[2] // k.shape[2]
   maps = C.tile_maps(block_idx, tiling)
   if tiling.tokens_per_tile == mgpu.WS_ROWS // g:  # 128-row tiles: two consumer warpgroups
@@ -204,18 +205,19 @@ def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, determinis
 
 def _mosaic_backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_size, scale, tiling,
                      has_seg, interpret, deterministic):
-  """(dq, dk, dv): Mosaic GPU dq, and dK/dV from the Mosaic partials (G >= 8, no segment ids) or
-  Triton."""
+  """(dq, dk, dv): Mosaic GPU dq, and dK/dV from the Mosaic partials (G >= 8; with segment ids
+  only with mgpu.DKV_SEGMENT_IDS) or Triton."""
   if maps is None:
     maps = C.tile_maps(block_idx, mgpu.tiling_for(q.shape[2] // k.shape[2], block_size))
   delta = bwd.delta_of(o, do, dlse)
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
                interpret=interpret, seg=seg if has_seg else None)
-  if not has_seg and mgpu.dkv_supports(q.shape[2] // k.shape[2], k.shape[3], v.shape[3])[0]:
+  if ((not has_seg or mgpu.DKV_SEGMENT_IDS)
+      and mgpu.dkv_supports(q.shape[2] // k.shape[2], k.shape[3], v.shape[3])[0]):
     dkx, dvx, first, nitems = mgpu.dkv_partials(q, k, v, block_idx, do, lse, delta,
                                                 chunk_entries=tiling.chunk_entries, scale=scale,
-                                                interpret=interpret)
+                                                interpret=interpret, seg=seg if has_seg else None)
     dk, dv = bwd.reduce_partials(first, nitems, dkx, dvx, k, v, block_size=block_size,
                                  interpret=interpret)
   else:
@@ -353,8 +355,10 @@ MOSAIC_G4_SWITCH = 5.0
 # union tile alone was measured at d = 64 only).
 STATIC_UNION_MAX_T = 8192
 STATIC_UNION_MAX_DIM = 64
-# The same shapes with segment ids: the Mosaic kernels take no ids, so backend="auto" runs Triton,
-# and (STATIC_UNION_IDS) its 4-token union tile alone instead of the lax.cond. In the masked 8k
+# The same shapes with segment ids where the Mosaic kernels do not take them
+# (select_attention_mgpu.SEGMENT_IDS off; on by default since 2026-12-07, when "auto" runs the
+# Mosaic union tile alone with the ids as above): backend="auto" runs Triton, and
+# (STATIC_UNION_IDS) its 4-token union tile alone instead of the lax.cond. In the masked 8k
 # training step (H100, 2026-12-06, benchmarks/results/profdoc_nsa_h100_s41/) the cond took the
 # union branch in every layer; the cond itself is what the Mosaic case above saved. Exact either
 # way; the A/B is benchmarks/select_doc_trial.py ("auto" against "triton", which keeps the cond).
@@ -380,7 +384,7 @@ def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpre
   neighbouring tokens share little, see _select_auto, except G = 16 up to STATIC_UNION_MAX_T
   tokens at head dims <= STATIC_UNION_MAX_DIM: the union tile alone, static_union), else
   "triton" (with segment ids at those shapes its union tile alone: union_alone_with_ids).
-  Segment ids reach Mosaic GPU only with select_attention_mgpu.SEGMENT_IDS."""
+  Segment ids reach Mosaic GPU with select_attention_mgpu.SEGMENT_IDS (on by default)."""
   if interpret:
     return "triton", "interpreted (no GPU): the Triton kernels"
   ok, why = mgpu.supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)

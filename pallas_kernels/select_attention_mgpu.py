@@ -29,8 +29,9 @@ wgmma minimum. The program walks the union of its tokens' selected blocks (l' = 
      output in registers.
 Layout: q is regrouped to [B, K, T*G, d_k] (tokens x heads of a group contiguous; free when K = 1),
 k / v to [B, K, T', d] with T' padded to whole blocks (zeros, never visible: causally after every
-real query). Segment ids only with SEGMENT_IDS (off by default: the Triton backend handles them):
-then the selection forward and dq mask keys before each row's document start.
+real query). Segment ids with SEGMENT_IDS (on by default; off: the Triton backend handles them):
+the selection forward and dq mask keys before each row's document start (dK/dV with ids: Triton;
+the two-warpgroup forward takes none).
 """
 
 from __future__ import annotations
@@ -94,9 +95,21 @@ RING_MIN_DIM = 128
 # after it iff doc_start(t) <= s <= t: the ids become a per-row lower bound. In an ascending union
 # only the entries that start before the tile's last token's document start can hold keys under a
 # row's bound (doc_maps counts them); those and the last entry get the mask. dK/dV with ids stays
-# Triton. Off by default until timed against the Triton kernels with ids
-# (benchmarks/select_doc_trial.py, variant mosaic_ids).
-SEGMENT_IDS = False
+# Triton; the two-warpgroup forward (ws_forward) takes no ids. On by default since 2026-12-07:
+# at the 8k training layer (B = 8, 16/1 heads, 64/64, the op's own top-n lists) on an H100,
+# benchmarks/select_doc_trial.py (benchmarks/results/seldoc_h100_s44/) timed forward / backward
+# 2.03 / 3.95 ms against the Triton union tile's 2.65 / 4.58 (documents of mean 16384 tokens) and
+# 1.53 / 3.51 against 2.30 / 3.67 (mean 4096); the masked 8k NSA LM trained at 294.9k tokens/s
+# against 280.6k (steps 20-100, one run each, `bash scripts/h200_runs.sh segids`,
+# benchmarks/results/segids_h100_s44/). Not yet timed on the H200. False: ids go to Triton.
+SEGMENT_IDS = True
+# Segment ids in the Mosaic dK/dV partials too (read when traced; G >= 8, with SEGMENT_IDS):
+# each work item stops at its first token whose document starts after the block (those tokens'
+# keys are all masked, so they add nothing), and masks keys before each token's document start
+# from its first token whose document starts inside the block (dkv_doc_counts). Off: dK/dV with
+# ids runs the Triton kernel. Off by default until timed (benchmarks/select_doc_trial.py,
+# variant mosaic_dkv_ids).
+DKV_SEGMENT_IDS = False
 
 
 def _staging(interpret):
@@ -141,6 +154,9 @@ def supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
   with SEGMENT_IDS)."""
   if block_size != BLOCK:
     return False, f"block_size={block_size}: the Mosaic GPU kernel handles l' = {BLOCK} only"
+  if has_seg and not SEGMENT_IDS:
+    return False, ("segment ids: select_attention_mgpu.SEGMENT_IDS is off (set it True, or use "
+                   "backend='triton')")
   return _check(q_shape[2], k_shape[2], q_shape[3], v_shape[3], has_seg and not SEGMENT_IDS,
                 dtype)
 
@@ -645,7 +661,10 @@ def ws_slots(dk, dv):
 
 def ws_supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
   """(ok, reason): whether the warp-specialised forward handles this call (G >= 8: at most 16
-  tokens a 128-row tile; at least two K/V slots in shared memory)."""
+  tokens a 128-row tile; at least two K/V slots in shared memory; no segment ids)."""
+  if has_seg:
+    return False, ("segment ids are not implemented in the two-warpgroup forward (pass "
+                   "tiling=None: the 64-row tile takes them)")
   ok, why = supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
   if not ok:
     return ok, why
@@ -986,15 +1005,23 @@ def dkv_supports(g, dk, dv):
 
 def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, dk_ref, dv_ref, scoped, *, g, tq, n_entries, dk, dv, scale, dtype,
-                interpret, slots=2):
+                interpret, slots=2, doc_refs=None):
   """One work item (a block and a run of the queries that picked it, see C.inverse_lists): K, V of
   the block stay in shared memory; each step gathers tq tokens x G heads = 64 query rows (one copy
-  per token and tensor, DKV_SLOTS deep) and accumulates dV += P^T dO and dK += dS^T Q."""
+  per token and tensor, DKV_SLOTS deep) and accumulates dV += P^T dO and dK += dS^T Q.
+  doc_refs (DKV_SEGMENT_IDS): (lo [B, T] each token's document start, nplain and nlive [B, K, W]
+  from dkv_doc_counts): the item ends after nlive entries and masks keys before each token's
+  document start from entry nplain on (and in the causal steps)."""
   (k_s, v_s, rows_s, pt_s), (kv_bar, row_bars) = scoped
   # the float32 result staging reuses the query-row slots' memory (LEAN_SMEM)
   q_s, do_s, lse_s, delta_s, dkt_s, dvt_s = _buffers(rows_s)
   w, kk, b = lax.axis_index("item"), lax.axis_index("group"), lax.axis_index("batch")
   blk, e0, e1 = iblk_ref[b, kk, w], istart_ref[b, kk, w], iend_ref[b, kk, w]
+  docs = doc_refs is not None
+  if docs:
+    lo_ref, nplain_ref, nlive_ref = doc_refs
+    e1 = e0 + nlive_ref[b, kk, w]  # later entries' documents start after the block: no keys
+    nplain = nplain_ref[b, kk, w]
   keys = pl.ds(blk * BLOCK, BLOCK)
   plgpu.copy_gmem_to_smem(k_ref.at[b, kk, keys], k_s, kv_bar.at[0])
   plgpu.copy_gmem_to_smem(v_ref.at[b, kk, keys], v_s, kv_bar.at[1])
@@ -1030,21 +1057,25 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
   plgpu.barrier_wait(kv_bar.at[0])
   plgpu.barrier_wait(kv_bar.at[1])
 
-  def body(i, carry, causal=True):
+  def body(i, carry, causal=True, lower=docs):
     """One step of tq tokens. FAST_MASK: the tokens' positions and liveness as [ROWS] column
     vectors, liveness folded into the column's shift (+inf: P = 0), the causal compare only where
     asked; else [BLOCK, ROWS] masks. REG_P (on the GPU): P^T and dS^T straight from registers,
-    dV and dP^T issued with one wait; else staged through SMEM."""
+    dV and dP^T issued with one wait; else staged through SMEM. lower: keys before the token's
+    document start get P = 0 (doc_refs)."""
     dk_acc, dv_acc = carry
     slot = _prefetch(fetch, i, steps, slots)
     plgpu.barrier_wait(row_bars.at[slot])
     ids = col_vec if fast else col  # the token slot of each column
     pos_c = jnp.zeros(ids.shape, jnp.int32)
     live_c = jnp.zeros(ids.shape, jnp.bool_)
+    lo_c = jnp.zeros(ids.shape, jnp.int32)
     for s in range(tq):
       pos, live = token(i, s)
       pos_c = jnp.where(ids == s, pos, pos_c)
       live_c = jnp.where(ids == s, live, live_c)
+      if lower:
+        lo_c = jnp.where(ids == s, lo_ref[b, pos], lo_c)
     st = _mm(k_s, q_s.at[slot].T, (BLOCK, ROWS)) * (scale * LOG2E)
     lse2 = plgpu.load(lse_s.at[slot], layout=wg.reduce(0)) * LOG2E
     if fast:
@@ -1056,6 +1087,9 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
       lse2 = jnp.where(lse2 == -jnp.inf, 0.0, lse2)
       pt = jnp.where(live_c & (kp <= pos_c),
                      jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1])), 0.0)
+    if lower:
+      lo_kt = lax.broadcast_in_dim(lo_c, st.shape, [1]) if fast else lo_c
+      pt = jnp.where(kp >= lo_kt, pt, 0.0)
     if regs:
       pt16 = pt.astype(dtype)
 
@@ -1090,7 +1124,14 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     first_pos, _ = token(0, 0)
     n_causal = jnp.where(first_pos < blk * BLOCK + BLOCK - 1, jnp.minimum(steps, BLOCK // tq), 0)
     carry = lax.fori_loop(0, n_causal, body, (zeros(dk), zeros(dv)))
-    dk_acc, dv_acc = lax.fori_loop(n_causal, steps, functools.partial(body, causal=False), carry)
+    if docs:  # steps wholly before entry nplain need no document bound (entries ascend)
+      m0 = jnp.clip(nplain // tq, n_causal, jnp.maximum(steps, n_causal))
+      carry = lax.fori_loop(n_causal, m0, functools.partial(body, causal=False, lower=False),
+                            carry)
+      dk_acc, dv_acc = lax.fori_loop(m0, steps, functools.partial(body, causal=False), carry)
+    else:
+      dk_acc, dv_acc = lax.fori_loop(n_causal, steps, functools.partial(body, causal=False),
+                                     carry)
   else:
     dk_acc, dv_acc = lax.fori_loop(0, steps, body, (zeros(dk), zeros(dv)))
   dkt_s[...] = dk_acc * scale
@@ -1101,11 +1142,51 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
   plgpu.wait_smem_to_gmem(0)
 
 
-def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, interpret=False):
+def _count_below(tokens, e0, e1, bound):
+  """Per work item, how many of its entries tokens[e0:e1] (ascending) are < bound ([B, K, W]
+  each): a lower-bound bisection, one gather a round."""
+  n = tokens.shape[-1]
+  lo, hi = e0, e1
+  for _ in range(max(n, 1).bit_length() + 1):
+    mid = (lo + hi) // 2
+    v = jnp.take_along_axis(tokens, jnp.clip(mid, 0, n - 1), axis=-1)
+    go = (mid < hi) & (v < bound)
+    lo, hi = jnp.where(go, mid + 1, lo), jnp.where(go, hi, mid)
+  return (lo - e0).astype(jnp.int32)
+
+
+def dkv_doc_counts(seg, tokens, iblk, istart, iend):
+  """The dK/dV partials' document inputs: (lo [B, T] each token's document start; nplain, nlive
+  [B, K, W]: per work item, its entries whose document starts at or before the block's first key
+  (no bound needed), and those whose document starts before the block's end (the rest see no key
+  of the block)). Documents are contiguous runs, so both are prefixes of an item's ascending
+  entries: a token's document starts after position p iff the token is at or past the first run
+  start after p."""
+  from pallas_kernels.compress_attention import run_starts  # (that module imports this one)
+  b, t = seg.shape
+  lo = run_starts(seg)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  cand = jnp.where(lo == pos[None], pos[None], t)  # run starts, else T
+  # first_start_from[p] = the first run start >= p (T if none), p = 0 .. T
+  first_start_from = jnp.concatenate(
+      [lax.cummin(cand, axis=1, reverse=True), jnp.full((b, 1), t, jnp.int32)], axis=1)
+  start = iblk * BLOCK                                          # [B, K, W]
+  after_first = jnp.minimum(start + 1, t)                       # starts > the block's first key
+  after_block = jnp.minimum(start + BLOCK, t)                   # starts >= the block's end
+  take = lambda p: jnp.take_along_axis(first_start_from[:, None, :],
+                                       p.reshape(b, -1)[:, None, :], axis=-1).reshape(p.shape)
+  nplain = _count_below(tokens, istart, iend, take(after_first))
+  nlive = _count_below(tokens, istart, iend, take(after_block))
+  return lo.astype(jnp.int32), nplain, nlive
+
+
+def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, interpret=False,
+                 seg=None):
   """float32 dK/dV partials [B,K,W,64,D] of the inverse-list work items (C.inverse_lists) and the
   (first, nitems) per block that select_attention_bwd.reduce_partials sums them with. block_idx
   must not name blocks that start after their token (select_attention drops those): with
-  FAST_MASK only a work item's first 64 / tq steps get the causal mask."""
+  FAST_MASK only a work item's first 64 / tq steps get the causal mask. seg: [B, T] int32
+  document ids, contiguous runs (DKV_SEGMENT_IDS; dkv_doc_counts)."""
   b, t, h, dk = q.shape
   kh, dv, n = k.shape[2], v.shape[3], block_idx.shape[3]
   g, dtype = h // kh, q.dtype
@@ -1116,17 +1197,20 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
   nb = C.cdiv(t, BLOCK)
   tokens, iblk, istart, iend, first, nitems = C.inverse_lists(block_idx, nb, chunk_entries)
   nw = iblk.shape[-1]
+  docs = () if seg is None else dkv_doc_counts(seg, tokens, iblk, istart, iend)
   rows_major = functools.partial(_rows_major, kh=kh, tp=t)
   tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
   slots = dkv_slots(dk, dv)
 
-  def entry(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-            delta_ref, dk_ref, dv_ref):
+  def entry(*refs):
+    *doc_refs, iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, \
+        delta_ref, dk_ref, dv_ref = refs
     pl.run_scoped(
         lambda *s: _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
                                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, s, g=g, tq=tq,
                                n_entries=t * n, dk=dk, dv=dv, scale=scale, dtype=dtype,
-                               interpret=interpret, slots=slots),
+                               interpret=interpret, slots=slots,
+                               doc_refs=tuple(doc_refs) or None),
         (plgpu.SMEM((BLOCK, dk), dtype, transforms=tr),
          plgpu.SMEM((BLOCK, dv), dtype, transforms=tr),
          _shared((plgpu.SMEM((slots, ROWS, dk), dtype, transforms=tr),
@@ -1144,7 +1228,7 @@ def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, in
       grid=(nw, kh, b), grid_names=("item", "group", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(iblk, istart, iend, tokens, rows_major(q), _blocks_major(k), _blocks_major(v),
+  )(*docs, iblk, istart, iend, tokens, rows_major(q), _blocks_major(k), _blocks_major(v),
     rows_major(do.astype(dtype)),
     rows_major(lse.astype(jnp.float32)), rows_major(delta.astype(jnp.float32)))
   return dkx, dvx, first, nitems

@@ -165,11 +165,13 @@
 #          (206 s on an H100, 2026-12-06).
 # seldoc   the selection branch with packed documents at the 8k training layer
 #          (benchmarks/select_doc_trial.py) on the op's own top-n lists, documents of mean 16384
-#          (the corpus's case) then 4096 tokens: auto (with ids: the Triton union tile alone,
+#          (the corpus's case) then 4096 tokens: auto (with ids on Hopper: the Mosaic union tile
+#          alone with the ids as document bounds, select_attention_mgpu.SEGMENT_IDS, on since
+#          2026-12-07), mosaic_dkv_ids (the dK/dV partials with the ids too, DKV_SEGMENT_IDS,
+#          off by default), auto_triton_ids (SEGMENT_IDS off: the Triton union tile alone,
 #          STATIC_UNION_IDS), auto_no_ids (Mosaic without ids, what unmasked training runs),
-#          triton (the lax.cond, "auto" with ids before 2026-12-07), mosaic_ids (the Mosaic
-#          forward and dq with document bounds, SEGMENT_IDS), triton_no_ids; ~5-8 min (not yet
-#          run; rows are written as they finish).
+#          triton (the lax.cond), triton_no_ids; 116 s on an H100 (2026-12-07, with mosaic_ids
+#          in place of auto_triton_ids: benchmarks/results/seldoc_h100_s44/).
 # cudnnpacked  cuDNN's packed-sequence layout (per-row document offsets, jax's private cuDNN call)
 #          against our Triton kernels with ids and cuDNN without ids, at the 8k training layer:
 #          w = T (dense layers) and w = 512 (NSA's window branch), mean document lengths 4096 and
@@ -535,7 +537,7 @@ cmpdoc() {  # timeouts sum to 560 s
 
 seldoc() {
   timeout 560 python3 benchmarks/select_doc_trial.py --out "$OUT/seldoc" --docs 16384,4096 \
-    --variants auto,auto_no_ids,triton,mosaic_ids,triton_no_ids
+    --variants auto,mosaic_dkv_ids,auto_triton_ids,auto_no_ids,triton,triton_no_ids
 }
 
 cudnnpacked() {

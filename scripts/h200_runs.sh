@@ -71,6 +71,11 @@
 # packedpair  masked 8k runs with NSA_CUDNN_PACKED=PP_CAP (default 8; cuDNN's packed layout for ids)
 #          and =0 (our kernels): dense packed / plain, NSA packed / plain, one GPU, carry `.whl`;
 #          351 s on an H100 (2026-12-07).
+# segids   masked 8k NSA with select_attention_mgpu.SEGMENT_IDS off (the Triton union tile with
+#          the ids) and on (the Mosaic forward and dq with the ids as document bounds), in
+#          SI_ORDER (default "off on"), then masked dense (data.cudnn_packed_cap "auto"; SI_DENSE=0
+#          skips it), one GPU, SI_LIMIT s each (default 130), carry `.whl`; 415 s with the
+#          compiled segment-id tests before it on an H100 (2026-12-07).
 # determinism  is 8k training bitwise reproducible, with and without XLA's determinism flags
 #          (one GPU, carry `.whl`; DET_FLAGS picks the flags)
 #
@@ -233,6 +238,33 @@ packedpair() {  # masked 8k runs on one GPU with and without cuDNN's packed layo
   done
   unset NSA_CUDNN_PACKED
   grep -H "tokens_per_s\|cudnn-packed\|packed layout\|fall back" "$R"/packedpair_*.log | tail -n 40
+}
+segids() {  # masked 8k NSA with the Mosaic selection kernels' SEGMENT_IDS off / on, then masked dense
+  local v f
+  f=$(ctx_flags 8192 8)
+  for v in ${SI_ORDER:-off on}; do
+    rm -rf "$T/segids/$v"
+    # shellcheck disable=SC2086
+    timeout -k 15 -s TERM "${SI_LIMIT:-130}" python3 -c "
+import sys
+import pallas_kernels.select_attention_mgpu as m
+m.SEGMENT_IDS = sys.argv.pop(1) == 'on'
+from absl import app
+from experiments import train
+app.run(train.main, flags_parser=train.parse_flags)
+" "$v" --config=$SWEEP --workdir=$T/segids/$v --config.data.document_mask=True $f \
+      > "$R/segids_nsa_$v.log" 2>&1
+    echo "segids nsa $v: exit $?"
+    keep "$T/segids/$v" "segids_nsa_$v"
+  done
+  if [ "${SI_DENSE:-1}" != 0 ]; then
+    rm -rf "$T/context/dense_8192"
+    CTX_EXTRA="--config.data.document_mask=True ${CTX_EXTRA:-}" \
+      ctx_run dense 8192 8 0 "${SI_LIMIT:-130}" 15
+    mv "$R/context_dense_8192.log" "$R/segids_dense.log"
+    keep "$T/context/dense_8192" "segids_dense"
+  fi
+  grep -H "tokens_per_s\|select branch\|packed" "$R"/segids_*.log | tail -n 40
 }
 context8_1gpu_rev() {  # the 8k pair in the other order (dense first): does running second cost?
   rm -rf "$T/context/nsa_8192" "$T/context/dense_8192"

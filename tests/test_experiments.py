@@ -654,7 +654,7 @@ def test_h200_runs_script_parses_and_defines_every_documented_phase():
   for phase in ("pair", "layouts", "layouts_kv2", "passkey", "passkey2", "branches", "design",
                 "blocks", "context8", "context16", "context32", "context16_1gpu", "context32_1gpu",
                 "impl8", "selgain", "prof8k", "profdoc", "context8_1gpu", "context8_1gpu_rev",
-                "determinism", "projfuse"):
+                "determinism", "projfuse", "packedpair", "segids"):
     assert re.search(rf"^# (.*\b)?{phase}\b", header, re.M), f"{phase} not documented"
     assert phase in defined, f"{phase} documented but not defined"
 
@@ -1827,18 +1827,19 @@ def test_select_doc_trial_compares_selection_paths_with_and_without_ids(tmp_path
 
 
 def test_select_doc_trial_runs_the_mosaic_kernels_with_ids(tmp_path):
-  """The trial's mosaic_ids variant (Mosaic forward and dq with document bounds, in Mosaic GPU's
-  interpreter here) agrees with the Triton kernels on the same lists and ids within bf16 rounding,
-  and leaves select_attention_mgpu.SEGMENT_IDS as it found it."""
+  """The trial's Mosaic variants with ids (forward and dq with document bounds; mosaic_dkv_ids
+  also the dK/dV partials; in Mosaic GPU's interpreter here; "auto" runs Triton when interpreted)
+  agree with the Triton kernels on the same lists and ids within bf16 rounding, and leave
+  select_attention_mgpu's flags as they found them."""
   sys.path.insert(0, ROOT)
   from benchmarks import select_doc_trial
   from pallas_kernels import select_attention_mgpu as mgpu
-  before = mgpu.SEGMENT_IDS
+  before = (mgpu.SEGMENT_IDS, mgpu.DKV_SEGMENT_IDS)
+  variants = ("auto", "mosaic_ids", "auto_triton_ids", "mosaic_dkv_ids")
   recs = select_doc_trial.main(["--out", str(tmp_path), "--shapes", "tiny64", "--iters", "1",
-                                "--docs", "40", "--variants", "auto,mosaic_ids"])
-  assert mgpu.SEGMENT_IDS == before
-  assert [(r["impl"], r["pass"]) for r in recs] == [
-      (v, p) for v in ("auto", "mosaic_ids") for p in ("fwd", "bwd")]
+                                "--docs", "40", "--variants", ",".join(variants)])
+  assert (mgpu.SEGMENT_IDS, mgpu.DKV_SEGMENT_IDS) == before
+  assert [(r["impl"], r["pass"]) for r in recs] == [(v, p) for v in variants for p in ("fwd", "bwd")]
   assert all(r["ids"] and r["max_abs_diff_vs_first"] < 0.05 for r in recs), recs
 
 

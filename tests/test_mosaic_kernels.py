@@ -11,6 +11,7 @@ printed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -177,8 +178,12 @@ def test_future_blocks_are_invisible(backend, h):
 
 
 def _doc_ids(rng, b, t, mean):
-  """[B, T] int32 ids of contiguous documents cut at random places (not on block boundaries)."""
-  return jnp.asarray(np.cumsum(rng.random((b, t)) < 1.0 / mean, axis=1), jnp.int32)
+  """[B, T] int32 ids of contiguous documents cut at random places (not on block boundaries), with
+  one sure cut per row in the middle third (at T = 200 and a mean of 70 a row drew no cut about
+  6% of the time, and the tests that need an earlier document then failed their own check)."""
+  cuts = rng.random((b, t)) < 1.0 / mean
+  cuts[np.arange(b), rng.integers(t // 3, 2 * t // 3, size=b)] = True
+  return jnp.asarray(np.cumsum(cuts, axis=1), jnp.int32)
 
 
 # (b, t, h, kh, n, lists): G = 16 (4 tokens a tile), G = 4 (16 tokens; dK/dV Triton either way
@@ -228,6 +233,60 @@ def test_segment_ids_as_document_bounds_match_reference(monkeypatch, case):
   _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
 
 
+# (b, t, h, kh, n, chunk): G = 16 (4 tokens a step), 64 (1 token); small work items (chunk
+# entries) so that an item's unmasked prefix, masked run and dead tail fall in different items
+DKV_DOC_CASES = [(1, 300, 16, 1, 4, 8), (2, 200, 16, 1, 3, None), (1, 200, 64, 1, 3, 5)]
+
+
+@pytest.mark.parametrize("case", DKV_DOC_CASES,
+                         ids=[f"G{c[2] // c[3]}_T{c[1]}_chunk{c[5]}" for c in DKV_DOC_CASES])
+def test_dkv_partials_with_segment_ids_match_reference(monkeypatch, case):
+  """DKV_SEGMENT_IDS: the Mosaic dK/dV partials take packed documents (each item stops at its
+  first token whose document starts after the block and masks keys before each token's document
+  start from its first token whose document starts inside the block): q/k/v gradients of
+  backend="mosaic" against the reference with the same ids."""
+  monkeypatch.setattr(mgpu, "SEGMENT_IDS", True)
+  monkeypatch.setattr(mgpu, "DKV_SEGMENT_IDS", True)
+  b, t, h, kh, n, chunk = case
+  rng = np.random.default_rng(_seed())
+  q, k, v, idx, do = _inputs(rng, b, t, h, kh, 64, 64, n)
+  seg = _doc_ids(rng, b, t, 40)
+  starts = ref.document_starts(seg)[:, :, None, None]
+  assert bool(jnp.any((idx >= 0) & (idx * 64 < starts))), "no block holds an earlier document"
+  til = mgpu.tiling_for(h // kh, 64)
+  if chunk:
+    til = dataclasses.replace(til, chunk_entries=chunk)
+  ours = lambda q, k, v: select_attention(q, k, v, idx, 64, seg, backend="mosaic", tiling=til,
+                                          interpret=INTERPRET)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64, seg)
+  dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
+
+
+def test_dkv_doc_counts_by_brute_force():
+  """dkv_doc_counts: per work item, the entries whose document starts at or before the block's
+  first key (nplain) and before its end (nlive), counted one by one; documents that start exactly
+  on a block boundary included."""
+  rng = np.random.default_rng(_seed())
+  b, t, kh, n = 2, 260, 2, 3
+  idx = _inputs(rng, b, t, 4 * kh, kh, 64, 64, n)[3]
+  seg = np.array(_doc_ids(rng, b, t, 30))
+  seg[:, 128:] += 1  # a document start on block 2's first key
+  seg = jnp.asarray(seg)
+  tokens, iblk, istart, iend, _, _ = C.inverse_lists(idx, C.cdiv(t, 64), 7)
+  lo, nplain, nlive = mgpu.dkv_doc_counts(seg, tokens, iblk, istart, iend)
+  np.testing.assert_array_equal(np.asarray(lo), np.asarray(ref.document_starts(seg)))
+  tok, ib, s0, s1 = (np.asarray(x) for x in (tokens, iblk, istart, iend))
+  lo = np.asarray(lo)
+  for bb in range(b):
+    for kk in range(kh):
+      for w in range(ib.shape[-1]):
+        starts = [lo[bb, tok[bb, kk, e]] for e in range(s0[bb, kk, w], s1[bb, kk, w])]
+        first = ib[bb, kk, w] * 64
+        assert int(nplain[bb, kk, w]) == sum(s <= first for s in starts), (bb, kk, w)
+        assert int(nlive[bb, kk, w]) == sum(s < first + 64 for s in starts), (bb, kk, w)
+
+
 def test_doc_maps_count_the_entries_under_the_bound():
   """doc_maps: each token's document start (tokens past T repeat the last), and per tile the
   number of union entries starting before its last token's document start, by brute force."""
@@ -251,10 +310,14 @@ def test_doc_maps_count_the_entries_under_the_bound():
         assert int(nlo[bb, it, kk, 0]) == sum(j * 64 < last for j in union), (bb, it, kk)
 
 
-def test_segment_ids_lower_for_cuda(monkeypatch):
+@pytest.mark.parametrize("dkv_ids", [False, True], ids=["dkv_triton", "dkv_mosaic"])
+def test_segment_ids_lower_for_cuda(monkeypatch, dkv_ids):
   """With SEGMENT_IDS, value_and_grad of backend="mosaic" with ids lowers for CUDA (G = 16, 64/64:
-  the 8k layer's shapes; the forward without the OVERLAP walk, dK/dV Triton)."""
+  the 8k layer's shapes; the forward without the OVERLAP walk; dK/dV Triton, or with
+  DKV_SEGMENT_IDS the Mosaic partials and the Triton reduce)."""
+  import re
   monkeypatch.setattr(mgpu, "SEGMENT_IDS", True)
+  monkeypatch.setattr(mgpu, "DKV_SEGMENT_IDS", dkv_ids)
   sd = jax.ShapeDtypeStruct
   t = 300
   args = (sd((1, t, 16, 64), jnp.bfloat16), sd((1, t, 1, 64), jnp.bfloat16),
@@ -267,15 +330,22 @@ def test_segment_ids_lower_for_cuda(monkeypatch):
     return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
 
   text = _cuda_text(f, args)
-  assert "nsa_select_dkv" in text  # the Triton dK/dV with the ids
+  # the Triton dK/dV with the ids (its kernel and its reduce), or the Mosaic partials (a third
+  # Mosaic GPU call beside the forward and dq) summed by the Triton reduce
+  assert bool(re.search(r"nsa_select_dkv(?!_reduce)", text)) != dkv_ids
+  assert "nsa_select_dkv_reduce" in text
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == (3 if dkv_ids else 2)
 
 
-def test_refusals_name_the_problem():
+def test_refusals_name_the_problem(monkeypatch):
   q = jnp.zeros((1, 64, 16, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   idx = jnp.zeros((1, 64, 1, 2), jnp.int32)
-  with pytest.raises(ValueError, match="segment ids"):  # unless mgpu.SEGMENT_IDS (off by default)
+  assert mgpu.SEGMENT_IDS  # on by default: the ids reach the Mosaic forward and dq
+  monkeypatch.setattr(mgpu, "SEGMENT_IDS", False)
+  with pytest.raises(ValueError, match="SEGMENT_IDS is off"):
     select_attention(q, kv, kv, idx, 64, jnp.zeros((1, 64), jnp.int32), backend="mosaic")
+  monkeypatch.undo()
   with pytest.raises(ValueError, match="l' = 64"):
     select_attention(q, kv, kv, idx, 32, backend="mosaic")
   with pytest.raises(ValueError, match="multiples of 64"):
@@ -592,11 +662,13 @@ def test_cmp_lowers_for_cuda():
 
 # ----------------------------------------------------------------------------- whole op
 
-def test_whole_op_pallas_mosaic_matches_reference(caplog):
+def test_whole_op_pallas_mosaic_matches_reference(caplog, monkeypatch):
   """ops.nsa_attention(implementation="pallas-mosaic"): Mosaic GPU compression and selection
   kernels inside the op (block indices given, selector="aux", so bf16 rounding cannot change the
   selection),
-  forward and gradients of every input; with segment ids both branches fall back to Triton, said."""
+  forward and gradients of every input; with segment ids the compression branch falls back to
+  Triton, said, and the selection branch stays Mosaic GPU (SEGMENT_IDS, on by default; off:
+  Triton, said)."""
   import logging
   from nsa_jax import ops
   from nsa_jax.config import NSAConfig
@@ -630,20 +702,29 @@ def test_whole_op_pallas_mosaic_matches_reference(caplog):
     assert float(jnp.max(jnp.abs(f32(a) - r))) <= TOL * max(scale, 1.0), f"d{name}"
   caplog.clear()
   seg = jnp.asarray(np.repeat([[0] * 150 + [1] * 150], b, 0), jnp.int32)
-  with caplog.at_level(logging.INFO, logger="nsa_jax"):
-    jax.eval_shape(lambda *a: run("pallas-mosaic", a, seg), *args)
-  assert "select branch: Triton" in caplog.text and "segment ids" in caplog.text
+  for on in (True, False):
+    monkeypatch.setattr(mgpu, "SEGMENT_IDS", on)
+    ops.log_once.cache_clear()  # logged once per message and process
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nsa_jax"):
+      jax.eval_shape(lambda *a: run("pallas-mosaic", a, seg), *args)
+    assert "compress branch: Triton" in caplog.text and "segment ids" in caplog.text
+    assert ("select branch: Mosaic GPU" in caplog.text) == on, caplog.text
+    assert ("select branch: Triton" in caplog.text) == (not on), caplog.text
 
 
 # ----------------------------------------------------------------------------- automatic choice
 
-def test_auto_backend_rule():
+def test_auto_backend_rule(monkeypatch):
   """select_attention(backend="auto") picks Mosaic GPU exactly where it was measured faster on the
-  H200 (compiled; G = 16 and G = 4 with head dims <= 128) and says why otherwise."""
+  H200 (compiled; G = 16 and G = 4 with head dims <= 128; with segment ids too, SEGMENT_IDS on by
+  default) and says why otherwise."""
   from pallas_kernels.select_attention import auto_backend
   bf = jnp.bfloat16
   shapes = lambda h, kh, dk, dv: ((1, 512, h, dk), (1, 512, kh, dk), (1, 512, kh, dv))
   assert auto_backend(*shapes(16, 1, 64, 64), 64, False, bf, False)[0] == "mosaic"
+  assert auto_backend(*shapes(16, 1, 64, 64), 64, True, bf, False)[0] == "mosaic"
+  monkeypatch.setattr(mgpu, "SEGMENT_IDS", False)  # the ids' case in the refusals below
   assert auto_backend(*shapes(16, 4, 64, 64), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 4, 128, 128), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 1, 128, 128), 64, False, bf, False)[0] == "mosaic"
@@ -656,24 +737,28 @@ def test_auto_backend_rule():
                     ((shapes(16, 1, 128, 256), 64, False, bf, False), "head dims <= 128"),
                     ((shapes(16, 4, 192, 128), 64, False, bf, False), "head dims <= 128"),
                     ((shapes(16, 2, 64, 64), 64, False, bf, False), "G=8"),
-                    ((shapes(16, 1, 64, 64), 64, True, bf, False), "segment ids"),
+                    ((shapes(16, 1, 64, 64), 64, True, bf, False), "SEGMENT_IDS is off"),
                     ((shapes(16, 1, 64, 64), 32, False, bf, False), "l' = 64"),
                     ((shapes(16, 1, 64, 64), 64, False, jnp.float32, False), "bfloat16")]:
     be, reason = auto_backend(*args[0], *args[1:])
     assert be == "triton" and why in reason, (args, be, reason)
 
 
-AUTO_CASES = [(1, None, True), (4, (16, 5.0), True), (4, (16, 0.0), False)]
+AUTO_CASES = [(1, None, True, False), (4, (16, 5.0), True, False), (4, (16, 0.0), False, False),
+              (1, None, True, True), (4, (16, 5.0), True, True)]
 
 
-@pytest.mark.parametrize("kh,switch,mosaic", AUTO_CASES,
-                         ids=["G16_mosaic_union", "G4_mosaic_union", "G4_triton_branch"])
-def test_auto_cond_matches_reference(kh, switch, mosaic):
+@pytest.mark.parametrize("kh,switch,mosaic,docs", AUTO_CASES,
+                         ids=["G16_mosaic_union", "G4_mosaic_union", "G4_triton_branch",
+                              "G16_mosaic_union_docs", "G4_mosaic_union_docs"])
+def test_auto_cond_matches_reference(kh, switch, mosaic, docs):
   """backend="auto" where Mosaic GPU applies: a lax.cond between a Triton tile and Mosaic's 64-row
   union tile (G = 16: the per-token tile vs 4 tokens; G = 4: Triton's 4-token tile vs 16 tokens,
-  switched on the 16-token tiles' mean union; a 0 switch takes the Triton branch). Here in the
-  interpreters, reached through _select_auto directly since auto picks Triton when interpreted:
-  forward and gradients against the reference."""
+  switched on the 16-token tiles' mean union; a 0 switch takes the Triton branch); "docs": with
+  packed documents (SEGMENT_IDS, on by default: the Mosaic union branch takes the ids; what auto
+  runs past STATIC_UNION_MAX_T or at G = 4). Here in the interpreters, reached through
+  _select_auto directly since auto picks Triton when interpreted: forward and gradients against
+  the reference."""
   from pallas_kernels import select_attention as sk
   b, t, h, dk, dv, n = 1, 200, 16, 64, 64, 4
   rng = np.random.default_rng(_seed())
@@ -684,10 +769,16 @@ def test_auto_cond_matches_reference(kh, switch, mosaic):
   if g == 16:
     assert C.clustered_tiling(g, 64) == tilings[1]
   seg = jnp.zeros((b, t), jnp.int32)
+  if docs:
+    seg = _doc_ids(rng, b, t, 70)
+    # the bound must matter: some (token, picked block) pairs hold an earlier document
+    starts = ref.document_starts(seg)[:, :, None, None]
+    assert bool(jnp.any((idx >= 0) & (idx * 64 < starts))), "no block holds an earlier document"
+    assert mgpu.SEGMENT_IDS
   dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-  ours = lambda q, k, v: sk._select_auto(q, k, v, idx, seg, 64, dk ** -0.5, tilings, False,
+  ours = lambda q, k, v: sk._select_auto(q, k, v, idx, seg, 64, dk ** -0.5, tilings, docs,
                                          INTERPRET, True, "mosaic", switch)
-  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64)
+  theirs = lambda q, k, v: ref.select_attention(q, k, v, idx, 64, seg if docs else None)
   o, _ = ours(q, k, v)
   np.testing.assert_allclose(f32(o), theirs(f32(q), f32(k), f32(v))[0], atol=TOL, rtol=TOL)
   _assert_grads_match(ours, theirs, (q, k, v), do, dlse)
@@ -780,3 +871,10 @@ def test_ws_refusals_name_the_problem():
   ok, why = mgpu.ws_supports((1, 64, 16, 64), (1, 64, 4, 64), (1, 64, 4, 64), 64, False,
                              jnp.bfloat16)
   assert not ok and "G=4" in why
+  # segment ids: the two-warpgroup forward takes none (it would ignore them), with SEGMENT_IDS on
+  assert mgpu.SEGMENT_IDS and mgpu.supports((1, 64, 16, 64), (1, 64, 1, 64), (1, 64, 1, 64), 64,
+                                            True, jnp.bfloat16)[0]
+  with pytest.raises(ValueError, match="two-warpgroup forward"):
+    select_attention(q[..., :64], kv[..., :64], kv[..., :64], idx, 64,
+                     jnp.zeros((1, 64), jnp.int32), backend="mosaic",
+                     tiling=mgpu.ws_tiling_for(16, 64))

@@ -366,10 +366,16 @@ def test_auto_with_segment_ids_runs_the_union_tile_alone(static, monkeypatch):
     assert cond(call(sid))
 
 
-def test_auto_with_segment_ids_lowers_the_union_tile_alone_for_cuda():
+@pytest.mark.parametrize("segment_ids_on", [False, True])
+def test_auto_with_segment_ids_lowers_the_union_tile_alone_for_cuda(segment_ids_on, monkeypatch):
   """The compiled form of the rule above (8k-layer head dims, abstract H100): with segment ids no
-  stablehlo.case and the union tile's kernels; past STATIC_UNION_MAX_T the case again."""
+  stablehlo.case and the union tile's kernels; past STATIC_UNION_MAX_T the case again. With
+  select_attention_mgpu.SEGMENT_IDS off that tile is Triton's; on (the default) it is Mosaic GPU's
+  forward and dq, with the Triton dK/dV taking the ids."""
   from pallas_kernels import select_attention as sa
+  from pallas_kernels import select_attention_mgpu as mgpu
+  assert mgpu.SEGMENT_IDS  # the default
+  monkeypatch.setattr(mgpu, "SEGMENT_IDS", segment_ids_on)
   sd = jax.ShapeDtypeStruct
 
   def text(t):
@@ -387,8 +393,13 @@ def test_auto_with_segment_ids_lowers_the_union_tile_alone_for_cuda():
       return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
   short = text(300)
-  assert "stablehlo.case" not in short and "mosaic_gpu" not in short
-  assert "nsa_select_fwd_union4" in short and "nsa_select_dq_union4" in short
+  assert "stablehlo.case" not in short
+  if segment_ids_on:
+    assert "mosaic_gpu" in short and "nsa_select_dkv" in short
+    assert "nsa_select_fwd" not in short and "nsa_select_dq" not in short
+  else:
+    assert "mosaic_gpu" not in short
+    assert "nsa_select_fwd_union4" in short and "nsa_select_dq_union4" in short
   assert "stablehlo.case" in text(sa.STATIC_UNION_MAX_T + 64)
 
 
