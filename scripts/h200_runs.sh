@@ -73,7 +73,8 @@
 #          351 s on an H100 (2026-12-07).
 # segids   masked 8k NSA with select_attention_mgpu.SEGMENT_IDS off (the Triton union tile with
 #          the ids) and on (the Mosaic forward and dq with the ids as document bounds), in
-#          SI_ORDER (default "off on"), then masked dense (data.cudnn_packed_cap "auto"; SI_DENSE=0
+#          SI_ORDER (default "off on"; SI_FLAG=DKV_SEGMENT_IDS toggles the dK/dV partials' switch
+#          instead), then masked dense (data.cudnn_packed_cap "auto"; SI_DENSE=0
 #          skips it), one GPU, SI_LIMIT s each (default 130), carry `.whl`; 415 s with the
 #          compiled segment-id tests before it on an H100 (2026-12-07).
 # determinism  is 8k training bitwise reproducible, with and without XLA's determinism flags
@@ -246,9 +247,9 @@ segids() {  # masked 8k NSA with the Mosaic selection kernels' SEGMENT_IDS off /
     rm -rf "$T/segids/$v"
     # shellcheck disable=SC2086
     timeout -k 15 -s TERM "${SI_LIMIT:-130}" python3 -c "
-import sys
+import os, sys
 import pallas_kernels.select_attention_mgpu as m
-m.SEGMENT_IDS = sys.argv.pop(1) == 'on'
+setattr(m, os.environ.get('SI_FLAG', 'SEGMENT_IDS'), sys.argv.pop(1) == 'on')
 from absl import app
 from experiments import train
 app.run(train.main, flags_parser=train.parse_flags)
