@@ -357,11 +357,10 @@ def _mosaic_backends(q, k_slc, v_slc, cfg, segment_ids):
                                           has_seg, q.dtype),
             "select": mgpu.supports(q.shape, k_slc.shape, v_slc.shape, cfg.sel_block, has_seg,
                                     q.dtype)}
-  dkv_ok, dkv_why = mgpu.dkv_supports(h // kh, dk, v_slc.shape[-1])
-  if dkv_ok and has_seg and not mgpu.DKV_SEGMENT_IDS:
-    dkv_ok, dkv_why = False, "segment ids: select_attention_mgpu.DKV_SEGMENT_IDS is off"
+  from pallas_kernels.select_attention import dkv_backend
+  dkv, dkv_why = dkv_backend(h // kh, dk, v_slc.shape[-1], has_seg)
   notes = {"compress": " (backward: Triton)",
-           "select": "" if dkv_ok else f" (dK/dV: Triton, {dkv_why})"}
+           "select": "" if dkv == "mosaic" else f" (dK/dV: Triton, {dkv_why})"}
   out = []
   for name, (ok, why) in checks.items():
     out.append("mosaic" if ok else "triton")
@@ -387,6 +386,9 @@ def _auto_select_backend(q, k_slc, v_slc, cfg, segment_ids, interpret):
               " (4-token union tiles only: segment ids, STATIC_UNION_IDS, T <= STATIC_UNION_MAX_T, "
               "head dims <= STATIC_UNION_MAX_DIM)" if sk.union_alone_with_ids(
                   g, q.shape[1], q.shape[3], v_slc.shape[3], segment_ids is not None) else ""))
+  if be == "mosaic":
+    dkv, dkv_why = sk.dkv_backend(g, q.shape[3], v_slc.shape[3], segment_ids is not None)
+    what += f" (dK/dV: {dkv_why if dkv == 'mosaic' else 'Triton, ' + dkv_why})"
   log_once(logging.INFO, f"NSA select branch: {what} kernels for q{tuple(q.shape)}: {why}")
   return "auto"
 

@@ -387,7 +387,10 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
 
 def check_segment_ids(segment_ids):
   """Segment ids must mark each document as one contiguous run (packed documents). Checked when the
-  ids are concrete; under jit they are trusted (a reused id would let its runs see each other)."""
+  ids are concrete; under jit they are trusted. A reused id there gives no defined answer: paths
+  that compare ids let its runs see each other, while the GPU kernels that take each row's
+  document start (the Mosaic selection forward and dq, cuDNN's packed layout) treat each run as
+  its own document, so a forward and its gradients could disagree."""
   if segment_ids is None:
     return
   require_integers(segment_ids, "segment_ids", "document ids (the Pallas kernels would "

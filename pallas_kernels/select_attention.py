@@ -203,6 +203,16 @@ def _select_mosaic_bwd(block_size, scale, tiling, has_seg, interpret, determinis
                           deterministic=deterministic) + (None, None)
 
 
+def dkv_backend(g, dk, dv, has_seg):
+  """("mosaic" or "triton", why): the dK/dV kernels under the Mosaic forward and dq: the Mosaic
+  partials where they apply (G >= 8; with segment ids only with mgpu.DKV_SEGMENT_IDS), else
+  Triton."""
+  ok, why = mgpu.dkv_supports(g, dk, dv)
+  if ok and has_seg and not mgpu.DKV_SEGMENT_IDS:
+    ok, why = False, "segment ids: select_attention_mgpu.DKV_SEGMENT_IDS is off"
+  return ("mosaic", "Mosaic GPU partials") if ok else ("triton", why)
+
+
 def _mosaic_backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_size, scale, tiling,
                      has_seg, interpret, deterministic):
   """(dq, dk, dv): Mosaic GPU dq, and dK/dV from the Mosaic partials (G >= 8; with segment ids
@@ -213,8 +223,7 @@ def _mosaic_backward(q, k, v, block_idx, seg, maps, o, lse, do, dlse, *, block_s
   do = do.astype(q.dtype)
   dq = mgpu.dq(q, k, v, maps, do, lse, delta, block_size=block_size, scale=scale,
                interpret=interpret, seg=seg if has_seg else None)
-  if ((not has_seg or mgpu.DKV_SEGMENT_IDS)
-      and mgpu.dkv_supports(q.shape[2] // k.shape[2], k.shape[3], v.shape[3])[0]):
+  if dkv_backend(q.shape[2] // k.shape[2], k.shape[3], v.shape[3], has_seg)[0] == "mosaic":
     dkx, dvx, first, nitems = mgpu.dkv_partials(q, k, v, block_idx, do, lse, delta,
                                                 chunk_entries=tiling.chunk_entries, scale=scale,
                                                 interpret=interpret, seg=seg if has_seg else None)
@@ -384,13 +393,24 @@ def auto_backend(q_shape, k_shape, v_shape, block_size, has_seg, dtype, interpre
   neighbouring tokens share little, see _select_auto, except G = 16 up to STATIC_UNION_MAX_T
   tokens at head dims <= STATIC_UNION_MAX_DIM: the union tile alone, static_union), else
   "triton" (with segment ids at those shapes its union tile alone: union_alone_with_ids).
-  Segment ids reach Mosaic GPU with select_attention_mgpu.SEGMENT_IDS (on by default)."""
+  Segment ids reach Mosaic GPU with select_attention_mgpu.SEGMENT_IDS (on by default), and
+  "auto" sends them there only at the static_union shapes (G = 16, T <= STATIC_UNION_MAX_T, head
+  dims <= STATIC_UNION_MAX_DIM: the one case timed with ids); elsewhere ids run Triton
+  (backend="mosaic" takes them at any shape it supports)."""
   if interpret:
     return "triton", "interpreted (no GPU): the Triton kernels"
   ok, why = mgpu.supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype)
   if not ok:
     return "triton", f"Mosaic GPU does not apply: {why}"
   g, dk, dv = q_shape[2] // k_shape[2], q_shape[3], v_shape[3]
+  if has_seg and not static_union(g, q_shape[1], dk, dv):
+    return "triton", (f"segment ids at G={g}, T={q_shape[1]}, d_k/d_v={dk}/{dv}: Mosaic GPU with "
+                      f"ids measured faster only at G=16, T <= STATIC_UNION_MAX_T="
+                      f"{STATIC_UNION_MAX_T}, head dims <= STATIC_UNION_MAX_DIM="
+                      f"{STATIC_UNION_MAX_DIM} (the 8k training layer, on an H100)")
+  if has_seg:
+    return "mosaic", (f"G={g}, d_k/d_v={dk}/{dv} with segment ids: Mosaic GPU (SEGMENT_IDS) "
+                      "measured faster at the 8k training layer on an H100")
   if max(dk, dv) > MOSAIC_AUTO_MAX_DIM.get(g, 0):
     return "triton", (f"G={g}, d_k/d_v={dk}/{dv}: Mosaic GPU measured faster only for "
                       + ", ".join(f"G={gg} with head dims <= {d}"

@@ -131,11 +131,12 @@ def _shared(*groups):
   return plgpu.RefUnion(*groups) if LEAN_SMEM else groups
 
 
-def _check(h, kh, dk, dv, has_seg, dtype):
-  """(ok, reason) for what every Mosaic GPU kernel here needs: no segment ids, 64-row tiles of
-  64 / G tokens, head dims in 128-byte swizzled rows, 16-bit inputs."""
+def _check(h, kh, dk, dv, has_seg, dtype, what="Mosaic GPU kernel"):
+  """(ok, reason) for what every Mosaic GPU kernel here needs: 64-row tiles of 64 / G tokens, head
+  dims in 128-byte swizzled rows, 16-bit inputs; has_seg: segment ids given to a kernel (`what`)
+  that takes none."""
   if has_seg:
-    return False, "segment ids are not implemented in the Mosaic GPU kernel (use backend='triton')"
+    return False, f"segment ids are not implemented in the {what} (use backend='triton')"
   if dk % 64 or dv % 64 or max(dk, dv) > 256:
     return False, f"d_k={dk}, d_v={dv}: need multiples of 64 up to 256 (128-byte swizzled rows)"
   if h % kh:
@@ -157,8 +158,7 @@ def supports(q_shape, k_shape, v_shape, block_size, has_seg, dtype):
   if has_seg and not SEGMENT_IDS:
     return False, ("segment ids: select_attention_mgpu.SEGMENT_IDS is off (set it True, or use "
                    "backend='triton')")
-  return _check(q_shape[2], k_shape[2], q_shape[3], v_shape[3], has_seg and not SEGMENT_IDS,
-                dtype)
+  return _check(q_shape[2], k_shape[2], q_shape[3], v_shape[3], False, dtype)
 
 
 def _tiles(t, g, rows=ROWS):
@@ -818,7 +818,8 @@ def cmp_supports(q_shape, kc_shape, vc_shape, has_seg, dtype):
   """(ok, reason): whether the Mosaic GPU compression forward handles this call."""
   if kc_shape[2] % BLOCK:   # kc/vc group-major [B, K, Ncp, D]
     return False, f"{kc_shape[2]} padded compressed keys: need a multiple of {BLOCK}"
-  return _check(q_shape[2], kc_shape[1], q_shape[3], vc_shape[3], has_seg, dtype)
+  return _check(q_shape[2], kc_shape[1], q_shape[3], vc_shape[3], has_seg, dtype,
+                "Mosaic GPU compression kernel")
 
 
 def cmp_forward(q, kc, vc, *, nc, block, stride, scale, interpret=False):

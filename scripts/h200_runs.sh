@@ -241,7 +241,7 @@ packedpair() {  # masked 8k runs on one GPU with and without cuDNN's packed layo
   grep -H "tokens_per_s\|cudnn-packed\|packed layout\|fall back" "$R"/packedpair_*.log | tail -n 40
 }
 segids() {  # masked 8k NSA with the Mosaic selection kernels' SEGMENT_IDS off / on, then masked dense
-  local v f
+  local v f n=segids${SI_FLAG:+_$SI_FLAG}  # the runs' names say which switch they toggle
   f=$(ctx_flags 8192 8)
   for v in ${SI_ORDER:-off on}; do
     rm -rf "$T/segids/$v"
@@ -254,9 +254,9 @@ from absl import app
 from experiments import train
 app.run(train.main, flags_parser=train.parse_flags)
 " "$v" --config=$SWEEP --workdir=$T/segids/$v --config.data.document_mask=True $f \
-      > "$R/segids_nsa_$v.log" 2>&1
-    echo "segids nsa $v: exit $?"
-    keep "$T/segids/$v" "segids_nsa_$v"
+      > "$R/${n}_nsa_$v.log" 2>&1
+    echo "$n nsa $v: exit $?"
+    keep "$T/segids/$v" "${n}_nsa_$v"
   done
   if [ "${SI_DENSE:-1}" != 0 ]; then
     rm -rf "$T/context/dense_8192"

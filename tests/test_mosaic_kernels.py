@@ -186,23 +186,25 @@ def _doc_ids(rng, b, t, mean):
   return jnp.asarray(np.cumsum(cuts, axis=1), jnp.int32)
 
 
-# (b, t, h, kh, n, lists): G = 16 (4 tokens a tile), G = 4 (16 tokens; dK/dV Triton either way
-# with ids), G = 64 (one token a tile, unsorted lists, every step masked); "any": any earlier
+# (b, t, h, kh, n, lists, d): G = 16 (4 tokens a tile), G = 4 (16 tokens; dK/dV Triton either
+# way with ids), G = 64 (one token a tile, unsorted lists, every step masked); "any": any earlier
 # blocks (a caller's lists: blocks before the document, wholly or in part); "doc": only blocks
 # from the document's first on, as the top-n picks them
-DOC_CASES = [(1, 300, 16, 1, 4, "any"), (2, 200, 16, 1, 3, "doc"), (1, 260, 8, 2, 3, "any"),
-             (1, 200, 64, 1, 3, "any")]
+DOC_CASES = [(1, 300, 16, 1, 4, "any", 64), (2, 200, 16, 1, 3, "doc", 64),
+             (1, 260, 8, 2, 3, "any", 64), (1, 200, 64, 1, 3, "any", 64),
+             (1, 200, 16, 1, 3, "any", 128)]  # d = 128: the forward's K/V ring (KV_RING)
 
 
-@pytest.mark.parametrize("case", DOC_CASES, ids=[f"G{c[2] // c[3]}_{c[5]}_T{c[1]}" for c in DOC_CASES])
+@pytest.mark.parametrize("case", DOC_CASES,
+                         ids=[f"G{c[2] // c[3]}_{c[5]}_T{c[1]}_d{c[6]}" for c in DOC_CASES])
 def test_segment_ids_as_document_bounds_match_reference(monkeypatch, case):
   """SEGMENT_IDS: the Mosaic forward and dq take packed documents as a per-row lower bound (the
   document start) on the prefix of union entries that can hold earlier keys (doc_maps) and the
   last entry: forward, lse and gradients (dK/dV Triton with the ids) against the reference with
   the same ids."""
   monkeypatch.setattr(mgpu, "SEGMENT_IDS", True)
-  b, t, h, kh, n, lists = case
-  dk = dv = 64
+  b, t, h, kh, n, lists, dk = case
+  dv = dk
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, dk, dv, n)
   seg = _doc_ids(rng, b, t, 70)
@@ -250,7 +252,12 @@ def test_dkv_partials_with_segment_ids_match_reference(monkeypatch, case):
   b, t, h, kh, n, chunk = case
   rng = np.random.default_rng(_seed())
   q, k, v, idx, do = _inputs(rng, b, t, h, kh, 64, 64, n)
-  seg = _doc_ids(rng, b, t, 40)
+  # documents starting on block 1's second key and block 2's last key (the edges of
+  # dkv_doc_counts' two bounds, which random cuts rarely hit; the first runs past block 1, so
+  # tokens 128-190 reach block 1 outside its causal steps), then random cuts after them
+  pos = np.arange(t)
+  late = np.cumsum((rng.random((b, t)) < 1.0 / 40) & (pos > 191), axis=1)
+  seg = jnp.asarray((pos >= 65) + (pos >= 191) + late, jnp.int32)
   starts = ref.document_starts(seg)[:, :, None, None]
   assert bool(jnp.any((idx >= 0) & (idx * 64 < starts))), "no block holds an earlier document"
   til = mgpu.tiling_for(h // kh, 64)
@@ -265,13 +272,15 @@ def test_dkv_partials_with_segment_ids_match_reference(monkeypatch, case):
 
 def test_dkv_doc_counts_by_brute_force():
   """dkv_doc_counts: per work item, the entries whose document starts at or before the block's
-  first key (nplain) and before its end (nlive), counted one by one; documents that start exactly
-  on a block boundary included."""
+  first key (nplain) and before its end (nlive), counted one by one; documents that start on a
+  block's first, second and last key included."""
   rng = np.random.default_rng(_seed())
   b, t, kh, n = 2, 260, 2, 3
   idx = _inputs(rng, b, t, 4 * kh, kh, 64, 64, n)[3]
   seg = np.array(_doc_ids(rng, b, t, 30))
   seg[:, 128:] += 1  # a document start on block 2's first key
+  seg[:, 65:] += 1   # ... on block 1's second key (the nplain bound's edge)
+  seg[:, 191:] += 1  # ... on block 2's last key (the nlive bound's edge)
   seg = jnp.asarray(seg)
   tokens, iblk, istart, iend, _, _ = C.inverse_lists(idx, C.cdiv(t, 64), 7)
   lo, nplain, nlive = mgpu.dkv_doc_counts(seg, tokens, iblk, istart, iend)
@@ -724,6 +733,11 @@ def test_auto_backend_rule(monkeypatch):
   shapes = lambda h, kh, dk, dv: ((1, 512, h, dk), (1, 512, kh, dk), (1, 512, kh, dv))
   assert auto_backend(*shapes(16, 1, 64, 64), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 1, 64, 64), 64, True, bf, False)[0] == "mosaic"
+  # with ids only where that was timed (G = 16, T <= STATIC_UNION_MAX_T, head dims <= 64)
+  for args in (shapes(16, 4, 64, 64), shapes(16, 1, 128, 128),
+               ((1, 9000, 16, 64), (1, 9000, 1, 64), (1, 9000, 1, 64))):
+    be, reason = auto_backend(*args, 64, True, bf, False)
+    assert be == "triton" and "measured faster only at G=16" in reason, (args, reason)
   monkeypatch.setattr(mgpu, "SEGMENT_IDS", False)  # the ids' case in the refusals below
   assert auto_backend(*shapes(16, 4, 64, 64), 64, False, bf, False)[0] == "mosaic"
   assert auto_backend(*shapes(16, 4, 128, 128), 64, False, bf, False)[0] == "mosaic"
@@ -744,6 +758,31 @@ def test_auto_backend_rule(monkeypatch):
     assert be == "triton" and why in reason, (args, be, reason)
 
 
+def test_op_logs_which_dkv_kernels_run(caplog, monkeypatch):
+  """implementation="pallas" logs the selection's dK/dV kernels under the Mosaic forward: the
+  Mosaic partials without ids, with ids only with DKV_SEGMENT_IDS (else Triton, said why)."""
+  import logging
+  import types
+  from nsa_jax import ops
+  cfg = types.SimpleNamespace(num_heads=16, num_kv_heads=1, sel_block=64)
+  q, kv = jnp.zeros((1, 128, 16, 64), jnp.bfloat16), jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  seg = jnp.zeros((1, 128), jnp.int32)
+
+  def logged(ids, dkv_ids):
+    monkeypatch.setattr(mgpu, "DKV_SEGMENT_IDS", dkv_ids)
+    ops.log_once.cache_clear()  # logged once per message and process
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      ops._auto_select_backend(q, kv, kv, cfg, ids, False)
+    return caplog.text
+
+  assert "select branch: Mosaic GPU" in logged(None, False)
+  assert "dK/dV: Mosaic GPU partials" in logged(None, False)
+  assert "dK/dV: Triton, segment ids: select_attention_mgpu.DKV_SEGMENT_IDS is off" in logged(
+      seg, False)
+  assert "dK/dV: Mosaic GPU partials" in logged(seg, True)
+
+
 AUTO_CASES = [(1, None, True, False), (4, (16, 5.0), True, False), (4, (16, 0.0), False, False),
               (1, None, True, True), (4, (16, 5.0), True, True)]
 
@@ -755,8 +794,9 @@ def test_auto_cond_matches_reference(kh, switch, mosaic, docs):
   """backend="auto" where Mosaic GPU applies: a lax.cond between a Triton tile and Mosaic's 64-row
   union tile (G = 16: the per-token tile vs 4 tokens; G = 4: Triton's 4-token tile vs 16 tokens,
   switched on the 16-token tiles' mean union; a 0 switch takes the Triton branch); "docs": with
-  packed documents (SEGMENT_IDS, on by default: the Mosaic union branch takes the ids; what auto
-  runs past STATIC_UNION_MAX_T or at G = 4). Here in the interpreters, reached through
+  packed documents (SEGMENT_IDS, on by default: the Mosaic union branch takes the ids; auto does
+  not pick this with ids, where only the static union tile at 8k was timed, but the cond is
+  exact with them). Here in the interpreters, reached through
   _select_auto directly since auto picks Triton when interpreted: forward and gradients against
   the reference."""
   from pallas_kernels import select_attention as sk
