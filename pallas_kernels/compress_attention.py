@@ -189,6 +189,15 @@ def run_starts(seg):
   return lax.cummax(jnp.where(begins, ar, 0), axis=1)
 
 
+def run_lasts(seg):
+  """[B, T] int32: the last position of each position's run of equal ids (run_starts' mirror;
+  run_lasts[p] + 1 is the first run start after p, T past the last run)."""
+  b, t = seg.shape
+  ar = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((b, 1), jnp.bool_)], axis=1)
+  return lax.cummin(jnp.where(ends, ar, t - 1), axis=1, reverse=True)
+
+
 def seg_free_step(first, steps, seg_q, qrun_ref, pos, *, stride, bk):
   """The first key step from which the forward / dq walk needs no id test (seg_unmasked_steps):
   for a tile whose rows all hold one id (one run: the rows are consecutive positions), the step
@@ -304,10 +313,7 @@ def unmasked_ends(seg, bseg, bpure, *, nc, block, stride, tq, bk):
   doc = bs[:, :, 0]
   kpure = jnp.all(bs == doc[:, :, None], axis=2) & jnp.all(bp != 0, axis=2)
   kpure = kpure & (start + bk <= nc)[None, :]
-  # the last position of each position's run of equal ids
-  ar = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((b, 1), jnp.bool_)], axis=1)
-  run_last = lax.cummin(jnp.where(ends, ar, t - 1), axis=1, reverse=True)
+  run_last = run_lasts(seg)
   p0 = jnp.minimum(f * tq, t - 1)
   ok = kpure & (f * tq < t)[None, :] & (seg[:, p0] == doc)
   run_end = (run_last[:, p0] + 1) // tq  # query tiles wholly inside that run end here

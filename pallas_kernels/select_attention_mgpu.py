@@ -1070,7 +1070,7 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     ids = col_vec if fast else col  # the token slot of each column
     pos_c = jnp.zeros(ids.shape, jnp.int32)
     live_c = jnp.zeros(ids.shape, jnp.bool_)
-    lo_c = jnp.zeros(ids.shape, jnp.int32)
+    lo_c = jnp.zeros(ids.shape, jnp.int32) if lower else None
     for s in range(tq):
       pos, live = token(i, s)
       pos_c = jnp.where(ids == s, pos, pos_c)
@@ -1126,7 +1126,7 @@ def _dkv_kernel(iblk_ref, istart_ref, iend_ref, tokens_ref, q_ref, k_ref, v_ref,
     n_causal = jnp.where(first_pos < blk * BLOCK + BLOCK - 1, jnp.minimum(steps, BLOCK // tq), 0)
     carry = lax.fori_loop(0, n_causal, body, (zeros(dk), zeros(dv)))
     if docs:  # steps wholly before entry nplain need no document bound (entries ascend)
-      m0 = jnp.clip(nplain // tq, n_causal, jnp.maximum(steps, n_causal))
+      m0 = jnp.clip(nplain // tq, n_causal, steps)  # (n_causal <= steps)
       carry = lax.fori_loop(n_causal, m0, functools.partial(body, causal=False, lower=False),
                             carry)
       dk_acc, dv_acc = lax.fori_loop(m0, steps, functools.partial(body, causal=False), carry)
@@ -1162,23 +1162,17 @@ def dkv_doc_counts(seg, tokens, iblk, istart, iend):
   (no bound needed), and those whose document starts before the block's end (the rest see no key
   of the block)). Documents are contiguous runs, so both are prefixes of an item's ascending
   entries: a token's document starts after position p iff the token is at or past the first run
-  start after p."""
-  from pallas_kernels.compress_attention import run_starts  # (that module imports this one)
+  start after p (run_lasts[p] + 1)."""
+  from pallas_kernels.compress_attention import run_lasts, run_starts  # (it imports this module)
   b, t = seg.shape
-  lo = run_starts(seg)
-  pos = jnp.arange(t, dtype=jnp.int32)
-  cand = jnp.where(lo == pos[None], pos[None], t)  # run starts, else T
-  # first_start_from[p] = the first run start >= p (T if none), p = 0 .. T
-  first_start_from = jnp.concatenate(
-      [lax.cummin(cand, axis=1, reverse=True), jnp.full((b, 1), t, jnp.int32)], axis=1)
-  start = iblk * BLOCK                                          # [B, K, W]
-  after_first = jnp.minimum(start + 1, t)                       # starts > the block's first key
-  after_block = jnp.minimum(start + BLOCK, t)                   # starts >= the block's end
-  take = lambda p: jnp.take_along_axis(first_start_from[:, None, :],
-                                       p.reshape(b, -1)[:, None, :], axis=-1).reshape(p.shape)
-  nplain = _count_below(tokens, istart, iend, take(after_first))
-  nlive = _count_below(tokens, istart, iend, take(after_block))
-  return lo.astype(jnp.int32), nplain, nlive
+  last = run_lasts(seg)
+  start = iblk * BLOCK                                          # [B, K, W], each < T
+
+  def start_after(p):  # [B, K, W]: the first run start after position p (T if none)
+    return jnp.take_along_axis(last[:, None, :], p.reshape(b, 1, -1), axis=-1).reshape(p.shape) + 1
+  nplain = _count_below(tokens, istart, iend, start_after(start))
+  nlive = _count_below(tokens, istart, iend, start_after(jnp.minimum(start + BLOCK - 1, t - 1)))
+  return run_starts(seg).astype(jnp.int32), nplain, nlive
 
 
 def dkv_partials(q, k, v, block_idx, do, lse, delta, *, chunk_entries, scale, interpret=False,
