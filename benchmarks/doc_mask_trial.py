@@ -2,7 +2,9 @@
 # ops.dense_attention's "auto" runs on a GPU with segment ids), per CmpTiling switch of the masked
 # paths, against the same kernels without ids and cuDNN's causal call without ids, all in one run.
 #   python3 benchmarks/doc_mask_trial.py --out=DIR [--shapes=8192:8:16/1:64/64]
-#       [--docs=none,4096,16384] [--variants=default,no_seg_split,...]
+#       [--docs=none,4096,16384] [--variants=default,no_seg_split,...] [--window=W]
+# --window=W (W < T): NSA's sliding-window branch instead (op "window_doc"), against cuDNN's
+# sliding window without ids (ops.window_attention backend "cudnn") as the baseline.
 # docs: "none" (no ids) or a mean document length in tokens (random cuts, as dense_doc_trial).
 # variants: default (the tiling's defaults), no_seg_split (CmpTiling.seg_unmasked_steps off: the
 # forward and dq kernels compare ids on every key step), dkv_masked_ids (bwd_unmasked_with_ids
@@ -39,7 +41,7 @@ VARIANTS = {
     "dkv_masked_ids_w4_s2": dict(bwd_unmasked_with_ids=False, dkv_num_warps=4, dkv_num_stages=2),
 }
 
-COLS = ("docs", "documents_per_row", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")
+COLS = ("window", "docs", "documents_per_row", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")
 
 
 def kernel_ms(fn, args, keys=("nsa_win_fwd", "nsa_win_dq", "nsa_win_dkv")):
@@ -91,20 +93,27 @@ def main(argv=None):
   p.add_argument("--variants", default=",".join(VARIANTS))
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--name", default="doc_mask_trial")
+  p.add_argument("--window", type=int, default=0,
+                 help="a window w < T: NSA's window branch (default 0: w = T, dense causal)")
   a = p.parse_args(argv)
+  if a.window < 0:
+    p.error(f"--window={a.window}: expected 0 (w = T) or a positive window")
   variants, docs = variants_and_docs(p, a, VARIANTS)
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   recs = []
   for shape in a.shapes.split(","):
     t, b, h, k, dk, dv = parse_shape(shape)
+    w = a.window if 0 < a.window < t else t
+    op = "dense_doc" if w == t else "window_doc"
     base_f = base_b = None
-    if on_gpu:  # cuDNN's causal call without ids: the baseline of every row
+    if on_gpu:  # cuDNN without ids (causal, or its sliding window): the baseline of every row
       q, kk, v, ct, _ = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype, 4096)
       base_f, base_b = fwd_bwd_ms(
-          lambda q, kk, v: ops.dense_attention(q, kk, v, implementation="cudnn"), q, kk, v, ct,
+          (lambda q, kk, v: ops.dense_attention(q, kk, v, implementation="cudnn")) if w == t else
+          (lambda q, kk, v: ops.window_attention(q, kk, v, w, backend="cudnn")), q, kk, v, ct,
           a.iters)[:2]
-      print(f"{shape} cudnn causal, no ids: fwd {base_f:.3f} ms, bwd {base_b:.3f} ms", flush=True)
+      print(f"{shape} cudnn w={w}, no ids: fwd {base_f:.3f} ms, bwd {base_b:.3f} ms", flush=True)
     for doc in docs:
       q, kk, v, ct, seg = inputs(jax.random.key(0), t, b, h, k, dk, dv, dtype,
                                  4096 if doc == "none" else int(doc))
@@ -115,19 +124,20 @@ def main(argv=None):
         tiling = dataclasses.replace(wk.WINDOW_TILING, **VARIANTS[name])
         fwd, bwd, kernels, got, diff = run_variant(
             lambda q, kk, v, *s, tiling=tiling: wk.window_attention(
-                q, kk, v, t, *s, tiling=tiling, interpret=not on_gpu)[0], q, kk, v, ct, a.iters,
+                q, kk, v, w, *s, tiling=tiling, interpret=not on_gpu)[0], q, kk, v, ct, a.iters,
             on_gpu, ref, extra=() if s is None else (s,))
         ref = got if ref is None else ref
         print(f"{shape} docs={doc} {name}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms, kernels "
               f"{kernels}, max |diff| vs {variants[0]} {diff:.2e}", flush=True)
         for pass_, ms, base in (("fwd", fwd, base_f), ("bwd", bwd, base_b)):
-          recs.append(bc.record(op="dense_doc", impl=f"pallas {name}", pass_=pass_, t=t, batch=b,
+          recs.append(bc.record(op=op, impl=f"pallas {name}", pass_=pass_, t=t, batch=b,
                                 q_heads=h, kv_heads=k, d_k=dk, d_v=dv, ms=ms, cudnn_ms=base,
-                                docs=doc, documents_per_row=docs_per_row,
+                                window=w, docs=doc, documents_per_row=docs_per_row,
                                 kernels_fwd_bwd_ms=kernels, max_abs_diff_vs_first=diff))
         bc.write_results(recs, a.out, a.name, preamble=(
-            f"# Document ids in the window kernels at w = T ({bc.hardware()}, {bc.utc_now()})\n\n"
-            "cudnn_ms: cuDNN's causal call without ids, same run. kernels_fwd_bwd_ms: device "
+            f"# Document ids in the window kernels at w = {'T' if w == t else w} ({bc.hardware()}, "
+            f"{bc.utc_now()})\n\ncudnn_ms: cuDNN's {'causal call' if w == t else 'sliding window'} "
+            "without ids, same run. kernels_fwd_bwd_ms: device "
             "kernels of one fwd+bwd call. Command: "
             f"`{bc.command_line()}`."), extra_cols=COLS)
   print(bc.markdown_table(recs, extra_cols=COLS))

@@ -179,6 +179,11 @@
 #          output and gradients compared with ours; M = 64 needs a ~33 GiB backward workspace at
 #          this shape); ~6-8 min, cut at 560 s (parts ran on an H100 in three calls, 2026-12-07:
 #          benchmarks/results/cudnn_packed_h100_s42/; the whole phase has not run).
+# windoc   NSA's window branch (w = 512) with document ids at the 8k training layer, per dK/dV
+#          launch and masked-path switch (benchmarks/doc_mask_trial.py --window 512: no ids, mean
+#          4096 and 16384 tokens; baseline cuDNN's sliding window without ids). The masked 8k NSA
+#          step's window kernels took 35.1 ms against cuDNN's 26.6 (profdoc_nsa_h100_s44); the
+#          small-head launch with ids (8 warps, 3 stages) was chosen at w = T only; ~2-3 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -538,6 +543,12 @@ cmpdoc() {  # timeouts sum to 560 s
 seldoc() {
   timeout 560 python3 benchmarks/select_doc_trial.py --out "$OUT/seldoc" --docs 16384,4096 \
     --variants auto,mosaic_dkv_ids,auto_triton_ids,auto_no_ids,triton,triton_no_ids
+}
+
+windoc() {
+  timeout 400 python3 benchmarks/doc_mask_trial.py --out "$OUT/windoc" --window 512 \
+    --docs none,16384,4096 --name windoc \
+    --variants default,dkv_w4,dkv_w8_s2,dkv_masked_ids,dkv_masked_ids_w4_s2,no_seg_split
 }
 
 cudnnpacked() {

@@ -887,7 +887,7 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
                                     "ncuprof", "decodehf", "cmdsched", "streams", "window",
                                     "winsweep", "winfused", "winnsa", "warps2nsa", "dqsteps",
-                                    "densedoc", "cmpdoc", "seldoc", "cudnnpacked"}
+                                    "densedoc", "cmpdoc", "seldoc", "cudnnpacked", "windoc"}
 
 
 def test_needle_key_blocks_and_coverage():
@@ -1882,6 +1882,29 @@ def test_doc_mask_trial_times_each_switch_and_they_change_no_value(tmp_path, mon
   assert json.load(open(tmp_path / "doc_mask_trial.json")) == recs
   assert "| dense_doc | pallas no_seg_split | fwd | 96 |" in open(tmp_path / "doc_mask_trial.md").read()
   assert "| 24 |" in open(tmp_path / "doc_mask_trial.md").read()
-  for bad in (["--variants", "fastest"], ["--docs", "-5"]):
+  for bad in (["--variants", "fastest"], ["--docs", "-5"], ["--window", "-1"]):
     with pytest.raises(SystemExit):
       doc_mask_trial.main(["--out", str(tmp_path), *bad])
+
+
+def test_doc_mask_trial_window_times_the_window_branch(tmp_path, monkeypatch):
+  """--window=W < T times NSA's window branch (op "window_doc", the window in each record and
+  passed to the kernels); W >= T is dense causal (w = T)."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import doc_mask_trial
+  windows = []
+  real = doc_mask_trial.wk.window_attention
+
+  def spy(q, k, v, window, *a, **kw):
+    windows.append(window)
+    return real(q, k, v, window, *a, **kw)
+  monkeypatch.setattr(doc_mask_trial.wk, "window_attention", spy)
+  for w, op, want in ((16, "window_doc", 16), (500, "dense_doc", 96)):
+    windows.clear()
+    recs = doc_mask_trial.main(["--out", str(tmp_path / str(w)), "--shapes", "96:2:4/1:16/16",
+                                "--iters", "1", "--docs", "24", "--variants", "default,dkv_w4",
+                                "--window", str(w)])
+    assert [(r["op"], r["window"], r["impl"]) for r in recs] == [
+        (op, want, "pallas " + v) for v in ("default", "dkv_w4") for _ in ("fwd", "bwd")]
+    assert windows and set(windows) == {want}, windows
+    assert all(r["max_abs_diff_vs_first"] == 0.0 for r in recs)
