@@ -15,6 +15,11 @@ Cases (paper shape: B=1, 64 query / 4 KV heads, l=32, d=16, l'=64, n=16; --dims 
   random_fwd     selection forward, "random" lists (backend="auto": the per-token Triton tile)
   clustered_fwd  selection forward, "clustered" lists (backend="auto": Mosaic GPU union tile)
   random_bwd     selection backward, random lists (dq, dK/dV, reduce)
+  window_bwd     NSA's window branch (w = 512) forward + backward at the 8k training layer
+                 (B = 8, T = 8192, 16 / 1 heads, 64/64; not the flags' shape): nsa_win_fwd / _dq
+                 / _dkv without document ids
+  window_bwd_ids the same with document ids (mean 16384 tokens, as benchmarks/doc_mask_trial.py):
+                 with ids the dq kernel took 0.85 vs 0.57 ms on an H100 (windoc_h100_s45)
 Off a GPU (interpret mode, T <= 4096) it only checks that the cases run; nothing is profiled.
 """
 
@@ -30,13 +35,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks import dense_doc_trial  # noqa: E402
 from experiments.bench_kernels import index_pattern, make_qkv  # noqa: E402
 from pallas_kernels.compress_attention import compress_attention  # noqa: E402
 from pallas_kernels.select_attention import select_attention  # noqa: E402
 from pallas_kernels import select_topn as st  # noqa: E402
 from pallas_kernels.select_topn import select_topn  # noqa: E402
+from pallas_kernels.window_attention import window_attention  # noqa: E402
 
-CASES = ("topn", "topn_head_first", "random_fwd", "clustered_fwd", "random_bwd")
+CASES = ("topn", "topn_head_first", "random_fwd", "clustered_fwd", "random_bwd", "window_bwd",
+         "window_bwd_ids")
 L, D, LP, N = 32, 16, 64, 16
 
 
@@ -73,6 +81,13 @@ def main(argv=None):
   sel_vjp = jax.jit(lambda q, k, v, idx, do: jax.vjp(
       lambda q, k, v: select_attention(q, k, v, idx, LP, backend="auto", interpret=interp)[0],
       q, k, v)[1](do))
+  # The window cases' shape: the 8k training layer on a GPU, a small one for the dry run.
+  wb, wt, wh, wd = (8, 8192, 16, 64) if on_gpu else (1, min(t, 256), 4, 16)
+  wq, wk_, wv, wct, wseg = dense_doc_trial.inputs(jax.random.key(7), wt, wb, wh, 1, wd, wd,
+                                                  q.dtype, 16384 if on_gpu else 64)
+  win_vjp = jax.jit(lambda q, k, v, ct, *s: jax.vjp(
+      lambda q, k, v: window_attention(q, k, v, 512 if on_gpu else 32, *s,
+                                       interpret=interp)[0], q, k, v)[1](ct))
   # Everything the cases need that is not profiled (inputs, lse, block lists) is computed first.
   lse = jax.block_until_ready(cmp(q, kc, vc)[1])  # nsa_cmp_fwd: profiled once here
   idx = {pat: jax.block_until_ready(index_pattern(jax.random.key(3), b, t, kh, N, LP, pat))
@@ -81,7 +96,9 @@ def main(argv=None):
   run = {"topn": (topn, (q, kc, lse)), "topn_head_first": (topn_hf, (q, kc, lse)),
          "random_fwd": (sel, (q, k, v, idx["random"])),
          "clustered_fwd": (sel, (q, k, v, idx["clustered"])),
-         "random_bwd": (sel_vjp, (q, k, v, idx["random"], do))}
+         "random_bwd": (sel_vjp, (q, k, v, idx["random"], do)),
+         "window_bwd": (win_vjp, (wq, wk_, wv, wct)),
+         "window_bwd_ids": (win_vjp, (wq, wk_, wv, wct, wseg))}
   exes, default = {}, st.HEAD_FIRST
   try:
     for c in cases:  # select_topn reads HEAD_FIRST while tracing
