@@ -6,20 +6,23 @@
 # 50.2 ms without: this trial says how much of that is Triton against Mosaic and how much the id
 # tests themselves.
 #   python3 benchmarks/select_doc_trial.py --out=DIR [--shapes=8k] [--docs=none,4096,16384]
-#       [--variants=auto,auto_no_ids,auto_triton_ids,mosaic_dkv_ids,triton,triton_no_ids,
-#                   triton_union4,triton_union4_no_ids,mosaic_ids]
+#       [--variants=auto,auto_no_ids,auto_triton_ids,auto_triton_dkv_ids,mosaic_dkv_ids,triton,
+#                   triton_no_ids,triton_union4,triton_union4_no_ids,mosaic_ids]
 # docs: "none" (one document a row) or a mean document length in tokens (random cuts, as
 # benchmarks/dense_doc_trial.py). The block lists are the whole op's own for those documents
 # (compression lse, then the top-n kernel, both with the ids). Variants: auto (what training
 # runs: select_attention's backend="auto" with the library's settings; with ids at these shapes on
 # Hopper the Mosaic union tile alone taking the ids since select_attention_mgpu.SEGMENT_IDS went
-# on, 2026-12-07), auto_triton_ids ("auto" with SEGMENT_IDS off: the Triton union tile alone,
+# on, 2026-12-07, and its dK/dV partials too since DKV_SEGMENT_IDS went on the same day),
+# auto_triton_dkv_ids ("auto" with DKV_SEGMENT_IDS off: Mosaic forward and dq, the Triton dK/dV
+# taking the ids), auto_triton_ids ("auto" with SEGMENT_IDS off: the Triton union tile alone,
 # STATIC_UNION_IDS, what "auto" ran with ids before that), triton (backend="triton": the lax.cond
 # between the union and the per-token tile, what "auto" ran with ids before STATIC_UNION_IDS),
 # triton_union4 (the Triton union tile alone as an explicit tiling), mosaic_ids (backend="mosaic"
-# with SEGMENT_IDS on: the Mosaic forward and dq with the ids as document bounds, dK/dV Triton
-# with the ids; at these shapes the same kernels as "auto"), mosaic_dkv_ids ("auto" with
-# select_attention_mgpu.DKV_SEGMENT_IDS on: the Mosaic dK/dV partials take the ids too);
+# with SEGMENT_IDS on: the Mosaic forward and dq with the ids as document bounds, dK/dV as
+# DKV_SEGMENT_IDS says; at these shapes the same kernels as "auto"), mosaic_dkv_ids ("auto" with
+# select_attention_mgpu.SEGMENT_IDS and DKV_SEGMENT_IDS both forced on: the library's defaults
+# since 2026-12-07, so the same kernels as "auto" now);
 # "_no_ids": the same call on the same lists
 # without the ids (a different function: only the timing compares). Per row: forward ms, backward
 # ms ((fwd + bwd) - fwd, medians), the device kernels of one fwd+bwd call from a profiler trace
@@ -54,6 +57,7 @@ VARIANTS = {  # name: (backend, union tile alone, with the ids, select_attention
     "auto": ("auto", False, True, {}),
     "auto_no_ids": ("auto", False, False, {}),
     "auto_triton_ids": ("auto", False, True, {"SEGMENT_IDS": False}),
+    "auto_triton_dkv_ids": ("auto", False, True, {"DKV_SEGMENT_IDS": False}),
     "mosaic_dkv_ids": ("auto", False, True, {"SEGMENT_IDS": True, "DKV_SEGMENT_IDS": True}),
     "triton": ("triton", False, True, {}),
     "triton_no_ids": ("triton", False, False, {}),

@@ -94,8 +94,8 @@ RING_MIN_DIM = 128
 # contiguous runs (nsa_jax.reference.check_segment_ids), so key s is in query t's document and not
 # after it iff doc_start(t) <= s <= t: the ids become a per-row lower bound. In an ascending union
 # only the entries that start before the tile's last token's document start can hold keys under a
-# row's bound (doc_maps counts them); those and the last entry get the mask. dK/dV with ids stays
-# Triton; the two-warpgroup forward (ws_forward) takes no ids. On by default since 2026-12-07:
+# row's bound (doc_maps counts them); those and the last entry get the mask. dK/dV with ids: the
+# Mosaic partials with DKV_SEGMENT_IDS (below), else Triton; the two-warpgroup forward (ws_forward) takes no ids. On by default since 2026-12-07:
 # at the 8k training layer (B = 8, 16/1 heads, 64/64, the op's own top-n lists) on an H100,
 # benchmarks/select_doc_trial.py (benchmarks/results/seldoc_h100_s44/) timed forward / backward
 # 2.03 / 3.95 ms against the Triton union tile's 2.65 / 4.58 (documents of mean 16384 tokens) and
@@ -107,9 +107,15 @@ SEGMENT_IDS = True
 # each work item stops at its first token whose document starts after the block (those tokens'
 # keys are all masked, so they add nothing), and masks keys before each token's document start
 # from its first token whose document starts inside the block (dkv_doc_counts). Off: dK/dV with
-# ids runs the Triton kernel. Off by default until timed (benchmarks/select_doc_trial.py,
-# variant mosaic_dkv_ids).
-DKV_SEGMENT_IDS = False
+# ids runs the Triton kernel. On by default since 2026-12-07 (forty-fifth session): at the 8k
+# training layer on an H100 the selection's forward + backward took 5.08 vs 6.14 ms (documents of
+# mean 16384 tokens) and 4.18 vs 5.26 ms (mean 4096) (benchmarks/select_doc_trial.py variant
+# mosaic_dkv_ids, benchmarks/results/seldoc_dkv_h100_s44/); the compiled tests against the
+# reference passed; the masked 8k NSA LM trained at 302.3k vs 292.7k and 306.6k vs 296.5k tokens/s
+# (two H100s, either order, losses equal step by step; benchmarks/results/segids_dkv_h100_s45/).
+# Not yet timed on the H200. "auto" sends ids to the Mosaic kernels only at the timed shape
+# (select_attention.auto_backend), so this applies there and with backend="mosaic".
+DKV_SEGMENT_IDS = True
 
 
 def _staging(interpret):

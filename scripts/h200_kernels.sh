@@ -167,8 +167,9 @@
 #          (benchmarks/select_doc_trial.py) on the op's own top-n lists, documents of mean 16384
 #          (the corpus's case) then 4096 tokens: auto (with ids on Hopper: the Mosaic union tile
 #          alone with the ids as document bounds, select_attention_mgpu.SEGMENT_IDS, on since
-#          2026-12-07), mosaic_dkv_ids (the dK/dV partials with the ids too, DKV_SEGMENT_IDS,
-#          off by default), auto_triton_ids (SEGMENT_IDS off: the Triton union tile alone,
+#          2026-12-07, and the dK/dV partials with the ids too, DKV_SEGMENT_IDS, on since the
+#          same day), auto_triton_dkv_ids (DKV_SEGMENT_IDS off: the Triton dK/dV with the ids),
+#          auto_triton_ids (SEGMENT_IDS off: the Triton union tile alone,
 #          STATIC_UNION_IDS), auto_no_ids (Mosaic without ids, what unmasked training runs),
 #          triton (the lax.cond), triton_no_ids; 116 s on an H100 (2026-12-07, with mosaic_ids
 #          in place of auto_triton_ids: benchmarks/results/seldoc_h100_s44/).
@@ -542,7 +543,7 @@ cmpdoc() {  # timeouts sum to 560 s
 
 seldoc() {
   timeout 560 python3 benchmarks/select_doc_trial.py --out "$OUT/seldoc" --docs 16384,4096 \
-    --variants auto,mosaic_dkv_ids,auto_triton_ids,auto_no_ids,triton,triton_no_ids
+    --variants auto,auto_triton_dkv_ids,auto_triton_ids,auto_no_ids,triton,triton_no_ids
 }
 
 windoc() {

@@ -75,8 +75,9 @@
 #          the ids) and on (the Mosaic forward and dq with the ids as document bounds), in
 #          SI_ORDER (default "off on"; SI_FLAG=DKV_SEGMENT_IDS toggles the dK/dV partials' switch
 #          instead), then masked dense (data.cudnn_packed_cap "auto"; SI_DENSE=0
-#          skips it), one GPU, SI_LIMIT s each (default 130), carry `.whl`; 415 s with the
-#          compiled segment-id tests before it on an H100 (2026-12-07).
+#          skips it), one GPU, SI_LIMIT s each (default 165: at 130 both runs of a cold H100
+#          were cut, 2026-12-07), carry `.whl`; 415 s with the compiled segment-id tests before
+#          it on an H100 (2026-12-07).
 # determinism  is 8k training bitwise reproducible, with and without XLA's determinism flags
 #          (one GPU, carry `.whl`; DET_FLAGS picks the flags)
 #
@@ -246,7 +247,7 @@ segids() {  # masked 8k NSA with the Mosaic selection kernels' SEGMENT_IDS off /
   for v in ${SI_ORDER:-off on}; do
     rm -rf "$T/segids/$v"
     # shellcheck disable=SC2086
-    timeout -k 15 -s TERM "${SI_LIMIT:-130}" python3 -c "
+    timeout -k 15 -s TERM "${SI_LIMIT:-165}" python3 -c "
 import os, sys
 import pallas_kernels.select_attention_mgpu as m
 setattr(m, os.environ.get('SI_FLAG', 'SEGMENT_IDS'), sys.argv.pop(1) == 'on')
@@ -261,7 +262,7 @@ app.run(train.main, flags_parser=train.parse_flags)
   if [ "${SI_DENSE:-1}" != 0 ]; then
     rm -rf "$T/context/dense_8192"
     CTX_EXTRA="--config.data.document_mask=True ${CTX_EXTRA:-}" \
-      ctx_run dense 8192 8 0 "${SI_LIMIT:-130}" 15
+      ctx_run dense 8192 8 0 "${SI_LIMIT:-165}" 15
     mv "$R/context_dense_8192.log" "$R/segids_dense.log"
     keep "$T/context/dense_8192" "segids_dense"
   fi

@@ -1827,8 +1827,9 @@ def test_select_doc_trial_compares_selection_paths_with_and_without_ids(tmp_path
 
 
 def test_select_doc_trial_runs_the_mosaic_kernels_with_ids(tmp_path):
-  """The trial's Mosaic variants with ids (forward and dq with document bounds; mosaic_dkv_ids
-  also the dK/dV partials; in Mosaic GPU's interpreter here; "auto" runs Triton when interpreted)
+  """The trial's Mosaic variants with ids (forward and dq with document bounds; the dK/dV
+  partials too, by default since DKV_SEGMENT_IDS went on, and in mosaic_dkv_ids forced; in Mosaic
+  GPU's interpreter here; "auto" runs Triton when interpreted)
   agree with the Triton kernels on the same lists and ids within bf16 rounding, and leave
   select_attention_mgpu's flags as they found them."""
   sys.path.insert(0, ROOT)

@@ -371,10 +371,12 @@ def test_auto_with_segment_ids_lowers_the_union_tile_alone_for_cuda(segment_ids_
   """The compiled form of the rule above (8k-layer head dims, abstract H100): with segment ids no
   stablehlo.case and the union tile's kernels; past STATIC_UNION_MAX_T the case again. With
   select_attention_mgpu.SEGMENT_IDS off that tile is Triton's; on (the default) it is Mosaic GPU's
-  forward and dq, with the Triton dK/dV taking the ids."""
+  forward and dq, with the Mosaic dK/dV partials taking the ids (DKV_SEGMENT_IDS, the default: a
+  Triton reduce, no Triton dK/dV kernel)."""
+  import re
   from pallas_kernels import select_attention as sa
   from pallas_kernels import select_attention_mgpu as mgpu
-  assert mgpu.SEGMENT_IDS  # the default
+  assert mgpu.SEGMENT_IDS and mgpu.DKV_SEGMENT_IDS  # the defaults
   monkeypatch.setattr(mgpu, "SEGMENT_IDS", segment_ids_on)
   sd = jax.ShapeDtypeStruct
 
@@ -395,7 +397,8 @@ def test_auto_with_segment_ids_lowers_the_union_tile_alone_for_cuda(segment_ids_
   short = text(300)
   assert "stablehlo.case" not in short
   if segment_ids_on:
-    assert "mosaic_gpu" in short and "nsa_select_dkv" in short
+    assert "mosaic_gpu" in short and "nsa_select_dkv_reduce" in short
+    assert not re.search(r"nsa_select_dkv(?!_reduce)", short)
     assert "nsa_select_fwd" not in short and "nsa_select_dq" not in short
   else:
     assert "mosaic_gpu" not in short
