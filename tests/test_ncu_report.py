@@ -1,4 +1,5 @@
-"""benchmarks/ncu_report.py: the Nsight Compute raw-page CSV summariser (no GPU needed)."""
+"""benchmarks/ncu_report.py: the Nsight Compute raw-page CSV summariser, and benchmarks/ncu_kernels.py's
+dry run (no GPU needed)."""
 
 import gzip
 import json
@@ -55,3 +56,17 @@ def test_refuses_a_file_that_is_not_a_raw_page(tmp_path):
   r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ncu_report.py"), str(bad),
                       "--out", str(tmp_path / "x")], capture_output=True, text=True)
   assert r.returncode != 0 and "not an ncu raw-page CSV" in r.stderr and "--page raw" in r.stderr
+
+
+def test_ncu_kernels_dry_run_runs_the_window_cases(capsys):
+  """benchmarks/ncu_kernels.py off a GPU (interpret mode, small shapes): the window cases run
+  without and with document ids, and an unknown case is refused."""
+  import pytest
+  sys.path.insert(0, ROOT)
+  from benchmarks import ncu_kernels
+  ncu_kernels.main(["--T", "256", "--heads", "4/1", "--dims", "16/16", "--cases",
+                    "window_bwd,window_bwd_ids"])
+  out = capsys.readouterr().out
+  assert "ncu_kernels: window_bwd T=" in out and "ncu_kernels: window_bwd_ids T=" in out
+  with pytest.raises(SystemExit):
+    ncu_kernels.main(["--T", "256", "--cases", "window_fwd"])
