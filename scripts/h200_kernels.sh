@@ -184,7 +184,10 @@
 #          launch and masked-path switch (benchmarks/doc_mask_trial.py --window 512: no ids, mean
 #          4096 and 16384 tokens; baseline cuDNN's sliding window without ids). The masked 8k NSA
 #          step's window kernels took 35.1 ms against cuDNN's 26.6 (profdoc_nsa_h100_s44); the
-#          small-head launch with ids (8 warps, 3 stages) was chosen at w = T only; ~2-3 min.
+#          small-head launch with ids (8 warps, 3 stages) was chosen at w = T only. First run
+#          (four of these variants, then default / no_seg_split; one H100, 2026-12-07,
+#          benchmarks/results/windoc_h100_s45/): the defaults fastest; the ids cost the forward
+#          and dq kernels, not dK/dV; ~2-3 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
