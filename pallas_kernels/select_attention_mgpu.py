@@ -95,7 +95,8 @@ RING_MIN_DIM = 128
 # after it iff doc_start(t) <= s <= t: the ids become a per-row lower bound. In an ascending union
 # only the entries that start before the tile's last token's document start can hold keys under a
 # row's bound (doc_maps counts them); those and the last entry get the mask. dK/dV with ids: the
-# Mosaic partials with DKV_SEGMENT_IDS (below), else Triton; the two-warpgroup forward (ws_forward) takes no ids. On by default since 2026-12-07:
+# Mosaic partials with DKV_SEGMENT_IDS (below), else Triton; the two-warpgroup forward
+# (ws_forward) takes no ids. On by default since 2026-12-07:
 # at the 8k training layer (B = 8, 16/1 heads, 64/64, the op's own top-n lists) on an H100,
 # benchmarks/select_doc_trial.py (benchmarks/results/seldoc_h100_s44/) timed forward / backward
 # 2.03 / 3.95 ms against the Triton union tile's 2.65 / 4.58 (documents of mean 16384 tokens) and

@@ -200,8 +200,9 @@ DOC_CASES = [(1, 300, 16, 1, 4, "any", 64), (2, 200, 16, 1, 3, "doc", 64),
 def test_segment_ids_as_document_bounds_match_reference(monkeypatch, case):
   """SEGMENT_IDS: the Mosaic forward and dq take packed documents as a per-row lower bound (the
   document start) on the prefix of union entries that can hold earlier keys (doc_maps) and the
-  last entry: forward, lse and gradients (dK/dV Triton with the ids) against the reference with
-  the same ids."""
+  last entry: forward, lse and gradients (dK/dV as DKV_SEGMENT_IDS and dkv_supports choose: the
+  Mosaic partials at G >= 8 by default, else Triton, both with the ids) against the reference
+  with the same ids."""
   monkeypatch.setattr(mgpu, "SEGMENT_IDS", True)
   b, t, h, kh, n, lists, dk = case
   dv = dk
