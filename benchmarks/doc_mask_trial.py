@@ -9,7 +9,9 @@
 # variants: default (the tiling's defaults), no_seg_split (CmpTiling.seg_unmasked_steps off: the
 # forward and dq kernels compare ids on every key step), dkv_masked_ids (bwd_unmasked_with_ids
 # off: the dK/dV kernel compares ids on every query tile), dkv_w4 (the dK/dV kernel with 4 warps,
-# the launch without ids), dkv_w8_s2 (8 warps, 2 stages), dkv_masked_ids_w4_s2.
+# the launch without ids), dkv_w8_s2 (8 warps, 2 stages), dkv_masked_ids_w4_s2; dq_w4 / dq_s3 (the
+# dq kernel with 4 warps / 3 stages), dq_bk32 / dq_bk128 (keys per dq step), dq_rows64 (64-row dq
+# tiles), each with the dK/dV kernel as by default with ids.
 # Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device kernels of one
 # fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv and the XLA
 # rest), and the largest |difference| of output and gradients from the first variant's (the
@@ -39,6 +41,13 @@ VARIANTS = {
     "dkv_w4": dict(dkv_num_warps=4),
     "dkv_w8_s2": dict(dkv_num_warps=8, dkv_num_stages=2),
     "dkv_masked_ids_w4_s2": dict(bwd_unmasked_with_ids=False, dkv_num_warps=4, dkv_num_stages=2),
+    # the dq kernel's launch / tile, the dK/dV kernel's kept at its with-ids default (8 warps,
+    # 3 stages) where the variant changes the shared fields (why dq costs +50% with ids at w = 512)
+    "dq_w4": dict(bwd_num_warps=4, dkv_num_warps=8, dkv_num_stages=3),
+    "dq_s3": dict(bwd_num_stages=3, dkv_num_warps=8, dkv_num_stages=3),
+    "dq_bk32": dict(dq_block_k=32),
+    "dq_bk128": dict(dq_block_k=128),
+    "dq_rows64": dict(bwd_rows=64, dkv_rows=128),
 }
 
 COLS = ("window", "docs", "documents_per_row", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")

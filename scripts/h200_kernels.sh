@@ -188,6 +188,10 @@
 #          (four of these variants, then default / no_seg_split; one H100, 2026-12-07,
 #          benchmarks/results/windoc_h100_s45/): the defaults fastest; the ids cost the forward
 #          and dq kernels, not dK/dV; ~2-3 min.
+# windq    why the window's dq kernel costs +50% with document ids (0.86 vs 0.57 ms at mean 16384
+#          tokens, 1.25 documents a row, where the id steps are nearly all skipped): the dq launch
+#          and tile variants (4 warps, 3 stages, 32 / 128 keys a step, 64-row tiles) without and
+#          with ids (benchmarks/doc_mask_trial.py --window 512); ~2-3 min.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -553,6 +557,11 @@ windoc() {
   timeout 400 python3 benchmarks/doc_mask_trial.py --out "$OUT/windoc" --window 512 \
     --docs none,16384,4096 --name windoc \
     --variants default,dkv_w4,dkv_w8_s2,dkv_masked_ids,dkv_masked_ids_w4_s2,no_seg_split
+}
+
+windq() {
+  timeout 300 python3 benchmarks/doc_mask_trial.py --out "$OUT/windq" --window 512 \
+    --docs none,16384 --name windq --variants default,dq_w4,dq_s3,dq_bk32,dq_bk128,dq_rows64
 }
 
 cudnnpacked() {

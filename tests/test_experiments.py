@@ -887,7 +887,8 @@ def test_h200_kernels_script_parses_and_defines_every_documented_phase():
                                     "mosaiclean", "mosaicab16", "mosaicring", "topn2pass", "fla",
                                     "ncuprof", "decodehf", "cmdsched", "streams", "window",
                                     "winsweep", "winfused", "winnsa", "warps2nsa", "dqsteps",
-                                    "densedoc", "cmpdoc", "seldoc", "cudnnpacked", "windoc"}
+                                    "densedoc", "cmpdoc", "seldoc", "cudnnpacked", "windoc",
+                                    "windq"}
 
 
 def test_needle_key_blocks_and_coverage():
