@@ -11,7 +11,8 @@
 # off: the dK/dV kernel compares ids on every query tile), dkv_w4 (the dK/dV kernel with 4 warps,
 # the launch without ids), dkv_w8_s2 (8 warps, 2 stages), dkv_masked_ids_w4_s2; dq_w4 / dq_s3 (the
 # dq kernel with 4 warps / 3 stages), dq_bk32 / dq_bk128 (keys per dq step), dq_rows64 (64-row dq
-# tiles), each with the dK/dV kernel as by default with ids.
+# tiles), each with the dK/dV kernel as by default with ids; seg_bounds (the forward and dq kernels
+# take each row's run start as its document's first key: one loop, no id compares).
 # Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device kernels of one
 # fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv and the XLA
 # rest), and the largest |difference| of output and gradients from the first variant's (the
@@ -48,6 +49,7 @@ VARIANTS = {
     "dq_bk32": dict(dq_block_k=32),
     "dq_bk128": dict(dq_block_k=128),
     "dq_rows64": dict(bwd_rows=64, dkv_rows=128),
+    "seg_bounds": dict(seg_bounds=True),
 }
 
 COLS = ("window", "docs", "documents_per_row", "kernels_fwd_bwd_ms", "max_abs_diff_vs_first")

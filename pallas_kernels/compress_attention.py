@@ -66,6 +66,12 @@ class CmpTiling:
     tile wholly in one run of equal ids compares ids only on the key steps before that run's start
     (run_starts) and applies just the causal / window mask from there on (inside the run the id
     test is true wherever the causal one is). Same values; without ids nothing changes.
+  seg_bounds: with segment ids, the forward and dq kernels instead take each row's run start
+    (run_starts) as its document's first key: a block is visible iff the causal (and window) test
+    passes and it starts at or after that position. One loop, no id loads or compares. Equal to
+    the id test where each id is one contiguous run (check_segment_ids' contract); a reused id's
+    runs are separate documents here (as the Mosaic selection kernels and cuDNN's packed layout
+    take them), and the dK/dV kernel still compares ids. Off by default (a trial switch).
   dq_block_k, dkv_rows, dkv_num_warps, dkv_num_stages: the dq kernel's keys per step and the dK/dV
     kernel's own rows / warps / stages; 0 takes block_k and bwd_rows, and for warps / stages
     dkv_launch()'s choice (bwd_num_warps / bwd_num_stages except for small heads).
@@ -89,6 +95,7 @@ class CmpTiling:
   bwd_unmasked_tiles: bool = True
   bwd_unmasked_with_ids: bool = True
   seg_unmasked_steps: bool = True
+  seg_bounds: bool = False
   dq_block_k: int = 0
   dkv_rows: int = 0
   dkv_num_warps: int = 0
@@ -209,6 +216,12 @@ def seg_free_step(first, steps, seg_q, qrun_ref, pos, *, stride, bk):
   return jnp.clip(jnp.where(one_run, mid, steps), first, steps)
 
 
+def seg_walk(tiling, has_seg):
+  """(seg_split, seg_bounds): how the forward / dq kernels' key walk takes segment ids."""
+  bounds = has_seg and tiling.seg_bounds
+  return has_seg and tiling.seg_unmasked_steps and not bounds, bounds
+
+
 def key_walk(body, init, first, steps, *, has_seg, seg_split, seg_q, qrun_ref, pos, stride, bk):
   """The forward / dq kernels' loop over key steps [first, steps): body(i, carry, ids), ids
   compared (when given) on every step, or with seg_split only before seg_free_step's step and the
@@ -230,15 +243,18 @@ def doc_first_step(first, qlo_ref, pos, steps, *, stride, bk):
   return jnp.maximum(first, jnp.minimum(lo // bk, steps))
 
 
-def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc, window=0):
+def cmp_visible(pos, kidx, seg_q, bseg, bpure, *, block, stride, nc, window=0, lo=None):
   """[m, bk] mask: block kidx is in pos's past (and, with a window w, its last key is one of the
-  last w positions up to pos), exists, and (with segments) in pos's document."""
+  last w positions up to pos), exists, and (with segments) in pos's document: ids equal and the
+  block pure, or (lo, per row: CmpTiling.seg_bounds) the block starts at or after lo."""
   end = kidx * stride + (block - 1)
   vis = (end[None, :] <= pos[:, None]) & (kidx < nc)[None, :]
   if window:
     vis = vis & (end[None, :] > pos[:, None] - window)
   if seg_q is not None:
     vis = vis & (seg_q[:, None] == bseg[None, :]) & (bpure != 0)[None, :]
+  if lo is not None:
+    vis = vis & ((kidx * stride)[None, :] >= lo[:, None])
   return vis
 
 
@@ -335,11 +351,12 @@ def _group(*shape):
 
 def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_ref, o_ref,
                 lse_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale,
-                has_seg, seg_split, window):
+                has_seg, seg_split, seg_bounds, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs = load_rows(q_ref, row, dk_pieces)
-  seg_q = seg_ref[pos] if has_seg else None
+  seg_q = seg_ref[pos] if has_seg and not seg_bounds else None
+  lo = qrun_ref[pos] if seg_bounds else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
@@ -355,14 +372,15 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v
     bpure = bpure_ref[pl.ds(start, bk)] if ids else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)  # base-2 logits
     vis = cmp_visible(pos, kidx, seg_q if ids else None, bseg, bpure, block=block, stride=stride,
-                      nc=nc, window=window)
+                      nc=nc, window=window, lo=lo)
     s = jnp.where(vis, s, -jnp.inf)
     return softmax_step((m_i, l_i, accs), s, vs)
 
   init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
-  m_i, l_i, accs = key_walk(body, init, first, steps, has_seg=has_seg, seg_split=seg_split,
-                            seg_q=seg_q, qrun_ref=qrun_ref, pos=pos, stride=stride, bk=bk)
+  m_i, l_i, accs = key_walk(body, init, first, steps, has_seg=seg_q is not None,
+                            seg_split=seg_split, seg_q=seg_q, qrun_ref=qrun_ref, pos=pos,
+                            stride=stride, bk=bk)
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   for (off, _), a in zip(dv_pieces, accs):
@@ -377,13 +395,13 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
   kh, ncp, dv = kc.shape[1], kc.shape[2], vc.shape[3]
   g = h // kh
   tq, gp, m = tile_shape(g, tiling.rows)
-  split = has_seg and tiling.seg_unmasked_steps
+  split, bounds = seg_walk(tiling, has_seg)
   kernel = functools.partial(
       _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
       bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
-      has_seg=has_seg, seg_split=split, window=window)
+      has_seg=has_seg, seg_split=split, seg_bounds=bounds, window=window)
   qlo, _ = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
-  qrun = run_starts(seg) if split else qlo  # (qlo: a placeholder the kernel does not read)
+  qrun = run_starts(seg) if split or bounds else qlo  # (qlo: a placeholder the kernel ignores)
   o, lse = pl.pallas_call(
       kernel,
       grid=(cdiv(t, tq), kh, b),
@@ -404,14 +422,15 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
 
 def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces,
-               dv_pieces, scale, has_seg, seg_split, window):
+               dv_pieces, scale, has_seg, seg_split, seg_bounds, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs, dos = load_rows(q_ref, row, dk_pieces), load_rows(do_ref, row, dv_pieces)
   lse = lse_ref[row]
   lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
   delta = delta_ref[row]
-  seg_q = seg_ref[pos] if has_seg else None
+  seg_q = seg_ref[pos] if has_seg and not seg_bounds else None
+  lo = qrun_ref[pos] if seg_bounds else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
@@ -426,13 +445,14 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_
     bpure = bpure_ref[pl.ds(start, bk)] if ids else None
     s = dot_pieces(qs, ks) * (scale * LOG2E)
     vis = cmp_visible(pos, kidx, seg_q if ids else None, bseg, bpure, block=block, stride=stride,
-                      nc=nc, window=window)
+                      nc=nc, window=window, lo=lo)
     p = jnp.where(vis, jnp.exp2(s - lse2[:, None]), 0.0)
     ds = (p * (dot_pieces(dos, vs) - delta[:, None])).astype(ks[0].dtype)
     return tuple(a + plgpu.dot(ds, kp) for a, kp in zip(accs, ks))
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
-  accs = key_walk(body, init, first, steps, has_seg=has_seg, seg_split=seg_split, seg_q=seg_q,
+  accs = key_walk(body, init, first, steps, has_seg=seg_q is not None, seg_split=seg_split,
+                  seg_q=seg_q,
                   qrun_ref=qrun_ref, pos=pos, stride=stride, bk=bk)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
@@ -542,11 +562,11 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   fused = tiling.bwd_fused_dq
   if not fused:
     tq, gp, m = tile_shape(g, tiling.bwd_rows)
-    split = has_seg and tiling.seg_unmasked_steps
-    qrun = run_starts(seg) if split else qlo  # (qlo: a placeholder the kernel does not read)
+    split, bounds = seg_walk(tiling, has_seg)
+    qrun = run_starts(seg) if split or bounds else qlo  # (qlo: a placeholder the kernel ignores)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
-                          seg_split=split, **common),
+                          seg_split=split, seg_bounds=bounds, **common),
         grid=(cdiv(t, tq), kh, b),
         in_specs=head_ins + [_whole(t)] + tail_ins,
         out_specs=_whole(t * h, dk),

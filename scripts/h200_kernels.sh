@@ -561,7 +561,7 @@ windoc() {
 
 windq() {
   timeout 300 python3 benchmarks/doc_mask_trial.py --out "$OUT/windq" --window 512 \
-    --docs none,16384 --name windq --variants default,dq_w4,dq_s3,dq_bk32,dq_bk128,dq_rows64
+    --docs none,16384 --name windq --variants default,seg_bounds,dq_w4,dq_s3,dq_bk32,dq_bk128,dq_rows64
 }
 
 cudnnpacked() {

@@ -918,6 +918,20 @@ def test_compress_kernels_skip_the_mask_inside_one_document(fused):
   _packed_check(seed, tiling, q, kc, vc, seg, w_o, w_l)
 
 
+def test_compress_kernels_take_ids_as_run_bounds():
+  """CmpTiling.seg_bounds in the compression kernels: a block is in a row's document iff it
+  starts at or after the row's run start (the causal test bounds its end), so blocks that
+  straddle a start are out, as the id test's purity rule has it. Ids that never recur (each
+  run's start as its id), short and long runs, l = 8, d = 4: against the reference, forward and
+  gradients."""
+  from pallas_kernels import compress_attention as ca
+  seed = _seed()
+  q, kc, vc, seg, w_o, w_l = _packed_case(seed, 300, 4, (3, 90))
+  tiling = CmpTiling(block_k=16, bwd_block_k=4, bwd_rows=16, rows=16, bwd_splits=3,
+                     seg_bounds=True)
+  _packed_check(seed, tiling, q, kc, vc, ca.run_starts(seg.astype(jnp.int32)), w_o, w_l)
+
+
 def test_compress_split_runs_start_inside_blocks_and_ids_recur():
   """The forward / dq id split (seg_unmasked_steps) at fixed runs (not drawn): run starts 129 and
   257 lie inside compressed blocks (l = 8, d = 4) right after a key step's boundary (16 blocks =

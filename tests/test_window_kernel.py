@@ -421,6 +421,27 @@ def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
       SMALL, bwd_unmasked_with_ids=False, seg_unmasked_steps=False))
 
 
+@pytest.mark.parametrize("window,g,kv", [(10 ** 6, 4, 1), (40, 1, 2)])
+def test_window_kernels_take_ids_as_run_bounds(window, g, kv):
+  """CmpTiling.seg_bounds: the forward and dq kernels take each row's run start as its document's
+  first key instead of comparing ids. Ids that never recur (each run's start as its id, several
+  documents a tile): against the reference, forward and gradients. Ids that recur: each run is its
+  own document, so the output equals the reference's on the runs and differs from the
+  reference's on the ids themselves (checked: the switch is seen to act)."""
+  seed = _seed()
+  b, t = 2, 230
+  q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)
+  seg = _split_documents(jax.random.key(seed + 1), b, t)
+  runs = ca.run_starts(seg)
+  tiling = dataclasses.replace(SMALL, seg_bounds=True)
+  _check_documents(seed, q, k, v, runs, w_o, w_l, window, tiling)
+  o = wk.window_attention(q, k, v, window, seg, interpret=INTERPRET, tiling=tiling)[0]
+  ref_runs, ref_ids = (reference.window_attention(q, k, v, min(window, t), s)[0]
+                       for s in (runs, seg))
+  _close(o, ref_runs, 1e-5, "o (recurring ids)", seed)
+  assert float(jnp.max(jnp.abs(ref_runs - ref_ids))) > 1e-2, seed
+
+
 @pytest.mark.parametrize("window,g,kv,tiling", [
     (10 ** 6, 4, 1, SMALL),  # w = T: dense causal attention with document ids (ops.dense_attention)
     (40, 1, 2, SMALL),
