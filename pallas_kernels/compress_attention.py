@@ -103,6 +103,9 @@ class CmpTiling:
   bwd_fused_dq: bool = False
 
 
+# What compress_attention runs without a tiling (read at call time: a trial may replace it).
+DEFAULT_TILING = CmpTiling()
+
 # The dK/dV kernel at small heads (16-bit inputs, d_k, d_v <= 64, tiles of <= 128 rows, <= 64 keys
 # a program): 4 warps and 3 pipeline stages. H200, benchmarks/cmp_tiling_trial.py at the training
 # layers (16 query heads in 1 KV group, 64/64; cmp_tiling_trial_h200_confirm.md, _fwd.md): the
@@ -717,7 +720,7 @@ def compress_attention(q, k_cmp, v_cmp, block, stride, segment_ids=None, scale=N
   ok, why = supports(q.shape, k_cmp.shape, v_cmp.shape)
   if not ok:
     raise ValueError(f"compress_attention does not support this call: {why}")
-  tiling = tiling or CmpTiling()
+  tiling = tiling or DEFAULT_TILING
   b, t, h, dk = q.shape
   nc = k_cmp.shape[1]
   expect = num_cmp_blocks(t, block, stride)

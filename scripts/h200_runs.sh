@@ -74,7 +74,8 @@
 # segids   masked 8k NSA with select_attention_mgpu.SEGMENT_IDS off (the Triton union tile with
 #          the ids) and on (the Mosaic forward and dq with the ids as document bounds), in
 #          SI_ORDER (default "off on"; SI_FLAG=DKV_SEGMENT_IDS toggles the dK/dV partials' switch
-#          instead), then masked dense (data.cudnn_packed_cap "auto"; SI_DENSE=0
+#          instead; SI_TILING=seg_bounds a CmpTiling field of the compression and window kernels'
+#          default tilings), then masked dense (data.cudnn_packed_cap "auto"; SI_DENSE=0
 #          skips it), one GPU, SI_LIMIT s each (default 165: at 130 both runs of a cold H100
 #          were cut, 2026-12-07), carry `.whl`; 415 s with the compiled segment-id tests before
 #          it on an H100 (2026-12-07).
@@ -242,15 +243,22 @@ packedpair() {  # masked 8k runs on one GPU with and without cuDNN's packed layo
   grep -H "tokens_per_s\|cudnn-packed\|packed layout\|fall back" "$R"/packedpair_*.log | tail -n 40
 }
 segids() {  # masked 8k NSA with the Mosaic selection kernels' SEGMENT_IDS off / on, then masked dense
-  local v f n=segids${SI_FLAG:+_$SI_FLAG}  # the runs' names say which switch they toggle
+  local v f n=segids${SI_TILING:+_$SI_TILING}  # the runs' names say which switch they toggle
+  [ -z "${SI_TILING:-}" ] && n=segids${SI_FLAG:+_$SI_FLAG}
   f=$(ctx_flags 8192 8)
   for v in ${SI_ORDER:-off on}; do
     rm -rf "$T/segids/$v"
     # shellcheck disable=SC2086
     timeout -k 15 -s TERM "${SI_LIMIT:-165}" python3 -c "
-import os, sys
-import pallas_kernels.select_attention_mgpu as m
-setattr(m, os.environ.get('SI_FLAG', 'SEGMENT_IDS'), sys.argv.pop(1) == 'on')
+import dataclasses, os, sys
+on, field = sys.argv.pop(1) == 'on', os.environ.get('SI_TILING')
+if field:  # a CmpTiling field, in the compression and window kernels' default tilings
+  import pallas_kernels.compress_attention as ca, pallas_kernels.window_attention as wk
+  ca.DEFAULT_TILING = dataclasses.replace(ca.DEFAULT_TILING, **{field: on})
+  wk.WINDOW_TILING = dataclasses.replace(wk.WINDOW_TILING, **{field: on})
+else:
+  import pallas_kernels.select_attention_mgpu as m
+  setattr(m, os.environ.get('SI_FLAG', 'SEGMENT_IDS'), on)
 from absl import app
 from experiments import train
 app.run(train.main, flags_parser=train.parse_flags)
