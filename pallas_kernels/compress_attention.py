@@ -75,6 +75,8 @@ class CmpTiling:
   dq_block_k, dkv_rows, dkv_num_warps, dkv_num_stages: the dq kernel's keys per step and the dK/dV
     kernel's own rows / warps / stages; 0 takes block_k and bwd_rows, and for warps / stages
     dkv_launch()'s choice (bwd_num_warps / bwd_num_stages except for small heads).
+  dq_num_warps: the dq kernel's warps; 0 takes dq_warps()'s choice (bwd_num_warps except for the
+    window kernels at small heads).
   bwd_fused_dq: no dq kernel; the dK/dV kernel, which already has dS for each (query tile, key
     tile) pair, adds dS @ K into a float32 dq with atomic adds (as FlashAttention-2's backward):
     five matmuls a pair instead of seven, but dq's summation order varies from run to run (not
@@ -100,6 +102,7 @@ class CmpTiling:
   dkv_rows: int = 0
   dkv_num_warps: int = 0
   dkv_num_stages: int = 0
+  dq_num_warps: int = 0
   bwd_fused_dq: bool = False
 
 
@@ -123,6 +126,27 @@ SMALL_HEAD_DKV_LAUNCH = (4, 3)
 # two, wrapped rows, bwd_unmasked_with_ids off) the launch without ids stays (8 warps there were
 # not measured).
 SMALL_HEAD_DKV_LAUNCH_IDS = (8, 3)
+
+
+# The window kernels' dq kernel (w < T) at small heads (16-bit inputs, d_k, d_v <= 64, tiles of
+# <= 128 rows): 4 warps. H100, benchmarks/doc_mask_trial.py --window 512 at the 8k training layer
+# (B = 8, 16 / 1 heads, 64/64; benchmarks/results/windq_h100_s46): with document ids 0.63 / 0.61
+# ms against 0.85 / 0.84 with 8 warps (mean 16384 / 4096 tokens; with 8 warps the ids' code took
+# the kernel from 122 to 170 registers a thread, halving its occupancy, ncu_window_h100_s46),
+# without ids 0.54 against 0.57 (two calls each). Not taken: the compression kernels' dq (with 4
+# warps its backward took 1.52 against 1.34 ms with ids, 1.13 against 1.14 without, same machine,
+# cmp_tiling_trial) and w = T (not measured).
+SMALL_HEAD_WINDOW_DQ_WARPS = 4
+
+
+def dq_warps(tiling, g, dk, dv, itemsize, window, t):
+  """num_warps of the dq kernel: the tiling's own when set, else SMALL_HEAD_WINDOW_DQ_WARPS for
+  the window kernels (0 < window < t) at small heads, else bwd_num_warps."""
+  if tiling.dq_num_warps:
+    return tiling.dq_num_warps
+  m = tile_shape(g, tiling.bwd_rows)[2]
+  small = max(dk, dv) <= 64 and m <= 128 and itemsize <= 2
+  return SMALL_HEAD_WINDOW_DQ_WARPS if small and 0 < window < t else tiling.bwd_num_warps
 
 
 def dkv_launch(tiling, g, dk, dv, itemsize, unmasked_ids=False):
@@ -574,8 +598,9 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
         in_specs=head_ins + [_whole(t)] + tail_ins,
         out_specs=_whole(t * h, dk),
         out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.bwd_num_warps,
-                                             num_stages=tiling.bwd_num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=dq_warps(tiling, g, dk, dv, jnp.dtype(q.dtype).itemsize, window, t),
+            num_stages=tiling.bwd_num_stages),
         interpret=interpret,
         name="nsa_win_dq" if window else "nsa_cmp_dq",
     )(*head_args, qrun, *tail_args)

@@ -421,6 +421,32 @@ def test_window_kernels_skip_the_mask_inside_one_document(window, g, kv):
       SMALL, bwd_unmasked_with_ids=False, seg_unmasked_steps=False))
 
 
+def test_dq_warps_rule(monkeypatch):
+  """The dq kernel's warps: 4 for the window kernels (w < T) at small heads (16-bit, heads <= 64,
+  tiles of <= 128 rows), where measured; the backward's 8 for the compression kernels (window 0),
+  w = T, larger heads, float32 and larger tiles; an explicit dq_num_warps wins. And the dq
+  pallas_call gets what the rule says: 4 at w < T, 8 at w = T."""
+  assert ca.dq_warps(CmpTiling(), 16, 64, 64, 2, 512, 8192) == ca.SMALL_HEAD_WINDOW_DQ_WARPS == 4
+  assert ca.dq_warps(CmpTiling(), 16, 64, 64, 2, 0, 8192) == 8  # compression kernels
+  assert ca.dq_warps(CmpTiling(), 16, 64, 64, 2, 8192, 8192) == 8  # w = T: not measured
+  assert ca.dq_warps(CmpTiling(), 16, 128, 128, 2, 512, 8192) == 8
+  assert ca.dq_warps(CmpTiling(), 16, 192, 128, 2, 512, 65536) == 8
+  assert ca.dq_warps(CmpTiling(), 16, 64, 64, 4, 512, 8192) == 8  # float32
+  assert ca.dq_warps(CmpTiling(bwd_rows=256), 16, 64, 64, 2, 512, 8192) == 8
+  assert ca.dq_warps(CmpTiling(dq_num_warps=2), 16, 192, 128, 2, 0, 8192) == 2
+  assert ca.dq_warps(CmpTiling(dq_num_warps=8), 16, 64, 64, 2, 512, 8192) == 8
+  seen = []
+  real = ca.plgpu.CompilerParams
+  monkeypatch.setattr(ca.plgpu, "CompilerParams", lambda **kw: seen.append(kw) or real(**kw))
+  q = jnp.zeros((1, 64, 16, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  for window, warps in ((16, 4), (64, 8)):
+    seen.clear()
+    jax.jit(jax.grad(lambda q: jnp.sum(wk.window_attention(q, k, k, window, interpret=True)[0]
+                                       .astype(jnp.float32)))).trace(q)
+    assert len(seen) == 3 and seen[1]["num_warps"] == warps, (window, seen)
+
+
 @pytest.mark.parametrize("window,g,kv", [(10 ** 6, 4, 1), (40, 1, 2)])
 def test_window_kernels_take_ids_as_run_bounds(window, g, kv):
   """CmpTiling.seg_bounds: the forward and dq kernels take each row's run start as its document's
