@@ -479,8 +479,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
   accs = key_walk(body, init, first, steps, has_seg=seg_q is not None, seg_split=seg_split,
-                  seg_q=seg_q,
-                  qrun_ref=qrun_ref, pos=pos, stride=stride, bk=bk)
+                  seg_q=seg_q, qrun_ref=qrun_ref, pos=pos, stride=stride, bk=bk)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 

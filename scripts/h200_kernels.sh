@@ -188,10 +188,12 @@
 #          (four of these variants, then default / no_seg_split; one H100, 2026-12-07,
 #          benchmarks/results/windoc_h100_s45/): the defaults fastest; the ids cost the forward
 #          and dq kernels, not dK/dV; ~2-3 min.
-# windq    why the window's dq kernel costs +50% with document ids (0.86 vs 0.57 ms at mean 16384
-#          tokens, 1.25 documents a row, where the id steps are nearly all skipped): the dq launch
-#          and tile variants (4 warps, 3 stages, 32 / 128 keys a step, 64-row tiles) without and
-#          with ids (benchmarks/doc_mask_trial.py --window 512); ~2-3 min.
+# windq    the window's dq kernel with and without document ids (benchmarks/doc_mask_trial.py
+#          --window 512, no ids and mean 16384 tokens): the default (4 warps at w < T and small
+#          heads since 2026-12-07) against the 8 warps of before (dq_w8), seg_bounds, 3 stages,
+#          32 / 128 keys a step, 64-row tiles; ~2-3 min. First run (one H100, 2026-12-07,
+#          benchmarks/results/windq_h100_s46/, the variants of then): with ids 8 warps took the
+#          dq kernel from 122 to 170 registers (ncu) and 0.86 against 0.57 ms; 4 warps 0.63.
 #
 # Every phase appends to $OUT/log.txt and writes its JSON / Markdown under $OUT/<phase>/. The device
 # copy's git metadata lags: correct code_commit in the records by hand when committing them.
@@ -561,7 +563,8 @@ windoc() {
 
 windq() {
   timeout 300 python3 benchmarks/doc_mask_trial.py --out "$OUT/windq" --window 512 \
-    --docs none,16384 --name windq --variants default,seg_bounds,dq_w4,dq_s3,dq_bk32,dq_bk128,dq_rows64
+    --docs none,16384 --name windq \
+    --variants default,dq_w8,seg_bounds,dq_s3,dq_bk32,dq_bk128,dq_rows64
 }
 
 cudnnpacked() {
