@@ -13,7 +13,7 @@
 # dq kernel with 4 warps / 3 stages), dq_bk32 / dq_bk128 (keys per dq step), dq_rows64 (64-row dq
 # tiles), each with the dK/dV kernel as by default with ids; seg_bounds (the forward and dq kernels
 # take each row's run start as its document's first key: one loop, no id compares),
-# seg_bounds_dq_w4, dq_w4_dkv_w8_s3, dkv_w8_s3, dq_w8 (the window dq's 8 warps of before
+# seg_bounds_dq_w4, dkv_w8_s3, dq_w8 (the window dq's 8 warps of before
 # 2026-12-07; since then 4 at w < T and small heads, compress_attention.dq_warps).
 # Per row: forward ms, backward ms ((fwd + bwd) - fwd, medians) and the device kernels of one
 # fwd+bwd call from a profiler trace (ms per kernel name: nsa_win_fwd / _dq / _dkv and the XLA
@@ -53,7 +53,6 @@ VARIANTS = {
     "dq_rows64": dict(bwd_rows=64, dkv_rows=128),
     "seg_bounds": dict(seg_bounds=True),
     "seg_bounds_dq_w4": dict(seg_bounds=True, bwd_num_warps=4, dkv_num_warps=8, dkv_num_stages=3),
-    "dq_w4_dkv_w8_s3": dict(bwd_num_warps=4, dkv_num_warps=8, dkv_num_stages=3),
     "dkv_w8_s3": dict(dkv_num_warps=8, dkv_num_stages=3),
     "dq_w8": dict(dq_num_warps=8),  # the window dq's launch before 2026-12-07 (now 4 at w < T)
 }

@@ -139,13 +139,19 @@ SMALL_HEAD_DKV_LAUNCH_IDS = (8, 3)
 SMALL_HEAD_WINDOW_DQ_WARPS = 4
 
 
+def small_heads(g, rows, dk, dv, itemsize):
+  """Whether a backward kernel's tile is the small-head case its launch rules were measured on:
+  16-bit inputs, d_k, d_v <= 64, tiles of <= 128 real rows (of `rows` asked for, G heads a
+  group)."""
+  return max(dk, dv) <= 64 and tile_shape(g, rows)[2] <= 128 and itemsize <= 2
+
+
 def dq_warps(tiling, g, dk, dv, itemsize, window, t):
   """num_warps of the dq kernel: the tiling's own when set, else SMALL_HEAD_WINDOW_DQ_WARPS for
   the window kernels (0 < window < t) at small heads, else bwd_num_warps."""
   if tiling.dq_num_warps:
     return tiling.dq_num_warps
-  m = tile_shape(g, tiling.bwd_rows)[2]
-  small = max(dk, dv) <= 64 and m <= 128 and itemsize <= 2
+  small = small_heads(g, tiling.bwd_rows, dk, dv, itemsize)
   return SMALL_HEAD_WINDOW_DQ_WARPS if small and 0 < window < t else tiling.bwd_num_warps
 
 
@@ -154,8 +160,8 @@ def dkv_launch(tiling, g, dk, dv, itemsize, unmasked_ids=False):
   bytes: the tiling's own when set, else SMALL_HEAD_DKV_LAUNCH (SMALL_HEAD_DKV_LAUNCH_IDS where
   the kernel runs its unmasked path with segment ids) where it was measured to help and to fit,
   else the backward's."""
-  m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)[2]  # the tile's real rows
-  small = max(dk, dv) <= 64 and m <= 128 and tiling.bwd_block_k <= 64 and itemsize <= 2
+  small = (small_heads(g, tiling.dkv_rows or tiling.bwd_rows, dk, dv, itemsize)
+           and tiling.bwd_block_k <= 64)
   warps, stages = ((SMALL_HEAD_DKV_LAUNCH_IDS if unmasked_ids else SMALL_HEAD_DKV_LAUNCH) if small
                    else (tiling.bwd_num_warps, tiling.bwd_num_stages))
   return tiling.dkv_num_warps or warps, tiling.dkv_num_stages or stages
@@ -243,10 +249,12 @@ def seg_free_step(first, steps, seg_q, qrun_ref, pos, *, stride, bk):
   return jnp.clip(jnp.where(one_run, mid, steps), first, steps)
 
 
-def seg_walk(tiling, has_seg):
-  """(seg_split, seg_bounds): how the forward / dq kernels' key walk takes segment ids."""
+def seg_walk(tiling, has_seg, seg, qlo):
+  """(seg_split, seg_bounds, qrun): how the forward / dq kernels' key walk takes segment ids, and
+  the per-position run starts it reads for either (else qlo, a placeholder the kernel ignores)."""
   bounds = has_seg and tiling.seg_bounds
-  return has_seg and tiling.seg_unmasked_steps and not bounds, bounds
+  split = has_seg and tiling.seg_unmasked_steps and not bounds
+  return split, bounds, (run_starts(seg) if split or bounds else qlo)
 
 
 def key_walk(body, init, first, steps, *, has_seg, seg_split, seg_q, qrun_ref, pos, stride, bk):
@@ -422,13 +430,12 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
   kh, ncp, dv = kc.shape[1], kc.shape[2], vc.shape[3]
   g = h // kh
   tq, gp, m = tile_shape(g, tiling.rows)
-  split, bounds = seg_walk(tiling, has_seg)
+  qlo, _ = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
+  split, bounds, qrun = seg_walk(tiling, has_seg, seg, qlo)
   kernel = functools.partial(
       _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
       bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
       has_seg=has_seg, seg_split=split, seg_bounds=bounds, window=window)
-  qlo, _ = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
-  qrun = run_starts(seg) if split or bounds else qlo  # (qlo: a placeholder the kernel ignores)
   o, lse = pl.pallas_call(
       kernel,
       grid=(cdiv(t, tq), kh, b),
@@ -588,8 +595,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   fused = tiling.bwd_fused_dq
   if not fused:
     tq, gp, m = tile_shape(g, tiling.bwd_rows)
-    split, bounds = seg_walk(tiling, has_seg)
-    qrun = run_starts(seg) if split or bounds else qlo  # (qlo: a placeholder the kernel ignores)
+    split, bounds, qrun = seg_walk(tiling, has_seg, seg, qlo)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
                           seg_split=split, seg_bounds=bounds, **common),

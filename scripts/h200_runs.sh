@@ -243,8 +243,8 @@ packedpair() {  # masked 8k runs on one GPU with and without cuDNN's packed layo
   grep -H "tokens_per_s\|cudnn-packed\|packed layout\|fall back" "$R"/packedpair_*.log | tail -n 40
 }
 segids() {  # masked 8k NSA with the Mosaic selection kernels' SEGMENT_IDS off / on, then masked dense
-  local v f n=segids${SI_TILING:+_$SI_TILING}  # the runs' names say which switch they toggle
-  [ -z "${SI_TILING:-}" ] && n=segids${SI_FLAG:+_$SI_FLAG}
+  local v f s=${SI_TILING:-${SI_FLAG:-}} n
+  n=segids${s:+_$s}  # the runs' names say which switch they toggle
   f=$(ctx_flags 8192 8)
   for v in ${SI_ORDER:-off on}; do
     rm -rf "$T/segids/$v"
