@@ -288,6 +288,22 @@ def _packed_or_kernels(q, k, v, segment_ids, window, cap, scale):
                                                       interpret=not on_gpu())[0])
 
 
+def _document_runs(segment_ids, q):
+  """Integer (or boolean) ids [B, T] (q's first two dims) as reference.document_runs: every backend
+  then sees the same documents, one per contiguous run of an id (the kernels would truncate float
+  ids)."""
+  if segment_ids is None:
+    return None
+  segment_ids = jnp.asarray(segment_ids)
+  if segment_ids.shape != q.shape[:2]:
+    raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected "
+                     f"{tuple(q.shape[:2])} (q's batch and time). Fix: give one id per token, "
+                     "[batch, time].")
+  reference.require_integers(segment_ids, "segment_ids", "document ids", "pass int32 ids, "
+                             "e.g. the cumulative count of document starts.", allow_bool=True)
+  return reference.document_runs(segment_ids)
+
+
 def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True,
                      backend=None):
   """Sliding-window branch, by window_backend(...) unless `backend` names one of
@@ -298,10 +314,7 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
   from nsa_jax import xla
   from pallas_kernels import window_attention as wk
   window = wk.check_window(window)
-  if segment_ids is not None:  # every backend takes the same ids (the kernels refuse floats)
-    segment_ids = jnp.asarray(segment_ids)
-    reference.require_integers(segment_ids, "segment_ids", "document ids", "pass int32 ids, "
-                               "e.g. the cumulative count of document starts.", allow_bool=True)
+  segment_ids = _document_runs(segment_ids, q)
   be = window_backend(q, v, segment_ids, allow_cudnn) if backend is None else backend
   if be == "cudnn":
     if segment_ids is not None:
@@ -575,6 +588,7 @@ def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segm
                    implementation, return_aux, block_idx):
   # Every path checks its inputs, but choosing a path (and a mesh layout) already reads shapes.
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
+  segment_ids = _document_runs(segment_ids, q)
   layout = mesh_layout(q.shape[0], k_slc.shape[2], "NSA attention")
   if layout is None:
     return _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
@@ -621,6 +635,7 @@ def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"
 
   Under a mesh in context it runs per device, like nsa_attention."""
   with jax.named_scope("dense_attention"):
+    segment_ids = _document_runs(segment_ids, q)
     layout = mesh_layout(q.shape[0], k.shape[2], "dense attention")
     if layout is None:
       return _dense_local(q, k, v, segment_ids, scale, implementation)

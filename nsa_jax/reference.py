@@ -6,7 +6,8 @@ file builds [T, T] masks: use it for checking, not for long sequences.
 
 Layout follows `jax.nn.dot_product_attention`: q [B, T, H, d_k], k [B, S, K, d_k],
 v [B, S, K, d_v]; head h belongs to KV group h // (H // K).
-Segment ids [B, T] mark packed documents; each id must occupy one contiguous run.
+Segment ids [B, T] mark packed documents: each contiguous run of one id is a document
+(document_runs; an id that comes back later in a row starts another document).
 """
 
 from __future__ import annotations
@@ -62,12 +63,25 @@ def masked_softmax(logits, mask):
   return e / s_safe, jnp.where(s > 0, jnp.log(s_safe) + mx, -jnp.inf)[..., 0]
 
 
+def document_runs(segment_ids):
+  """[B, T] int32: each token's document as the index (0, 1, 2, ...) of its contiguous run of equal
+  ids in the row. A document is a run: an id used again after another one starts a new document
+  (packed documents; jax.nn.dot_product_attention instead lets equal ids anywhere see each other).
+  Every NSA and dense attention path reads the ids through this, so they agree on any ids: the
+  paths that compare ids and the kernels that take each row's document start (the Mosaic
+  selection kernels, cuDNN's packed layout) then see the same documents, under jit as eagerly."""
+  seg = jnp.asarray(segment_ids)
+  change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
+  return jnp.concatenate([jnp.zeros(seg.shape[:1] + (1,), jnp.int32),
+                          jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
+
+
 def _segments(segment_ids, b, t):
   if segment_ids is None:
     return jnp.zeros((b, t), jnp.int32)
   if segment_ids.shape != (b, t):
     raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected [batch, time] = {(b, t)}")
-  return segment_ids
+  return document_runs(segment_ids)
 
 
 def document_starts(segment_ids):
@@ -386,27 +400,13 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
 
 
 def check_segment_ids(segment_ids):
-  """Segment ids must mark each document as one contiguous run (packed documents). Checked when the
-  ids are concrete; under jit they are trusted. A reused id there gives no defined answer: paths
-  that compare ids let its runs see each other, while the GPU kernels that take each row's
-  document start (the Mosaic selection forward and dq, cuDNN's packed layout) treat each run as
-  its own document, so a forward and its gradients could disagree."""
+  """Segment ids are integer (or boolean) document ids, one per token; each contiguous run of one
+  id is a document (document_runs), so an id may come back later in a row as another document."""
   if segment_ids is None:
     return
   require_integers(segment_ids, "segment_ids", "document ids (the Pallas kernels would "
                    "truncate 0.5 to 0)", "pass int32 ids, e.g. the cumulative count of document "
                    "starts.", allow_bool=True)
-  if (isinstance(segment_ids, jax.core.Tracer)
-      or not getattr(segment_ids, "is_fully_addressable", True)):  # other processes hold rows
-    return
-  seg = np.asarray(segment_ids)
-  changes = seg[:, 1:] != seg[:, :-1]
-  runs = changes.sum(axis=1) + 1
-  distinct = np.array([len(np.unique(row)) for row in seg])
-  if np.any(runs != distinct):
-    row = int(np.argmax(runs != distinct))
-    raise ValueError(f"segment_ids row {row} reuses an id for two separate runs of tokens. Fix: give "
-                     "every packed document its own id (e.g. the cumulative count of document starts).")
 
 
 def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,

@@ -44,9 +44,20 @@ def check_indices(block_idx, who):
                     "are whole numbers.")
 
 
+def document_runs(seg):
+  """[B, T] int32 index (0, 1, 2, ...) of each token's contiguous run of equal ids in its row:
+  nsa_jax.reference.document_runs, the one meaning of segment ids (each run a document, an id
+  that comes back later starts another one). The kernels' id tests then agree with the paths
+  that take each row's document start."""
+  change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
+  return jnp.concatenate([jnp.zeros(seg.shape[:1] + (1,), jnp.int32),
+                          jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
+
+
 def segment_ids_int32(segment_ids, b, t, who):
-  """(int32 [B, T] segment ids, has_seg) for a kernel: the shape must be [B, T] and the ids
-  integers (a float id would be truncated, merging documents 0.0 and 0.5)."""
+  """(int32 [B, T] document runs of the segment ids (document_runs), has_seg) for a kernel: the
+  shape must be [B, T] and the ids integers (a float id would be truncated, merging documents
+  0.0 and 0.5)."""
   if segment_ids is None:
     return jnp.zeros((b, t), jnp.int32), False
   if tuple(segment_ids.shape) != (b, t):
@@ -55,7 +66,7 @@ def segment_ids_int32(segment_ids, b, t, who):
   _require_integers(segment_ids, who, "segment_ids", "document ids",
                     "pass int32 ids (e.g. the cumulative count of document starts).",
                     allow_bool=True)
-  return segment_ids.astype(jnp.int32), True
+  return document_runs(segment_ids), True
 
 
 def cdiv(a, b):

@@ -69,9 +69,8 @@ class CmpTiling:
   seg_bounds: with segment ids, the forward and dq kernels instead take each row's run start
     (run_starts) as its document's first key: a block is visible iff the causal (and window) test
     passes and it starts at or after that position. One loop, no id loads or compares. Equal to
-    the id test where each id is one contiguous run (check_segment_ids' contract); a reused id's
-    runs are separate documents here (as the Mosaic selection kernels and cuDNN's packed layout
-    take them), and the dK/dV kernel still compares ids. Off by default (a trial switch).
+    the id test, since the kernels take the ids as document runs (_common.segment_ids_int32: an
+    id that comes back later is another document). Off by default (a trial switch).
   dq_block_k, dkv_rows, dkv_num_warps, dkv_num_stages: the dq kernel's keys per step and the dK/dV
     kernel's own rows / warps / stages; 0 takes block_k and bwd_rows, and for warps / stages
     dkv_launch()'s choice (bwd_num_warps / bwd_num_stages except for small heads).
@@ -221,8 +220,8 @@ def first_step(first_pos, steps, *, block, stride, window, bk):
 
 
 def run_starts(seg):
-  """[B, T] int32: the first position of each position's run of equal ids (a document split into
-  several runs starts a new run each time)."""
+  """[B, T] int32: the first position of each position's run of equal ids (its document's first
+  position: every run is a document, segment_ids_int32)."""
   b, t = seg.shape
   ar = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   begins = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), seg[:, 1:] != seg[:, :-1]], axis=1)
@@ -238,26 +237,25 @@ def run_lasts(seg):
   return lax.cummin(jnp.where(ends, ar, t - 1), axis=1, reverse=True)
 
 
-def seg_free_step(first, steps, seg_q, qrun_ref, pos, *, stride, bk):
+def seg_free_step(first, steps, seg_q, qlo_ref, pos, *, stride, bk):
   """The first key step from which the forward / dq walk needs no id test (seg_unmasked_steps):
   for a tile whose rows all hold one id (one run: the rows are consecutive positions), the step
   whose blocks all start at or after the run's start; a block there that the causal (and window)
   test lets through lies inside the run, so it holds the rows' id. `steps` (none) for a tile that
-  spans a document boundary. Clipped to [first, steps]."""
+  spans a document boundary. Clipped to [first, steps]. qlo_ref: the run starts (doc_bounds)."""
   one_run = jnp.min(seg_q) == jnp.max(seg_q)
-  mid = cdiv(cdiv(jnp.min(qrun_ref[pos]), stride), bk)
+  mid = cdiv(cdiv(jnp.min(qlo_ref[pos]), stride), bk)
   return jnp.clip(jnp.where(one_run, mid, steps), first, steps)
 
 
-def seg_walk(tiling, has_seg, seg, qlo):
-  """(seg_split, seg_bounds, qrun): how the forward / dq kernels' key walk takes segment ids, and
-  the per-position run starts it reads for either (else qlo, a placeholder the kernel ignores)."""
+def seg_walk(tiling, has_seg):
+  """(seg_split, seg_bounds): how the forward / dq kernels' key walk takes segment ids (both read
+  the run starts qlo of doc_bounds)."""
   bounds = has_seg and tiling.seg_bounds
-  split = has_seg and tiling.seg_unmasked_steps and not bounds
-  return split, bounds, (run_starts(seg) if split or bounds else qlo)
+  return has_seg and tiling.seg_unmasked_steps and not bounds, bounds
 
 
-def key_walk(body, init, first, steps, *, has_seg, seg_split, seg_q, qrun_ref, pos, stride, bk):
+def key_walk(body, init, first, steps, *, has_seg, seg_split, seg_q, qlo_ref, pos, stride, bk):
   """The forward / dq kernels' loop over key steps [first, steps): body(i, carry, ids), ids
   compared (when given) on every step, or with seg_split only before seg_free_step's step and the
   causal / window test alone from there on. Without ids one masked loop: a mask-free loop over
@@ -265,7 +263,7 @@ def key_walk(body, init, first, steps, *, has_seg, seg_split, seg_q, qrun_ref, p
   kernel (nsa_h200_profile_3511786.json); the id test costs more (doc_mask_trial_h100_s40)."""
   if not seg_split:
     return lax.fori_loop(first, steps, functools.partial(body, ids=has_seg), init)
-  mid = seg_free_step(first, steps, seg_q, qrun_ref, pos, stride=stride, bk=bk)
+  mid = seg_free_step(first, steps, seg_q, qlo_ref, pos, stride=stride, bk=bk)
   carry = lax.fori_loop(first, mid, functools.partial(body, ids=True), init)
   return lax.fori_loop(mid, steps, functools.partial(body, ids=False), carry)
 
@@ -307,39 +305,20 @@ def block_meta(seg, nc_pad, block, stride):
   return jnp.pad(sb[:, :, 0], pad), jnp.pad(pure, pad)
 
 
-def segment_spans(seg):
-  """(first, last) int32 [B, T]: the first and last position holding each token's segment id.
-
-  Any ids (a document may be split into several runs: its first occurrence still bounds the keys
-  its queries can see). Stable sort by id, then each id's group ends, mapped back."""
-  b, t = seg.shape
-  order = jnp.argsort(seg, axis=1, stable=True)  # positions grouped by id, ascending in a group
-  sid = jnp.take_along_axis(seg, order, axis=1)
-  change = sid[:, 1:] != sid[:, :-1]
-  yes = jnp.ones((b, 1), jnp.bool_)
-  ar = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  gfirst = lax.cummax(jnp.where(jnp.concatenate([yes, change], 1), ar, 0), axis=1)
-  glast = lax.cummin(jnp.where(jnp.concatenate([change, yes], 1), ar, t - 1), axis=1, reverse=True)
-  rows = jnp.arange(b)[:, None]
-  first = jnp.zeros((b, t), jnp.int32).at[rows, order].set(
-      jnp.take_along_axis(order, gfirst, axis=1).astype(jnp.int32))
-  last = jnp.zeros((b, t), jnp.int32).at[rows, order].set(
-      jnp.take_along_axis(order, glast, axis=1).astype(jnp.int32))
-  return first, last
-
-
 def doc_bounds(seg, bpure, *, nc, stride, has_seg):
   """Per-document loop bounds of the kernels (packed documents: a tile skips the keys and queries
   of other documents instead of walking and masking them).
 
   qlo [B, T]: the first position of each query's document (a visible block starts at or after it);
   khi [B, Ncp]: the last query position of each compressed block's document (-1 for blocks no
-  query sees: mixed or padding). Without segment ids: zeros, not read by the kernels."""
+  query sees: mixed or padding). A document is a run of equal ids (the kernels' ids are document
+  runs, segment_ids_int32), so these are run_starts / run_lasts. Without segment ids: zeros, not
+  read by the kernels."""
   b, t = seg.shape
   ncp = bpure.shape[1]
   if not has_seg:
     return jnp.zeros((b, t), jnp.int32), jnp.zeros((b, ncp), jnp.int32)
-  first, last = segment_spans(seg)
+  first, last = run_starts(seg), run_lasts(seg)
   kidx = jnp.arange(ncp)
   khi = last[:, jnp.minimum(kidx * stride, t - 1)]
   khi = jnp.where((kidx < nc)[None, :] & (bpure != 0), khi, -1)
@@ -384,14 +363,14 @@ def _group(*shape):
 
 # ----------------------------------------------------------------------------- forward
 
-def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_ref, o_ref,
+def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, o_ref,
                 lse_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces, dv_pieces, scale,
                 has_seg, seg_split, seg_bounds, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
   pos, row, _ = tile_rows(tile, kk, tq=tq, g=g, gp=gp, m=m, t=t, h=h)
   qs = load_rows(q_ref, row, dk_pieces)
   seg_q = seg_ref[pos] if has_seg and not seg_bounds else None
-  lo = qrun_ref[pos] if seg_bounds else None
+  lo = qlo_ref[pos] if seg_bounds else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
@@ -414,7 +393,7 @@ def _fwd_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v
   init = (jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32),
           tuple(jnp.zeros((m, size), jnp.float32) for _, size in dv_pieces))
   m_i, l_i, accs = key_walk(body, init, first, steps, has_seg=seg_q is not None,
-                            seg_split=seg_split, seg_q=seg_q, qrun_ref=qrun_ref, pos=pos,
+                            seg_split=seg_split, seg_q=seg_q, qlo_ref=qlo_ref, pos=pos,
                             stride=stride, bk=bk)
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
@@ -431,7 +410,7 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
   g = h // kh
   tq, gp, m = tile_shape(g, tiling.rows)
   qlo, _ = doc_bounds(seg, bpure, nc=nc, stride=stride, has_seg=has_seg)
-  split, bounds, qrun = seg_walk(tiling, has_seg, seg, qlo)
+  split, bounds = seg_walk(tiling, has_seg)
   kernel = functools.partial(
       _fwd_kernel, tq=tq, g=g, gp=gp, m=m, t=t, h=h, nc=nc, block=block, stride=stride,
       bk=tiling.block_k, dk_pieces=dim_pieces(dk), dv_pieces=dim_pieces(dv), scale=scale,
@@ -439,7 +418,7 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
   o, lse = pl.pallas_call(
       kernel,
       grid=(cdiv(t, tq), kh, b),
-      in_specs=[_whole(t), _whole(ncp), _whole(ncp), _whole(t), _whole(t), _whole(t * h, dk),
+      in_specs=[_whole(t), _whole(ncp), _whole(ncp), _whole(t), _whole(t * h, dk),
                 _group(ncp, dk), _group(ncp, dv)],
       out_specs=[_whole(t * h, dv), _whole(t * h)],
       out_shape=[jax.ShapeDtypeStruct((b, t * h, dv), q.dtype),
@@ -448,13 +427,13 @@ def _forward(q, kc, vc, seg, bseg, bpure, *, nc, block, stride, scale, tiling, h
                                            num_stages=tiling.num_stages),
       interpret=interpret,
       name="nsa_win_fwd" if window else "nsa_cmp_fwd",
-  )(seg, bseg, bpure, qlo, qrun, q.reshape(b, t * h, dk), kc, vc)
+  )(seg, bseg, bpure, qlo, q.reshape(b, t * h, dk), kc, vc)
   return o.reshape(b, t, h, dv), lse.reshape(b, t, h)
 
 
 # ----------------------------------------------------------------------------- backward: dq
 
-def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_ref, do_ref,
+def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, dq_ref, *, tq, g, gp, m, t, h, nc, block, stride, bk, dk_pieces,
                dv_pieces, scale, has_seg, seg_split, seg_bounds, window):
   tile, kk = pl.program_id(0), pl.program_id(1)
@@ -464,7 +443,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_
   lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
   delta = delta_ref[row]
   seg_q = seg_ref[pos] if has_seg and not seg_bounds else None
-  lo = qrun_ref[pos] if seg_bounds else None
+  lo = qlo_ref[pos] if seg_bounds else None
   last = jnp.minimum(tile * tq + tq - 1, t - 1)
   steps = cdiv(num_visible(last, block, stride, nc), bk)
   first = first_step(tile * tq, steps, block=block, stride=stride, window=window, bk=bk)
@@ -486,7 +465,7 @@ def _dq_kernel(seg_ref, bseg_ref, bpure_ref, qlo_ref, qrun_ref, q_ref, k_ref, v_
 
   init = tuple(jnp.zeros((m, size), jnp.float32) for _, size in dk_pieces)
   accs = key_walk(body, init, first, steps, has_seg=seg_q is not None, seg_split=seg_split,
-                  seg_q=seg_q, qrun_ref=qrun_ref, pos=pos, stride=stride, bk=bk)
+                  seg_q=seg_q, qlo_ref=qlo_ref, pos=pos, stride=stride, bk=bk)
   for (off, _), a in zip(dk_pieces, accs):
     store_rows(dq_ref, row, off, (a * scale).astype(dq_ref.dtype))
 
@@ -595,12 +574,12 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
   fused = tiling.bwd_fused_dq
   if not fused:
     tq, gp, m = tile_shape(g, tiling.bwd_rows)
-    split, bounds, qrun = seg_walk(tiling, has_seg, seg, qlo)
+    split, bounds = seg_walk(tiling, has_seg)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, tq=tq, gp=gp, m=m, bk=tiling.dq_block_k or tiling.block_k,
                           seg_split=split, seg_bounds=bounds, **common),
         grid=(cdiv(t, tq), kh, b),
-        in_specs=head_ins + [_whole(t)] + tail_ins,
+        in_specs=head_ins + tail_ins,
         out_specs=_whole(t * h, dk),
         out_shape=jax.ShapeDtypeStruct((b, t * h, dk), q.dtype),
         compiler_params=plgpu.CompilerParams(
@@ -608,7 +587,7 @@ def _backward(q, kc, vc, seg, bseg, bpure, o, lse, do, dlse, *, nc, block, strid
             num_stages=tiling.bwd_num_stages),
         interpret=interpret,
         name="nsa_win_dq" if window else "nsa_cmp_dq",
-    )(*head_args, qrun, *tail_args)
+    )(*head_args, *tail_args)
 
   tq, gp, m = tile_shape(g, tiling.dkv_rows or tiling.bwd_rows)
   bk = tiling.bwd_block_k

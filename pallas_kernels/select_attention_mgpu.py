@@ -91,7 +91,7 @@ LEAN_SMEM = True
 KV_RING = True
 RING_MIN_DIM = 128
 # Segment ids (packed documents) in the selection forward and dq (read when traced). Documents are
-# contiguous runs (nsa_jax.reference.check_segment_ids), so key s is in query t's document and not
+# contiguous runs (the kernels take ids as document runs, _common.segment_ids_int32), so key s is in query t's document and not
 # after it iff doc_start(t) <= s <= t: the ids become a per-row lower bound. In an ascending union
 # only the entries that start before the tile's last token's document start can hold keys under a
 # row's bound (doc_maps counts them); those and the last entry get the mask. dK/dV with ids: the

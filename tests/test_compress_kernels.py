@@ -798,11 +798,11 @@ def test_topn_takes_every_shape_the_selection_and_compression_kernels_take():
   assert taken > 500, taken  # the grid reached the kernels' supported shapes
 
 
-def test_segment_spans_and_doc_bounds_match_brute_force():
-  """compress_attention.segment_spans: each token's id's first and last position, for any ids
-  (recurring, negative, one per row); doc_bounds: the query lower bound per position and, per
-  compressed block, its document's last position (-1 for mixed and padding blocks); run_starts:
-  the first position of each token's run of equal ids."""
+def test_doc_bounds_and_runs_match_brute_force():
+  """run_starts / run_lasts: the first / last position of each token's run of equal ids (ids that
+  recur, are negative or one per row: every run is its own document); doc_bounds: the query lower
+  bound per position (its run's start) and, per compressed block, its document's last position
+  (-1 for mixed and padding blocks)."""
   from pallas_kernels import compress_attention as ca
   seed = _seed()
   rng = np.random.default_rng(seed)
@@ -810,31 +810,31 @@ def test_segment_spans_and_doc_bounds_match_brute_force():
   seg = rng.integers(-2, 3, (b, t))
   seg = np.where(rng.random((b, t)) < 0.7, np.maximum.accumulate(seg, axis=1), seg)
   seg[2] = 5  # one document
-  first, last = jax.jit(ca.segment_spans)(jnp.asarray(seg, jnp.int32))
-  for r in range(b):
-    for i in range(t):
-      where = np.flatnonzero(seg[r] == seg[r, i])
-      assert (first[r, i], last[r, i]) == (where[0], where[-1]), (r, i, seed)
+  seg_j = jnp.asarray(seg, jnp.int32)
+
+  def run_of(r, i):  # brute force: walk out from i while the id stays the same
+    lo, hi = i, i
+    while lo > 0 and seg[r, lo - 1] == seg[r, i]:
+      lo -= 1
+    while hi < t - 1 and seg[r, hi + 1] == seg[r, i]:
+      hi += 1
+    return lo, hi
+
+  starts, lasts = jax.jit(ca.run_starts)(seg_j), jax.jit(ca.run_lasts)(seg_j)
+  want = [[run_of(r, i) for i in range(t)] for r in range(b)]
+  np.testing.assert_array_equal(starts, [[w[0] for w in row] for row in want], err_msg=str(seed))
+  np.testing.assert_array_equal(lasts, [[w[1] for w in row] for row in want], err_msg=str(seed))
+  assert any(len(set(row)) < np.sum(row[1:] != row[:-1]) + 1 for row in seg), seed  # ids recur
   nc = ca.num_cmp_blocks(t, block, stride)
   ncp = nc + 5
-  bseg, bpure = ca.block_meta(jnp.asarray(seg, jnp.int32), ncp, block, stride)
-  qlo, khi = ca.doc_bounds(jnp.asarray(seg, jnp.int32), bpure, nc=nc, stride=stride, has_seg=True)
-  want_qlo = [[np.flatnonzero(seg[r] == seg[r, i])[0] for i in range(t)] for r in range(b)]
-  np.testing.assert_array_equal(qlo, want_qlo)
+  bseg, bpure = ca.block_meta(seg_j, ncp, block, stride)
+  qlo, khi = ca.doc_bounds(seg_j, bpure, nc=nc, stride=stride, has_seg=True)
+  np.testing.assert_array_equal(qlo, starts)
   for r in range(b):
     for j in range(ncp):
       toks = seg[r, j * stride:j * stride + block]
       pure = j < nc and np.all(toks == toks[0])
-      want = np.flatnonzero(seg[r] == toks[0])[-1] if pure else -1
-      assert khi[r, j] == want, (r, j, seed)
-  # run_starts: the start of each position's run of equal ids (not the id's first occurrence)
-  runs = jax.jit(ca.run_starts)(jnp.asarray(seg, jnp.int32))
-  for r in range(b):
-    for i in range(t):
-      s = i
-      while s > 0 and seg[r, s - 1] == seg[r, i]:
-        s -= 1
-      assert runs[r, i] == s, (r, i, seed)
+      assert khi[r, j] == (run_of(r, j * stride)[1] if pure else -1), (r, j, seed)
 
 
 @pytest.mark.parametrize("block,stride,tq,bk", [(8, 4, 4, 2), (1, 1, 8, 4), (32, 16, 2, 1)])

@@ -204,13 +204,15 @@ def test_mismatched_segment_ids_named():
       reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=np.zeros(bad, np.int32))
 
 
-def test_reused_segment_id_is_rejected():
+def test_reused_segment_id_is_accepted_as_another_document():
+  """An id that comes back later in a row starts another document (reference.document_runs;
+  tests/test_document_runs.py checks every path): accepted, not refused."""
   seg = np.zeros((B, T), np.int32)
   seg[:, T // 3:] = 1
-  reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=seg)  # two contiguous documents: fine
-  seg[:, 2 * T // 3:] = 0  # document 0 again after document 1
-  with pytest.raises(ValueError, match=r"segment_ids.*reuses an id.*Fix"):
-    reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=seg)
+  seg[:, 2 * T // 3:] = 0  # document 0's id again after document 1
+  reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=seg)
+  with pytest.raises(TypeError, match=r"segment_ids has dtype float64.*Fix"):
+    reference.check_nsa_inputs(*nsa_inputs(), CFG, segment_ids=seg + 0.5)
 
 
 def test_quest_needs_a_forced_current_block():

@@ -452,8 +452,9 @@ def test_window_kernels_take_ids_as_run_bounds(window, g, kv):
   """CmpTiling.seg_bounds: the forward and dq kernels take each row's run start as its document's
   first key instead of comparing ids. Ids that never recur (each run's start as its id, several
   documents a tile): against the reference, forward and gradients. Ids that recur: each run is its
-  own document, so the output equals the reference's on the runs and differs from the
-  reference's on the ids themselves (checked: the switch is seen to act)."""
+  own document (reference.document_runs, as on every path), so the output equals the reference's
+  on the runs and differs from attention that compares the raw ids (checked: the recurring ids
+  matter for these inputs)."""
   seed = _seed()
   b, t = 2, 230
   q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)
@@ -462,8 +463,8 @@ def test_window_kernels_take_ids_as_run_bounds(window, g, kv):
   tiling = dataclasses.replace(SMALL, seg_bounds=True)
   _check_documents(seed, q, k, v, runs, w_o, w_l, window, tiling)
   o = wk.window_attention(q, k, v, window, seg, interpret=INTERPRET, tiling=tiling)[0]
-  ref_runs, ref_ids = (reference.window_attention(q, k, v, min(window, t), s)[0]
-                       for s in (runs, seg))
+  ref_runs = reference.window_attention(q, k, v, min(window, t), runs)[0]
+  ref_ids = reference.masked_attention(q, k, v, reference.window_mask(seg, min(window, t)))[0]
   _close(o, ref_runs, 1e-5, "o (recurring ids)", seed)
   assert float(jnp.max(jnp.abs(ref_runs - ref_ids))) > 1e-2, seed
 
@@ -477,8 +478,8 @@ def test_window_kernels_take_ids_as_run_bounds(window, g, kv):
 def test_window_kernels_skip_other_documents_exactly(window, g, kv, tiling):
   """With segment ids the kernels start each query tile's key walk at its documents' first
   position and end each key tile's query walk at its documents' last (compress_attention.
-  doc_bounds). Many short documents whose ids recur later in the row (a document split into runs:
-  its first occurrence, not its last run's start, bounds the keys) against the reference."""
+  doc_bounds). Many short documents whose ids recur later in the row (each run its own document:
+  the kernels take the ids as document runs, as the reference does) against the reference."""
   seed = _seed()
   b, t = 2, 230
   q, k, v, _, w_o, w_l = _case(seed, b, t, g * kv, kv, 32, 16, False)

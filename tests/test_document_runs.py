@@ -1,0 +1,120 @@
+"""Segment ids: each contiguous run of one id is a document (reference.document_runs), on every
+path, eagerly and under jit. An id that comes back later in a row (here 4, 9, 4) must give exactly
+what the same ids as three documents (0, 1, 2) give, forward and gradients: the paths that compare
+ids would otherwise let the two runs of id 4 see each other, while the GPU kernels that take each
+row's document start (the Mosaic selection kernels, cuDNN's packed layout) would not.
+
+Every test draws a fresh seed, printed in the failure message; NSA_TEST_SEED=<seed> replays it.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa_jax import ops, reference
+from nsa_jax.config import NSAConfig
+
+B, T = 2, 96
+CFG = dict(num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=16, cmp_block=8, cmp_stride=4,
+           sel_block=16, num_selected=3, window=16)
+
+
+def fresh_seed():
+  replay = os.environ.get("NSA_TEST_SEED")
+  return int(replay) if replay else int.from_bytes(os.urandom(4), "little")
+
+
+def reused_and_runs():
+  """([B, T] ids 4 | 9 | 4 with the boundaries inside blocks, the same as runs 0 | 1 | 2)."""
+  reused = np.full((B, T), 4, np.int32)
+  runs = np.zeros((B, T), np.int32)
+  for row, (a, b) in enumerate(((37, 51), (21, 70))):
+    reused[row, a:b], runs[row, a:b], runs[row, b:] = 9, 1, 2
+  return jnp.asarray(reused), jnp.asarray(runs)
+
+
+def test_document_runs_by_hand():
+  got = reference.document_runs(np.array([[5, 5, 2, 2, 5, 5, 5], [0] * 7, [1, 2, 3, 3, 2, 2, 1]]))
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, [[0, 0, 1, 1, 2, 2, 2], [0] * 7, [0, 1, 2, 2, 3, 3, 4]])
+  np.testing.assert_array_equal(reference.document_runs(np.array([[True, True, False, True]])),
+                                [[0, 0, 1, 2]])
+  np.testing.assert_array_equal(reference.document_runs(np.array([[7], [3]])), [[0], [0]])
+  reused, runs = reused_and_runs()
+  np.testing.assert_array_equal(reference.document_runs(reused), runs)
+  np.testing.assert_array_equal(jax.jit(reference.document_runs)(reused), runs)
+  np.testing.assert_array_equal(reference.document_runs(runs), runs)  # idempotent
+
+
+def _value_and_grads(fn, arrays, jit):
+  """fn(*arrays) [.., D] -> (output, gradients of a fixed random projection of it)."""
+  out = fn(*arrays)
+  w = jnp.asarray(np.random.default_rng(0).standard_normal(out.shape), jnp.float32)
+  vg = jax.value_and_grad(lambda *xs: jnp.sum(fn(*xs) * w), argnums=tuple(range(len(arrays))))
+  return out, (jax.jit(vg) if jit else vg)(*arrays)[1]
+
+
+def _assert_same(got, want, seed):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas-triton"])
+def test_nsa_reused_id_is_another_document(impl, jit):
+  seed = fresh_seed()
+  cfg = NSAConfig(**CFG, implementation=impl)
+  rng = np.random.default_rng(seed)
+  nc, kh, d = cfg.num_cmp_blocks(T), cfg.num_kv_heads, cfg.head_dim
+  shapes = [(B, T, cfg.num_heads, d), (B, nc, kh, d), (B, nc, kh, d)] + [(B, T, kh, d)] * 4
+  arrays = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+  arrays.append(jax.nn.sigmoid(jnp.asarray(rng.standard_normal((B, T, cfg.num_heads, 3)),
+                                           jnp.float32)))
+  reused, runs = reused_and_runs()
+  got, want = (_value_and_grads(
+      lambda *xs, s=s: ops.nsa_attention(*xs, cfg, segment_ids=s), arrays, jit)
+      for s in (reused, runs))
+  _assert_same(got, want, seed)
+
+
+def _dense_inputs(seed):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal((B, T, h, 16)), jnp.float32) for h in (4, 2, 2)]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_dense_reused_id_is_another_document(impl, jit):
+  seed = fresh_seed()
+  arrays = _dense_inputs(seed)
+  reused, runs = reused_and_runs()
+  got, want = (_value_and_grads(
+      lambda *xs, s=s: ops.dense_attention(*xs, s, implementation=impl), arrays, jit)
+      for s in (reused, runs))
+  _assert_same(got, want, seed)
+  # The distinction matters for these inputs: comparing the raw ids lets the two runs of id 4
+  # see each other and moves the last run's outputs.
+  merged, _ = reference.masked_attention(*arrays, reference.causal_mask(reused), None)
+  assert not np.allclose(merged, got[0], atol=1e-3), f"seed {seed}"
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_window_reused_id_is_another_document(backend):
+  seed = fresh_seed()
+  arrays = _dense_inputs(seed)
+  reused, runs = reused_and_runs()
+  got, want = (_value_and_grads(
+      lambda *xs, s=s: ops.window_attention(*xs, 40, s, backend=backend), arrays, True)
+      for s in (reused, runs))
+  _assert_same(got, want, seed)
+
+
+def test_segment_ids_of_the_wrong_shape_are_named():
+  q, k, v = _dense_inputs(0)
+  for fn in (lambda s: ops.dense_attention(q, k, v, s),
+             lambda s: ops.window_attention(q, k, v, 16, s)):
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(96,\), expected \(2, 96\).*Fix"):
+      fn(jnp.zeros((T,), jnp.int32))
