@@ -30,10 +30,8 @@ training (one H100, the masked 8k LM, benchmarks/results/packedpair_h100_s43/): 
 tokens/s with M = 8 against 227.0k with our kernels (+5.8 GB peak); NSA with its window branch
 packed 281.1k against 280.5k.
 
-Documents are runs of equal ids (a change of id starts one), as the data pipeline makes them
-(cumulative counts). The other paths treat equal ids as one document even where they are apart,
-so `packed_attention` with a fallback sends a batch whose ids decrease anywhere in a row to the
-fallback: both meanings agree on non-decreasing ids.
+Documents are runs of equal ids (a change of id starts one), as on every other path
+(nsa_jax.reference.document_runs): an id that comes back later in a row is another document.
 
 The private call is pinned to jax 0.11.2's signature; a jax that changes it fails loudly here.
 """
@@ -157,8 +155,7 @@ def packed_attention(q, k, v, seg, window, max_docs, scale=None, fallback=None):
   """Causal attention inside each document of `seg` ([B, T] ids; window: the last `window` tokens
   of the document, or None / >= T for all of it), BTNH, through cuDNN's packed layout with the
   static cap `max_docs`. Where some row holds more documents than the cap, `fallback(q, k, v,
-  seg)` computes the call instead (chosen inside the graph), so no row is ever cut; so does a batch
-  whose ids decrease somewhere in a row (the fallback's meaning of equal ids then differs)."""
+  seg)` computes the call instead (chosen inside the graph), so no row is ever cut."""
   from jax._src.cudnn import fused_attention_stablehlo as fa  # private: pinned to jax 0.11.2
   if max_docs < 1:
     raise ValueError(f"max_docs={max_docs}: the packed layout needs a cap of at least 1 document")
@@ -173,9 +170,7 @@ def packed_attention(q, k, v, seg, window, max_docs, scale=None, fallback=None):
 
   if fallback is None:
     return cudnn(q, k, v, seg)
-  # the fallback also takes ids that decrease somewhere in a row: an id may then come back to an
-  # earlier value, one document for the other paths but two runs here
-  fits = (jnp.max(documents_per_row(seg)) <= max_docs) & jnp.all(seg[:, 1:] >= seg[:, :-1])
+  fits = jnp.max(documents_per_row(seg)) <= max_docs
   return jax.lax.cond(fits, cudnn, fallback, q, k, v, seg)
 
 

@@ -306,7 +306,7 @@ def test_dense_layers_through_the_dense_cap(monkeypatch):
     np.testing.assert_allclose(got, reference.dense_causal_attention(q, k, v, seg)[0],
                                atol=2e-5, rtol=2e-5, err_msg=f"cap {cap}, seed {seed}")
     assert calls == [None]  # traced once: the lax.cond holds both branches
-  # ids that come back to an earlier value (one document for the other paths): the fallback
+  # ids that come back to an earlier value: another document, on the packed call as on the others
   cp.set_dense_cap(n + 4)
   back = jnp.where((jnp.arange(48) >= 30)[None], 0, seg)
   got = jax.jit(lambda q, k, v, s: ops.dense_attention(q, k, v, s))(q, k, v, back)

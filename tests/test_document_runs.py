@@ -47,6 +47,12 @@ def test_document_runs_by_hand():
   np.testing.assert_array_equal(reference.document_runs(reused), runs)
   np.testing.assert_array_equal(jax.jit(reference.document_runs)(reused), runs)
   np.testing.assert_array_equal(reference.document_runs(runs), runs)  # idempotent
+  # the kernels' own copy (pallas_kernels does not import nsa_jax) and their id intake
+  from pallas_kernels import _common
+  np.testing.assert_array_equal(_common.document_runs(reused), runs)
+  seg, has_seg = _common.segment_ids_int32(reused, B, T, "test")
+  assert has_seg and seg.dtype == jnp.int32
+  np.testing.assert_array_equal(seg, runs)
 
 
 def _value_and_grads(fn, arrays, jit):
