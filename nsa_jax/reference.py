@@ -72,7 +72,7 @@ def document_runs(segment_ids):
   selection kernels, cuDNN's packed layout) then see the same documents, under jit as eagerly."""
   seg = jnp.asarray(segment_ids)
   change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
-  return jnp.concatenate([jnp.zeros(seg.shape[:1] + (1,), jnp.int32),
+  return jnp.concatenate([jnp.zeros_like(seg[:, :1], jnp.int32),  # [B, 0] when T = 0
                           jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
 
 
@@ -94,7 +94,8 @@ def document_starts(segment_ids):
 
 
 def causal_mask(segment_ids):
-  """[B, 1, T, T]: key s visible to query t iff s <= t and same document."""
+  """[B, 1, T, T]: key s visible to query t iff s <= t and same document (ids compared as given:
+  the callers pass document_runs ids, so a document is a run)."""
   t = segment_ids.shape[1]
   pos = jnp.arange(t)
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -102,7 +103,7 @@ def causal_mask(segment_ids):
 
 
 def window_mask(segment_ids, window):
-  """[B, 1, T, T]: key s visible iff t - window < s <= t and same document."""
+  """[B, 1, T, T]: key s visible iff t - window < s <= t and same document (ids as causal_mask)."""
   t = segment_ids.shape[1]
   pos = jnp.arange(t)
   near = pos[:, None] - pos[None, :] < window
@@ -142,7 +143,8 @@ def mlp_compress(x, params, block, stride):
 
 def cmp_visible_mask(segment_ids, block, stride):
   """[B, 1, T, Nc]: query t sees compressed block i iff i*d + l - 1 <= t and the whole block lies
-  in t's document (a block that straddles a document boundary is seen by nobody)."""
+  in t's document (a block that straddles a document boundary is seen by nobody; ids compared as
+  given, as causal_mask)."""
   t = segment_ids.shape[1]
   pos = cmp_block_positions(t, block, stride)
   if pos.shape[0] == 0:

@@ -50,7 +50,7 @@ def document_runs(seg):
   that comes back later starts another one). The kernels' id tests then agree with the paths
   that take each row's document start."""
   change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
-  return jnp.concatenate([jnp.zeros(seg.shape[:1] + (1,), jnp.int32),
+  return jnp.concatenate([jnp.zeros_like(seg[:, :1], jnp.int32),  # [B, 0] when T = 0
                           jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
 
 

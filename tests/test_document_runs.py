@@ -124,3 +124,35 @@ def test_segment_ids_of_the_wrong_shape_are_named():
              lambda s: ops.window_attention(q, k, v, 16, s)):
     with pytest.raises(ValueError, match=r"segment_ids has shape \(96,\), expected \(2, 96\).*Fix"):
       fn(jnp.zeros((T,), jnp.int32))
+
+
+def test_kernels_and_aux_selector_take_reused_ids_as_runs():
+  """Called directly (not through nsa_jax.ops, which converts first), the kernels' intake and the
+  aux selector's scores take reused ids as runs too: the window, compression, selection and top-n
+  kernels and aux_selector.scores_and_loss give exactly what the run ids give."""
+  from nsa_jax import aux_selector
+  from pallas_kernels import compress_attention as ca
+  from pallas_kernels import select_attention as sa
+  from pallas_kernels import select_topn as st
+  from pallas_kernels import window_attention as wk
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  cfg = NSAConfig(**CFG, selector="aux")
+  nc = cfg.num_cmp_blocks(T)
+  draw = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v = draw(B, T, 4, 16), draw(B, T, 2, 16), draw(B, T, 2, 16)
+  kc, vc, w_q, w_k = draw(B, nc, 2, 16), draw(B, nc, 2, 16), draw(16, 8), draw(16, 8)
+  reused, runs = reused_and_runs()
+  lse = ca.compress_attention(q, kc, vc, 8, 4, runs, interpret=True)[1]
+  topn = lambda s: st.select_topn(q, kc, lse, block=8, stride=4, sel_block=16, num_selected=3,
+                                  segment_ids=s, interpret=True)
+  idx = topn(runs)
+  for name, fn in (
+      ("window", lambda s: wk.window_attention(q, k, v, 40, s, interpret=True)),
+      ("compression", lambda s: ca.compress_attention(q, kc, vc, 8, 4, s, interpret=True)),
+      ("selection", lambda s: sa.select_attention(q, k, v, idx, 16, s, interpret=True)),
+      ("top-n", topn),
+      ("aux selector", lambda s: aux_selector.scores_and_loss(q, k, w_q, w_k, cfg, s, chunk=48))):
+    got, want = fn(reused), fn(runs)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}, seed {seed}")
