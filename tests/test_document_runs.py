@@ -1,8 +1,9 @@
 """Segment ids: each contiguous run of one id is a document (reference.document_runs), on every
-path, eagerly and under jit. An id that comes back later in a row (here 4, 9, 4) must give exactly
-what the same ids as three documents (0, 1, 2) give, forward and gradients: the paths that compare
-ids would otherwise let the two runs of id 4 see each other, while the GPU kernels that take each
-row's document start (the Mosaic selection kernels, cuDNN's packed layout) would not.
+path, eagerly and under jit. An id that comes back later in a row (here 4, 9, 4) must give what
+the same ids as three documents (0, 1, 2) give, forward and gradients, up to float32 summation
+order: the paths that compare ids would otherwise let the two runs of id 4 see each other, while
+the GPU kernels that take each row's document start (the Mosaic selection kernels, cuDNN's packed
+layout) would not.
 
 Every test draws a fresh seed, printed in the failure message; NSA_TEST_SEED=<seed> replays it.
 """
@@ -64,8 +65,13 @@ def _value_and_grads(fn, arrays, jit):
 
 
 def _assert_same(got, want, seed):
+  """Equal up to float32 summation order: the same program on the same documents, bitwise equal
+  on a CPU; on a GPU the XLA path's K/V gradients (scatter-adds) differ by ~3e-7 between two calls
+  (an H100, 2026-12-07). Reading the reused id as one document moves outputs by O(1)."""
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
+    b = np.asarray(b)
+    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(b).max()),
+                               err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -129,7 +135,7 @@ def test_segment_ids_of_the_wrong_shape_are_named():
 def test_kernels_and_aux_selector_take_reused_ids_as_runs():
   """Called directly (not through nsa_jax.ops, which converts first), the kernels' intake and the
   aux selector's scores take reused ids as runs too: the window, compression, selection and top-n
-  kernels and aux_selector.scores_and_loss give exactly what the run ids give."""
+  kernels and aux_selector.scores_and_loss give what the run ids give."""
   from nsa_jax import aux_selector
   from pallas_kernels import compress_attention as ca
   from pallas_kernels import select_attention as sa
@@ -155,4 +161,4 @@ def test_kernels_and_aux_selector_take_reused_ids_as_runs():
       ("aux selector", lambda s: aux_selector.scores_and_loss(q, k, w_q, w_k, cfg, s, chunk=48))):
     got, want = fn(reused), fn(runs)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}, seed {seed}")
+      _assert_same(a, b, f"{seed} ({name})")
