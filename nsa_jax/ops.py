@@ -289,18 +289,12 @@ def _packed_or_kernels(q, k, v, segment_ids, window, cap, scale):
 
 
 def _document_runs(segment_ids, q):
-  """Integer (or boolean) ids [B, T] (q's first two dims) as reference.document_runs: every backend
-  then sees the same documents, one per contiguous run of an id (the kernels would truncate float
-  ids)."""
+  """Ids [B, T] (q's first two dims; reference.check_segment_ids) as reference.document_runs:
+  every backend then sees the same documents, one per contiguous run of an id."""
   if segment_ids is None:
     return None
   segment_ids = jnp.asarray(segment_ids)
-  if segment_ids.shape != q.shape[:2]:
-    raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected "
-                     f"{tuple(q.shape[:2])} (q's batch and time). Fix: give one id per token, "
-                     "[batch, time].")
-  reference.require_integers(segment_ids, "segment_ids", "document ids", "pass int32 ids, "
-                             "e.g. the cumulative count of document starts.", allow_bool=True)
+  reference.check_segment_ids(segment_ids, q.shape[:2])
   return reference.document_runs(segment_ids)
 
 
@@ -588,7 +582,7 @@ def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segm
                    implementation, return_aux, block_idx):
   # Every path checks its inputs, but choosing a path (and a mesh layout) already reads shapes.
   reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
-  segment_ids = _document_runs(segment_ids, q)
+  segment_ids = None if segment_ids is None else reference.document_runs(segment_ids)  # checked
   layout = mesh_layout(q.shape[0], k_slc.shape[2], "NSA attention")
   if layout is None:
     return _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,

@@ -401,11 +401,15 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
                      f"{want}.")
 
 
-def check_segment_ids(segment_ids):
-  """Segment ids are integer (or boolean) document ids, one per token; each contiguous run of one
-  id is a document (document_runs), so an id may come back later in a row as another document."""
+def check_segment_ids(segment_ids, shape):
+  """Segment ids are integer (or boolean) document ids, one per token: `shape` = (batch, time);
+  each contiguous run of one id is a document (document_runs), so an id may come back later in a
+  row as another document."""
   if segment_ids is None:
     return
+  if tuple(segment_ids.shape) != tuple(shape):
+    raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected {tuple(shape)}. "
+                     "Fix: give one id per token, [batch, time].")
   require_integers(segment_ids, "segment_ids", "document ids (the Pallas kernels would "
                    "truncate 0.5 to 0)", "pass int32 ids, e.g. the cumulative count of document "
                    "starts.", allow_bool=True)
@@ -455,10 +459,7 @@ def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NS
                        f"(batch={b}, time={t}, cmp blocks={nc}, kv_heads={cfg.num_kv_heads}). Fix: "
                        f"pass {name} in that shape (compressed tensors come from mlp_compress / "
                        "mean_compress of the raw keys/values).")
-  if segment_ids is not None and tuple(segment_ids.shape) != (b, t):
-    raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected {(b, t)}. Fix: "
-                     "give one id per token, [batch, time].")
-  check_segment_ids(segment_ids)
+  check_segment_ids(segment_ids, (b, t))
 
 
 def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,
