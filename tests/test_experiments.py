@@ -831,6 +831,19 @@ def test_bench_nsa_floor_report(tmp_path):
   assert "recompute" not in " ".join(bench_nsa.floor_lines(dict(b, ms=60.0, cudnn_ms=300.0), 5.0))
 
 
+def test_bench_nsa_crossover_verdicts():
+  """The 16k target's verdict: met or not only when a T <= 16384 was timed; a 64k-only run says
+  "not measured" (it used to say "NOT met")."""
+  from experiments.bench_nsa import crossover_line
+  assert crossover_line([(65536, 4.8)]).endswith("16k target not measured (no T <= 16384 timed)")
+  assert "crossover (above 1 from here on): 65536 or shorter" in crossover_line([(65536, 4.8)])
+  assert crossover_line([(8192, 0.9), (16384, 1.05), (65536, 3.0)]) == (
+      "speed-up > 1 at T = [16384, 65536]; crossover (above 1 from here on): 16384; 16k target MET")
+  assert crossover_line([(16384, 0.9), (32768, 1.2)]).endswith(": 32768; 16k target NOT met")
+  assert crossover_line([(8192, 1.1), (16384, 0.99)]).endswith(": never; 16k target NOT met")
+  assert crossover_line([(32768, 0.8), (65536, 0.9)]).endswith(": never; 16k target NOT met")
+
+
 def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):
   """--sweep_parts mosaic times the Mosaic GPU compression forward beside the Triton one, --impl
   pallas-mosaic the whole op (here in the interpreters, so only the code paths are checked)."""
