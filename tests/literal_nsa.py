@@ -7,7 +7,10 @@ use shapes of a few hundred tokens at most.
 
 Layout: q [B, T, H, Dk]; raw k [B, T, K, Dk], v [B, T, K, Dv]; compressed k/v [B, Nc, K, D];
 query head h belongs to KV group h // (H // K). segment_ids [B, T] (None: one document) mark packed
-documents, each id one contiguous run.
+documents: a document is a contiguous run of one id, so an id that comes back after another id
+starts a new document (4 | 9 | 4 is three documents). Positions s and t share a document iff s
+lies between t's doc_start and doc_end, found by walking the row; ids are never compared across a
+gap.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def cmp_block_visible(seg_row, t, i, l, d):
   l raw positions of the block are in t's document."""
   if i * d + l - 1 > t:
     return False
-  return all(seg_row[s] == seg_row[t] for s in range(i * d, i * d + l))
+  return doc_start(seg_row, t) <= i * d and i * d + l - 1 <= doc_end(seg_row, t)
 
 
 def compressed_attention(q, k_cmp, v_cmp, l, d, segment_ids=None, scale=None):
@@ -244,10 +247,11 @@ def _raw_branch(q, k, v, visible, segment_ids, scale):
   lse = np.full((b, t_len, h_num), -math.inf)
   for bi in range(b):
     for t in range(t_len):
+      first, last = doc_start(seg[bi], t), doc_end(seg[bi], t)  # t's document
       for h in range(h_num):
         kv = h // g
         keys = [s for s in range(t_len) if visible(bi, t, kv, s) and s <= t
-                and seg[bi, s] == seg[bi, t]]
+                and first <= s <= last]
         o[bi, t, h], lse[bi, t, h], _ = attend(
             q[bi, t, h], [k[bi, s, kv] for s in keys], [v[bi, s, kv] for s in keys], scale, dv)
   return o, lse
