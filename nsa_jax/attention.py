@@ -191,7 +191,7 @@ class NSAAttention(nnx.Module):
     as the selector writes them). Unless blocks are given (block_idx, or selector="aux"'s gate)
     the op runs once more to read the layer's choice: an evaluation tool, not a training one."""
     cfg = self.cfg
-    check_layer_inputs("NSAAttention", x, self.d_model, segment_ids, positions)
+    segment_ids = check_layer_inputs("NSAAttention", x, self.d_model, segment_ids, positions)
     # (block_idx without a selection branch is refused by the op: reference.check_block_idx)
     if select_edit is not None and "slc" not in cfg.branches:
       raise ValueError(f"select_edit was given but branches={cfg.branches!r} has no selection "
@@ -280,7 +280,7 @@ class DenseAttention(nnx.Module):
   def __call__(self, x, *, segment_ids=None, positions=None, implementation=None,
                return_aux=False):
     """y [B, T, d_model]; with return_aux also {"q", "k"} after RoPE (diagnostics)."""
-    check_layer_inputs("DenseAttention", x, self.d_model, segment_ids, positions)
+    segment_ids = check_layer_inputs("DenseAttention", x, self.d_model, segment_ids, positions)
     b, t, _ = x.shape
     x = x.astype(self.dtype)
     if positions is None:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nsa_jax.reference import document_starts
+from nsa_jax.reference import document_starts, segment_runs
 
 # vocab: token ids; embed: residual width; heads / kv_heads: flattened (heads x head_dim) of the
 # query and of each key/value projection; mlp: feed-forward hidden width. None: replicated.
@@ -126,7 +126,8 @@ def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=
   """The attention layers' input checks, before anything is computed from them: x [B, T, d_model]
   with T >= 1 and a floating dtype; segment_ids, when given, [B, T] integers or booleans (the
   NSA op needs one row per sequence); positions [B, T] or [1, T] (shared by the batch; any real
-  dtype: fractional positions are how RoPE interpolation is done)."""
+  dtype: fractional positions are how RoPE interpolation is done). Returns the segment ids as
+  document runs (reference.segment_runs; None stays None) for the layer to use."""
   if x.ndim != 3 or x.shape[-1] != d_model:
     raise ValueError(f"{layer} expects x [batch, time, {d_model}], got {x.shape}. Fix: pass the "
                      "hidden states with the layer's d_model as the last axis.")
@@ -136,16 +137,11 @@ def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=
   b, t, _ = x.shape
   if t < 1:
     raise ValueError(f"{layer} got an empty sequence (x {x.shape}). Fix: pass at least one token.")
-  for name, a in (("segment_ids", segment_ids), ("positions", positions)):
-    if a is None:
-      continue
-    if tuple(a.shape) != (b, t) and not (name == "positions" and tuple(a.shape) == (1, t)):
-      what = "position" if name == "positions" else "id"
-      raise ValueError(f"{name} has shape {tuple(a.shape)}, expected [batch, time] = {(b, t)} "
-                       f"from x {x.shape}. Fix: give one {what} per token, shaped like the batch.")
-    if name == "segment_ids" and not (jnp.issubdtype(a.dtype, jnp.integer)
-                                      or a.dtype == jnp.bool_):
-      raise ValueError(f"segment_ids must be integers, got {a.dtype}. Fix: cast it to int32.")
+  if positions is not None and tuple(positions.shape) not in ((b, t), (1, t)):
+    raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [batch, time] = "
+                     f"{(b, t)} (or [1, time]) from x {x.shape}. Fix: give one position per "
+                     "token, shaped like the batch.")
+  return segment_runs(segment_ids, (b, t))  # the one segment-id check (reference), as runs
 
 
 def default_positions(batch, seq_len, segment_ids=None):

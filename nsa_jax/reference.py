@@ -404,15 +404,68 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
 def check_segment_ids(segment_ids, shape):
   """Segment ids are integer (or boolean) document ids, one per token: `shape` = (batch, time);
   each contiguous run of one id is a document (document_runs), so an id may come back later in a
-  row as another document."""
+  row as another document. Array-likes (nested lists) are read as numpy arrays; host ids outside
+  int32 are refused while jax runs without x64, which would wrap them (2**32 onto 0) and merge
+  documents without a word."""
   if segment_ids is None:
     return
+  if not hasattr(segment_ids, "dtype"):
+    segment_ids = np.asarray(segment_ids)
   if tuple(segment_ids.shape) != tuple(shape):
     raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected {tuple(shape)}. "
                      "Fix: give one id per token, [batch, time].")
   require_integers(segment_ids, "segment_ids", "document ids (the Pallas kernels would "
                    "truncate 0.5 to 0)", "pass int32 ids, e.g. the cumulative count of document "
                    "starts.", allow_bool=True)
+  if (isinstance(segment_ids, np.ndarray) and segment_ids.dtype.kind in "iu" and segment_ids.size
+      and not jax.config.jax_enable_x64):
+    lo, hi = int(segment_ids.min()), int(segment_ids.max())
+    i32 = np.iinfo(np.int32)
+    if lo < i32.min or hi > i32.max:
+      raise ValueError(f"segment_ids range over [{lo}, {hi}], outside int32, which jax (without "
+                       "x64) would wrap, merging documents whose ids differ by 2**32. Fix: relabel "
+                       "them, e.g. nsa_jax.reference.segment_runs(ids) or np.unique(ids, "
+                       "return_inverse=True)[1].reshape(ids.shape).")
+
+
+def segment_runs(segment_ids, shape=None):
+  """Checked ids (check_segment_ids against `shape`, default the ids' own) as document_runs: the
+  int32 [B, T] run indices that every attention path reads. Host ids (numpy, lists) are compared
+  at their own width, so ids of any size work; None stays None."""
+  if segment_ids is None:
+    return None
+  if not hasattr(segment_ids, "dtype"):
+    segment_ids = np.asarray(segment_ids)
+  if isinstance(segment_ids, np.ndarray) and segment_ids.ndim == 2 and \
+      segment_ids.dtype.kind in "iu" and (shape is None or segment_ids.shape == tuple(shape)):
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]  # at full width, before jax sees them
+    segment_ids = np.concatenate([np.zeros_like(change[:, :1]), change], axis=1).cumsum(
+        axis=1, dtype=np.int32)
+  check_segment_ids(segment_ids, segment_ids.shape if shape is None else shape)
+  return document_runs(segment_ids)
+
+
+def check_qkv(q, k, v, op):
+  """Causal self-attention inputs (dense and window attention): q [B, T, H, d_k], k [B, T, K, d_k],
+  v [B, T, K, d_v] with H a multiple of K; errors name the tensor and the fix."""
+  for name, a in (("q", q), ("k", k), ("v", v)):
+    if a.ndim != 4:
+      raise ValueError(f"{op}: {name} must be [batch, time, heads, head_dim], got shape "
+                       f"{tuple(a.shape)}. Fix: reshape it to 4 dimensions (the layout of "
+                       "jax.nn.dot_product_attention).")
+  b, t, h, dk = q.shape
+  if k.shape[:2] != (b, t) or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} differ in "
+                     "batch, time or KV heads; causal self-attention needs k and v [batch, time, "
+                     "kv_heads, .] with q's batch and time. Fix: project k and v from the same "
+                     "tokens as q.")
+  if k.shape[3] != dk:
+    raise ValueError(f"{op}: q has head dim {dk} but k has {k.shape[3]}. Fix: project q and k to "
+                     "one head dim (v's may differ).")
+  if h % k.shape[2]:
+    raise ValueError(f"{op}: {h} query heads do not divide into {k.shape[2]} KV heads (GQA needs "
+                     "a whole number of query heads per KV head). Fix: choose num_heads a "
+                     "multiple of num_kv_heads.")
 
 
 def check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSAConfig,

@@ -164,3 +164,50 @@ def test_kernels_and_aux_selector_take_reused_ids_as_runs():
     got, want = fn(reused), fn(runs)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       _assert_same(a, b, f"{seed} ({name})")
+
+
+def test_host_ids_of_any_width_and_lists_are_runs_everywhere():
+  """numpy ids are compared at their own width before jax sees them: ids 7 and 7 + 2**32 are two
+  documents (jax without x64 would wrap both to 7 and merge them, silently). Nested lists work on
+  every entry point, the ops and the Flax layers alike; a wide id handed to the reference's own
+  check is refused with the fix named."""
+  from flax import nnx
+  from nsa_jax.attention import DenseAttention, NSAAttention
+  seed = fresh_seed()
+  q, k, v = _dense_inputs(seed)
+  _, runs = reused_and_runs()
+  wide = np.asarray(runs, np.int64) * 2**32 + 7  # every run's id is 7 modulo 2**32
+  lst = np.asarray(runs).tolist()
+  want = ops.dense_attention(q, k, v, runs)
+  for ids in (wide, lst):
+    _assert_same(ops.dense_attention(q, k, v, ids), want, seed)
+    _assert_same(ops.window_attention(q, k, v, 40, ids), ops.window_attention(q, k, v, 40, runs),
+                 seed)
+  # the difference is real: one document for every token moves the later runs' outputs
+  assert not np.allclose(ops.dense_attention(q, k, v, None), want, atol=1e-3), f"seed {seed}"
+  np.testing.assert_array_equal(reference.segment_runs(wide), runs)
+  with pytest.raises(ValueError, match=r"outside int32.*Fix: relabel.*segment_runs"):
+    reference.check_segment_ids(wide, wide.shape)
+  x = jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, 16)), jnp.float32)
+  for layer in (NSAAttention(16, NSAConfig(**CFG), rngs=nnx.Rngs(0)),
+                DenseAttention(16, 4, 2, 8, rngs=nnx.Rngs(0))):
+    y = layer(x, segment_ids=runs)
+    for ids in (wide, lst):
+      _assert_same(layer(x, segment_ids=ids), y, seed)
+
+
+def test_dense_and_window_name_mismatched_q_k_v():
+  """q and k / v of different lengths used to run silently on the default (XLA) path, or fail
+  inside jax's broadcasting; the same check now names the tensors and the fix for both ops."""
+  q, k, v = _dense_inputs(0)
+  short = (k[:, :T // 2], v[:, :T // 2])
+  for name, fn in (("dense_attention", lambda *a: ops.dense_attention(*a)),
+                   ("window_attention", lambda *a: ops.window_attention(*a, 16))):
+    with pytest.raises(ValueError, match=name + r": q \(2, 96, 4, 16\), k \(2, 48.*Fix"):
+      fn(q, *short)
+    with pytest.raises(ValueError, match=name + r": q has head dim 16 but k has 8"):
+      fn(q, k[..., :8], v)
+    with pytest.raises(ValueError, match=name + r": 4 query heads do not divide into 3 KV"):
+      fn(q, jnp.concatenate([k, k[:, :, :1]], 2), jnp.concatenate([v, v[:, :, :1]], 2))
+    with pytest.raises(ValueError, match=name + r": k must be \[batch, time, heads"):
+      fn(q, k[..., 0], v)

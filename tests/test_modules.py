@@ -268,8 +268,8 @@ def test_layer_inputs_are_checked_before_use(kind):
     layer(x, segment_ids=jnp.zeros((2, 39), jnp.int32))
   with pytest.raises(ValueError, match=r"segment_ids has shape \(40,\)"):
     layer(x, segment_ids=jnp.zeros((40,), jnp.int32))
-  with pytest.raises(ValueError, match="segment_ids must be integers"):
-    layer(x, segment_ids=jnp.zeros((2, 40), jnp.float32))
+  with pytest.raises(TypeError, match="segment_ids has dtype float32; document ids .*integers"):
+    layer(x, segment_ids=jnp.zeros((2, 40), jnp.float32))  # the ops' own check and message
   with pytest.raises(ValueError, match=r"positions has shape \(2, 39\)"):
     layer(x, positions=jnp.zeros((2, 39), jnp.int32))
   with pytest.raises(ValueError, match=r"positions has shape \(40,\)"):
