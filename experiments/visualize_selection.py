@@ -4,8 +4,9 @@ query chose (per layer and KV group) and the branch gates, as one PNG plus a tex
   python -m experiments.visualize_selection --workdir=runs/ablate/nsa_vs_dense:nsa \
       --row=0 --out=docs/figures/selection.png
 
-Map colours: grey = not yet visible (block starts after the query), light blue = forced block
-(1 initial + 2 local, counted inside n), dark red = chosen by the score (top-n), white = visible
+Map colours: grey = not visible (block starts after the query, or, in a document-masked run,
+lies wholly before the query's document), light blue = forced block (1 initial + 2 local, counted
+inside n; the initial one is the query's document's first), dark red = chosen by the score (top-n), white = visible
 but not chosen. The .txt beside the PNG lists, for a few queries, the text of the blocks chosen by
 score, so one can read whether the choice makes sense (matching identifiers, the open bracket...).
 """
@@ -37,19 +38,30 @@ def define_flags():
 NOT_VISIBLE, VISIBLE, FORCED, CHOSEN = 0, 1, 2, 3
 
 
-def selection_map(block_idx: np.ndarray, sel_block: int, num_init: int, num_local: int):
-  """block_idx [T, n] (-1 = empty) -> [T, num_blocks] codes (NOT_VISIBLE/VISIBLE/FORCED/CHOSEN)."""
+def selection_map(block_idx: np.ndarray, sel_block: int, num_init: int, num_local: int,
+                  segment_ids=None):
+  """block_idx [T, n] (-1 = empty) -> [T, num_blocks] codes (NOT_VISIBLE/VISIBLE/FORCED/CHOSEN).
+
+  segment_ids [T] (a document-masked run's row; None: one document): as in the model, a query sees
+  only the blocks that overlap its own document (a contiguous run of one id), and its forced
+  initial blocks are its document's first ones, from floor(doc_start / l')."""
   t_len = block_idx.shape[0]
   nb = -(-t_len // sel_block)
+  start = np.zeros(t_len, int)  # each query's document start
+  if segment_ids is not None:
+    seg = np.asarray(segment_ids).reshape(t_len)
+    new_doc = np.r_[True, seg[1:] != seg[:-1]]
+    start = np.maximum.accumulate(np.where(new_doc, np.arange(t_len), 0))
   t = np.arange(t_len)[:, None]
   j = np.arange(nb)[None, :]
-  codes = np.where(j * sel_block <= t, VISIBLE, NOT_VISIBLE)
+  first = start[:, None] // sel_block
+  codes = np.where((j * sel_block <= t) & (j >= first), VISIBLE, NOT_VISIBLE)
   for q in range(t_len):
     for b in block_idx[q]:
       if b >= 0:
         codes[q, b] = CHOSEN
   cur = t // sel_block
-  forced = (j < num_init) | ((j <= cur) & (j > cur - num_local))
+  forced = ((j >= first) & (j < first + num_init)) | ((j <= cur) & (j > cur - num_local))
   codes = np.where((codes == CHOSEN) & forced, FORCED, codes)
   return codes
 
@@ -157,7 +169,8 @@ def overlap_report(model, config, nsa, rows: int) -> str:
       if aux is None or "block_idx" not in aux:
         continue
       codes = selection_map(np.asarray(aux["block_idx"])[0, :, 0], nsa.sel_block,
-                            nsa.num_init_blocks, nsa.num_local_blocks)
+                            nsa.num_init_blocks, nsa.num_local_blocks,
+                            None if segs is None else segs[r])
       c, rnd, n = ngram_overlap(tokens[r], codes, nsa.sel_block)
       stats.setdefault(li, []).append((c, rnd, n))
   lines = [f"== 4-gram overlap of the query's last 32 tokens with the block chosen by score vs a "
@@ -194,7 +207,8 @@ def main(argv):
       continue
     idx = np.asarray(aux["block_idx"])[0]  # [T, K, n]
     codes = np.stack([selection_map(idx[:, k], nsa.sel_block, nsa.num_init_blocks,
-                                    nsa.num_local_blocks) for k in range(idx.shape[1])])
+                                    nsa.num_local_blocks, None if seg is None else seg[0])
+                      for k in range(idx.shape[1])])
     gates = np.asarray(aux["gates"])[0]
     codes_by_layer.append(codes)
     gates_by_layer.append(gates)

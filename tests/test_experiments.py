@@ -592,6 +592,26 @@ def test_selection_map_is_causal_and_counts_every_selected_block(trained):
   assert text.count("query t=") == 2
 
 
+def test_selection_map_reads_documents_as_the_model_does():
+  """A document-masked row: a query sees only the blocks overlapping its own document, and its
+  forced initial block is that document's first (it used to be block 0 for every query, so the
+  tool called the document's first block "chosen by score" and drew earlier documents' blocks as
+  visible). Documents start at 0, 20 and 45; l' = 8, 1 initial + 2 local forced."""
+  idx = np.full((64, 4), -1)
+  idx[30, :2] = [2, 3]        # doc 2 (start 20, first block 2), t in block 3: both forced
+  idx[44] = [2, 3, 4, 5]      # doc 2, t in block 5: 2 initial, 4-5 local, 3 chosen by score
+  idx[50, :2] = [5, 6]        # doc 3 (start 45, first block 5), t in block 6: both forced
+  seg = np.repeat([7, 9, 7], [20, 25, 19])  # id 7 comes back: the third run is another document
+  codes = vis.selection_map(idx, 8, 1, 2, seg)
+  N, V, F, C = vis.NOT_VISIBLE, vis.VISIBLE, vis.FORCED, vis.CHOSEN
+  assert codes[30].tolist() == [N, N, F, F, N, N, N, N]
+  assert codes[44].tolist() == [N, N, F, C, F, F, N, N]
+  assert codes[50].tolist() == [N, N, N, N, N, F, F, N]
+  assert codes[10].tolist() == [V, V, N, N, N, N, N, N]  # doc 1: blocks 0-1 visible, none picked
+  one_doc = vis.selection_map(idx, 8, 1, 2)  # without ids: block 0 is the forced one
+  assert one_doc[44].tolist() == [V, V, C, C, F, F, N, N]
+
+
 def test_plots_are_written(tmp_path):
   grid = needle_eval.needle_grid(_oracle_logits, [80], [0.0, 1.0], 2, SEED)
   needle_eval.plot_needle([grid, grid], ["a", "b"], str(tmp_path / "n.png"), ["x, 80 tokens", None])
