@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from nsa_jax import aux_selector, ops, reference, xla
-from nsa_jax.config import NSAConfig
+from nsa_jax.config import DENSE_IMPLEMENTATIONS, NSAConfig
 from nsa_jax.layers import (HEAD_MESH_AXIS, annotated, apply_rope, auto_mesh, check_layer_inputs,
                             check_rope_head_dim, default_positions, dtype_of, linear,
                             sharding_scope)
@@ -257,6 +257,9 @@ class DenseAttention(nnx.Module):
       raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}. "
                        "Fix: choose num_heads as a multiple of num_kv_heads.")
     check_rope_head_dim("DenseAttention", head_dim)
+    if implementation not in DENSE_IMPLEMENTATIONS:  # refused when built, as ModelConfig does
+      raise ValueError(f"DenseAttention(implementation={implementation!r}): expected one of "
+                       f"{DENSE_IMPLEMENTATIONS}. Fix: pass one of them ('auto' picks per call).")
     self.d_model, self.h, self.kh, self.dk = d_model, num_heads, num_kv_heads, head_dim
     self.dv = head_dim if head_dim_v is None else head_dim_v
     self.rope_theta, self.implementation = rope_theta, implementation

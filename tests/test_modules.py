@@ -250,6 +250,8 @@ def test_bad_layer_input_is_reported():
     DenseAttention(16, 6, 4, 8, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="NSAConfig"):
     NSAAttention(16, {"num_heads": 4}, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"implementation='cudnnn'.*expected one of"):
+    DenseAttention(16, 4, 2, 8, implementation="cudnnn", rngs=nnx.Rngs(0))  # when built
 
 
 @pytest.mark.parametrize("kind", ["nsa", "dense"])

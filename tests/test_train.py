@@ -526,6 +526,29 @@ def test_an_end_token_that_never_occurs_is_named_in_a_warning(tmp_path, caplog):
       it, _ = train._iterators(c, train.model_config_from(c.model))
     assert ("end token 0 does not occur" in caplog.text) == warned, caplog.text
     assert "segment_ids" in next(it)
+  c.data.eos_id = 6000  # outside the vocabulary: the range error alone, no "does not occur" first
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="nsa_jax.training"):
+    with pytest.raises(ValueError, match="eos_id=6000 is outside the model vocabulary"):
+      train._iterators(c, train.model_config_from(c.model))
+  assert "does not occur" not in caplog.text
+  c.data.document_mask, c.data.eos_id = False, 7  # an end token without masking does nothing
+  with caplog.at_level("WARNING", logger="nsa_jax.training"):
+    it, _ = train._iterators(c, train.model_config_from(c.model))
+  assert "eos_id=7 does nothing without document masking" in caplog.text
+  assert "segment_ids" not in next(it)
+
+
+def test_sequences_shorter_than_a_compression_block_are_named(caplog):
+  c = small_config()
+  model_cfg = train.model_config_from(c.model)
+  mesh = shd.make_mesh(c.mesh, jax.devices()[:1])
+  for seq_len, warned in ((model_cfg.nsa.cmp_block - 1, True), (model_cfg.nsa.cmp_block, False)):
+    c.data.seq_len = seq_len
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nsa_jax.training"):
+      train.check_batch_layout(c, mesh, model_cfg)
+    assert ("shorter than a compression block" in caplog.text) == warned, caplog.text
 
 
 def test_document_mask_trains_with_gradient_accumulation():

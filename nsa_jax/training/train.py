@@ -430,6 +430,13 @@ def check_batch_layout(config, mesh, model_cfg):
   if config.data.seq_len > model_cfg.max_seq_len:
     raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds config.model.max_seq_len="
                      f"{model_cfg.max_seq_len}. Fix: raise max_seq_len or lower seq_len")
+  nsa = model_cfg.nsa
+  if "nsa" in model_cfg.attention_kinds and "cmp" in nsa.branches and \
+      config.data.seq_len < nsa.cmp_block:
+    log.warning("config.data.seq_len=%d is shorter than a compression block (cmp_block=%d): no "
+                "compressed block is ever complete, so the compression branch sees nothing and "
+                "selection has only its forced blocks. Fix: train on longer sequences, or shrink "
+                "model.nsa.cmp_block / cmp_stride / sel_block", config.data.seq_len, nsa.cmp_block)
 
 
 def _iterators(config, model_cfg, start_step=0):
@@ -438,13 +445,17 @@ def _iterators(config, model_cfg, start_step=0):
             seed=config.data.seed, vocab_size=model_cfg.vocab_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   kw["eos_id"] = eos = data_lib.document_end_id(config.data)
-  # at most 16M tokens, and only with masking on: a memmap stays cheap, other runs read nothing
+  if eos is None and config.data.get("eos_id", -1) != -1:
+    log.warning("config.data.eos_id=%s does nothing without document masking. Fix: add "
+                "--config.data.document_mask=True, or drop eos_id", config.data.eos_id)
+  train = data_lib.BatchIterator(sources["train"], split="train", step=start_step, **kw)
+  # (that refused an eos_id outside the vocabulary) at most 16M tokens, and only with masking on:
+  # a memmap stays cheap, other runs read nothing
   head = np.asarray(sources["train"].tokens[:1 << 24]) if eos is not None else None
   if eos is not None and not (head == eos).any():
     log.warning("document masking: end token %d does not occur in the first %d training tokens, "
                 "so nothing is masked there. Fix: check config.data.eos_id against your "
                 "tokenizer's end-of-text id", eos, len(head))
-  train = data_lib.BatchIterator(sources["train"], split="train", step=start_step, **kw)
   val = data_lib.BatchIterator(sources["val"], split="val", **kw)
   return train, [val.batch(i) for i in range(config.train.eval_batches)]
 
