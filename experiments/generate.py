@@ -121,11 +121,15 @@ def make_chunk_fn(graphdef, chunk: int, kernels: dict, **sample_kw):
 
 
 def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-             chunk=16, kernels=None, on_tokens=None):
+             chunk=16, kernels=None, on_tokens=None, stop_token=None):
   """Samples max_new_tokens after prompt_ids [B, T]; returns [B, max_new_tokens] int32.
 
   on_tokens(tokens [B, c]) is called as soon as each chunk is on the host (streaming).
   kernels: the Pallas decode kernels (decode.pallas_decode_kernels()); None = plain JAX.
+  stop_token: a row ends with the first one it samples (e.g. a document's end token: decoding
+  takes no segment ids, so a model trained with document masking would go on reading across it);
+  every later position of that row holds stop_token, and sampling ends after the chunk in which
+  the last row stopped, so fewer than max_new_tokens columns may come back.
   """
   b, t = prompt_ids.shape
   if chunk < 1 or max_new_tokens < 1 or b < 1 or t < 1:
@@ -146,21 +150,27 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=1.0, top_k=0, top
   logits, cache = prefill_fn(params, jnp.asarray(prompt_ids, jnp.int32), max(max_len, t))
   key, sub = jax.random.split(key)
   token = sampling.sample(sub, logits[:, -1], **kw)
-  out = [np.asarray(token)[:, None]]
-  if on_tokens:
-    on_tokens(out[0])
+  stopped = np.zeros(b, bool)
+
+  def emit(toks):  # a stopped row's later tokens become stop_token, then the chunk streams
+    if stop_token is not None:
+      hit = np.cumsum(toks == stop_token, axis=1) > 0
+      toks = np.where(stopped[:, None] | np.pad(hit, ((0, 0), (1, 0)))[:, :-1], stop_token, toks)
+      stopped[:] |= hit.any(axis=1)
+    if on_tokens:
+      on_tokens(toks)
+    return toks
+
+  out = [emit(np.asarray(token)[:, None])]
   fns = {}
   done = 0
-  while done < steps:
+  while done < steps and not stopped.all():
     c = min(chunk, steps - done)
     decode.check_room(cache, c)  # the jitted loop cannot raise; check before entering it
     if c not in fns:
       fns[c] = make_chunk_fn(graphdef, c, kernels or {}, **kw)
     cache, token, key, toks = fns[c](params, cache, token, key)
-    toks = np.asarray(toks)
-    out.append(toks)
-    if on_tokens:
-      on_tokens(toks)
+    out.append(emit(np.asarray(toks)))
     done += c
   return np.concatenate(out, axis=1)
 
@@ -184,6 +194,9 @@ def main(argv=None):
   ap.add_argument("--top_p", type=float, default=1.0, help="1 = off")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--chunk", type=int, default=16, help="decode steps per jitted loop call")
+  ap.add_argument("--stop_token", type=int, default=None,
+                  help="end a sample at this token id (e.g. 0, the byte corpora's document end, "
+                       "for a model trained with document masking: decoding is one document)")
   ap.add_argument("--kernel", choices=["auto", "pallas", "xla"], default="auto")
   args = ap.parse_args(argv)
   logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -193,6 +206,8 @@ def main(argv=None):
     ap.error("--num_samples must be >= 1")
   if args.chunk < 1:
     ap.error("--chunk (decode steps per jitted call) must be >= 1")
+  if args.stop_token is not None and args.stop_token < 0:
+    ap.error(f"--stop_token={args.stop_token}: expected a token id >= 0")
   if args.workdir and args.attention:
     ap.error("--attention applies to --config (an untrained model); a checkpoint's attention is "
              "the one it was trained with")
@@ -215,6 +230,8 @@ def main(argv=None):
     return 1
   vocab = model.cfg.vocab_size
   byte_level = vocab == 256
+  if args.stop_token is not None and args.stop_token >= vocab:
+    ap.error(f"--stop_token={args.stop_token} is outside the vocabulary [0, {vocab - 1}]")
   try:
     ids = list(args.prompt.encode("utf-8")) if byte_level else [int(x) for x in args.prompt.split()]
   except ValueError:
@@ -229,8 +246,14 @@ def main(argv=None):
         file=sys.stderr)
   utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+  shown = [True]  # the first sample streams up to its stop token
+
   def stream(toks):
     row = toks[0].tolist()
+    if args.stop_token is not None and args.stop_token in row:
+      row, shown[0] = (row[:row.index(args.stop_token)] if shown[0] else []), False
+    elif not shown[0]:
+      row = []
     sys.stdout.write(utf8.decode(bytes(row)) if byte_level else " " + " ".join(map(str, row)))
     sys.stdout.flush()
 
@@ -240,14 +263,17 @@ def main(argv=None):
   try:
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, chunk=args.chunk,
-                   kernels=kernels, on_tokens=stream)
+                   kernels=kernels, on_tokens=stream, stop_token=args.stop_token)
   except ValueError as e:
     print(f"\nerror: {e}", file=sys.stderr)
     return 1
   secs = time.perf_counter() - start
   sys.stdout.write(utf8.decode(b"", final=True) + "\n")
   for i in range(1, args.num_samples):
-    text = bytes(out[i].tolist()).decode("utf-8", "replace") if byte_level else str(out[i].tolist())
+    row = out[i].tolist()
+    if args.stop_token is not None and args.stop_token in row:
+      row = row[:row.index(args.stop_token)]
+    text = bytes(row).decode("utf-8", "replace") if byte_level else str(row)
     print(f"--- sample {i}\n{args.prompt}{text}")
   print(f"[{out.size} tokens in {secs:.2f} s including compilation]", file=sys.stderr)
   return 0

@@ -425,3 +425,32 @@ def test_decode_kernels_lower_for_cuda():
   for name in ("nsa_decode_attention", "nsa_decode_scores", "nsa_decode_topn",
                "nsa_decode_select_window", "nsa_decode_band_topn"):
     assert name in text, f"{name} missing from the CUDA lowering"
+
+
+def test_generate_stops_each_row_at_its_stop_token():
+  """experiments.generate(stop_token=...): a row keeps what it sampled up to and including its
+  first stop token, holds the stop token after it, and sampling ends after the chunk in which
+  every row stopped; the tokens before the stop are those of the run without a stop token (the
+  same greedy decode)."""
+  from experiments import generate as gen
+  model = tiny_model("dense", n_layers=1)
+  prompt = np.asarray(jax.random.randint(fresh_key(7), (2, 5), 0, VOCAB), np.int32)
+  full = gen.generate(model, prompt, 24, temperature=0.0, chunk=4)
+  # row 0's third new token (its first occurrence) stops it; row 1 stops where that id first
+  # turns up in its own row, or never
+  stop = int(full[0, 2]) if int(full[0, 2]) not in full[0, :2] else int(full[0, 0])
+  streamed = []
+  got = gen.generate(model, prompt, 24, temperature=0.0, chunk=4, stop_token=stop,
+                     on_tokens=streamed.append)
+  np.testing.assert_array_equal(np.concatenate(streamed, axis=1), got)
+  for r in range(2):
+    hits = np.flatnonzero(full[r] == stop)
+    end = hits[0] + 1 if hits.size else full.shape[1]
+    np.testing.assert_array_equal(got[r, :min(end, got.shape[1])], full[r, :min(end, got.shape[1])])
+    assert (got[r, end:] == stop).all()
+  first_stops = [np.flatnonzero(full[r] == stop) for r in range(2)]
+  if all(h.size for h in first_stops):  # both rows stopped: ends with the chunk of the later stop
+    last = max(h[0] for h in first_stops)  # column; column 0 is the prefill's token
+    assert got.shape[1] == 1 + 4 * -(-last // 4) if last else got.shape[1] == 1, got.shape
+  else:
+    assert got.shape[1] == 24

@@ -282,6 +282,10 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
        "must be space-separated token ids"),
       (["experiments.generate", f"--config={vocab64}", "--prompt=1 2 999"], 2,
        "token ids outside [0, 63]"),
+      (["experiments.generate", "--config=configs/tiny_cpu.py", "--stop_token=-1"], 2,
+       "--stop_token=-1: expected a token id >= 0"),
+      (["experiments.generate", f"--config={vocab64}", "--prompt=1 2", "--stop_token=64"], 2,
+       "--stop_token=64 is outside the vocabulary [0, 63]"),
       (["experiments.needle_eval", f"--out={tmp_path}/n.png"], 2),  # a required flag missing
       # another mode's flags were silently ignored; a .json --out failed after the whole grid
       (["experiments.needle_eval", "--mode=position", f"--workdirs={nowhere}", "--lengths=1024",
@@ -308,7 +312,7 @@ def test_evaluation_entry_points_report_bad_workdirs_in_one_line(tmp_path):
                        text=True, timeout=240)
     assert r.returncode == code and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
     assert "error" in r.stderr and all(w in r.stderr for w in want), (args, r.stderr[-2000:])
-    assert "USAGE" not in r.stderr and len(r.stderr.splitlines()) < 8, (args, r.stderr[-2000:])
+    assert "USAGE" not in r.stderr and len(r.stderr.splitlines()) < 10, (args, r.stderr[-2000:])
   for args in (["experiments.needle_eval", "--help"], ["experiments.generate", "--help"]):
     r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)  # help is not an error (absl exits 1 by default)
