@@ -495,7 +495,7 @@ def crossover_line(pts):
   where = "never" if cross is None else str(cross)
   if cross is not None and cross == pts[0][0]:
     where += " or shorter (the shortest T timed)"
-  if pts[0][0] > 16384 and cross is not None:
+  if cross is not None and cross == pts[0][0] > 16384:  # above 1 everywhere timed, 16k not timed
     verdict = "not measured (no T <= 16384 timed)"
   else:
     verdict = "MET" if cross is not None and cross <= 16384 else "NOT met"

@@ -578,8 +578,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg: NSACo
 def _nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,
                    implementation, return_aux, block_idx):
   # Every path checks its inputs, but choosing a path (and a mesh layout) already reads shapes.
-  reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids)
-  segment_ids = None if segment_ids is None else reference.document_runs(segment_ids)  # checked
+  reference.check_nsa_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg)
+  segment_ids = reference.segment_runs(segment_ids, q.shape[:2])  # checked, as runs
   layout = mesh_layout(q.shape[0], k_slc.shape[2], "NSA attention")
   if layout is None:
     return _nsa_local(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, segment_ids, scale,

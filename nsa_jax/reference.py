@@ -70,18 +70,19 @@ def document_runs(segment_ids):
   Every NSA and dense attention path reads the ids through this, so they agree on any ids: the
   paths that compare ids and the kernels that take each row's document start (the Mosaic
   selection kernels, cuDNN's packed layout) then see the same documents, under jit as eagerly."""
-  seg = jnp.asarray(segment_ids)
-  change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
-  return jnp.concatenate([jnp.zeros_like(seg[:, :1], jnp.int32),  # [B, 0] when T = 0
+  # host ids (numpy, lists) are compared at their own width before jax sees them: jax without x64
+  # would wrap 64-bit ids (2**32 onto 0) and merge documents. Under jit the ids arrive as jax
+  # arrays, already narrowed: convert 64-bit ids with this on the host before a jitted call.
+  seg = segment_ids if isinstance(segment_ids, jax.Array) else np.asarray(segment_ids)
+  change = jnp.asarray(seg[:, 1:] != seg[:, :-1], jnp.int32)
+  return jnp.concatenate([jnp.zeros((seg.shape[0], min(1, seg.shape[1])), jnp.int32),  # T = 0, 1
                           jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
 
 
 def _segments(segment_ids, b, t):
   if segment_ids is None:
     return jnp.zeros((b, t), jnp.int32)
-  if segment_ids.shape != (b, t):
-    raise ValueError(f"segment_ids has shape {segment_ids.shape}, expected [batch, time] = {(b, t)}")
-  return document_runs(segment_ids)
+  return segment_runs(segment_ids, (b, t))
 
 
 def document_starts(segment_ids):
@@ -404,9 +405,7 @@ def check_block_idx(block_idx, q, cfg: NSAConfig):
 def check_segment_ids(segment_ids, shape):
   """Segment ids are integer (or boolean) document ids, one per token: `shape` = (batch, time);
   each contiguous run of one id is a document (document_runs), so an id may come back later in a
-  row as another document. Array-likes (nested lists) are read as numpy arrays; host ids outside
-  int32 are refused while jax runs without x64, which would wrap them (2**32 onto 0) and merge
-  documents without a word."""
+  row as another document. Array-likes (nested lists) are read as numpy arrays."""
   if segment_ids is None:
     return
   if not hasattr(segment_ids, "dtype"):
@@ -417,31 +416,16 @@ def check_segment_ids(segment_ids, shape):
   require_integers(segment_ids, "segment_ids", "document ids (the Pallas kernels would "
                    "truncate 0.5 to 0)", "pass int32 ids, e.g. the cumulative count of document "
                    "starts.", allow_bool=True)
-  if (isinstance(segment_ids, np.ndarray) and segment_ids.dtype.kind in "iu" and segment_ids.size
-      and not jax.config.jax_enable_x64):
-    lo, hi = int(segment_ids.min()), int(segment_ids.max())
-    i32 = np.iinfo(np.int32)
-    if lo < i32.min or hi > i32.max:
-      raise ValueError(f"segment_ids range over [{lo}, {hi}], outside int32, which jax (without "
-                       "x64) would wrap, merging documents whose ids differ by 2**32. Fix: relabel "
-                       "them, e.g. nsa_jax.reference.segment_runs(ids) or np.unique(ids, "
-                       "return_inverse=True)[1].reshape(ids.shape).")
 
 
-def segment_runs(segment_ids, shape=None):
-  """Checked ids (check_segment_ids against `shape`, default the ids' own) as document_runs: the
-  int32 [B, T] run indices that every attention path reads. Host ids (numpy, lists) are compared
-  at their own width, so ids of any size work; None stays None."""
+def segment_runs(segment_ids, shape):
+  """Checked ids (check_segment_ids against `shape`) as document_runs: the int32 [B, T] run
+  indices that every attention path reads (host ids of any width, lists too); None stays None."""
   if segment_ids is None:
     return None
   if not hasattr(segment_ids, "dtype"):
     segment_ids = np.asarray(segment_ids)
-  if isinstance(segment_ids, np.ndarray) and segment_ids.ndim == 2 and \
-      segment_ids.dtype.kind in "iu" and (shape is None or segment_ids.shape == tuple(shape)):
-    change = segment_ids[:, 1:] != segment_ids[:, :-1]  # at full width, before jax sees them
-    segment_ids = np.concatenate([np.zeros_like(change[:, :1]), change], axis=1).cumsum(
-        axis=1, dtype=np.int32)
-  check_segment_ids(segment_ids, segment_ids.shape if shape is None else shape)
+  check_segment_ids(segment_ids, shape)
   return document_runs(segment_ids)
 
 

@@ -169,8 +169,8 @@ def test_kernels_and_aux_selector_take_reused_ids_as_runs():
 def test_host_ids_of_any_width_and_lists_are_runs_everywhere():
   """numpy ids are compared at their own width before jax sees them: ids 7 and 7 + 2**32 are two
   documents (jax without x64 would wrap both to 7 and merge them, silently). Nested lists work on
-  every entry point, the ops and the Flax layers alike; a wide id handed to the reference's own
-  check is refused with the fix named."""
+  every entry point: the ops (NSA, dense, window), the reference op and the Flax layers; T = 1
+  and T = 0 host ids keep their shape."""
   from flax import nnx
   from nsa_jax.attention import DenseAttention, NSAAttention
   seed = fresh_seed()
@@ -185,9 +185,22 @@ def test_host_ids_of_any_width_and_lists_are_runs_everywhere():
                  seed)
   # the difference is real: one document for every token moves the later runs' outputs
   assert not np.allclose(ops.dense_attention(q, k, v, None), want, atol=1e-3), f"seed {seed}"
-  np.testing.assert_array_equal(reference.segment_runs(wide), runs)
-  with pytest.raises(ValueError, match=r"outside int32.*Fix: relabel.*segment_runs"):
-    reference.check_segment_ids(wide, wide.shape)
+  np.testing.assert_array_equal(reference.segment_runs(wide, (B, T)), runs)
+  cfg = NSAConfig(**CFG, implementation="xla")
+  rng = np.random.default_rng(seed)
+  nc, kh, d = cfg.num_cmp_blocks(T), cfg.num_kv_heads, cfg.head_dim
+  nsa_in = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+            [(B, T, cfg.num_heads, d), (B, nc, kh, d), (B, nc, kh, d)] + [(B, T, kh, d)] * 4]
+  nsa_in.append(jnp.full((B, T, cfg.num_heads, 3), 0.5))
+  want_nsa = ops.nsa_attention(*nsa_in, cfg, segment_ids=runs)
+  for ids in (wide, lst):  # the op and the reference called directly
+    _assert_same(ops.nsa_attention(*nsa_in, cfg, segment_ids=ids), want_nsa, seed)
+    _assert_same(reference.nsa_attention(*nsa_in, cfg, segment_ids=ids), want_nsa, seed)
+  for one in (np.zeros((2, 1), np.int64), [[3], [4]], np.zeros((2, 0), np.int64)):  # T = 1, 0
+    got = reference.segment_runs(one, np.shape(one))
+    assert got.shape == np.shape(one) and not np.any(got)
+  one_token = [a[:, :1] for a in (q, k, v)]
+  _assert_same(ops.dense_attention(*one_token, [[5], [6]]), ops.dense_attention(*one_token), seed)
   x = jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, 16)), jnp.float32)
   for layer in (NSAAttention(16, NSAConfig(**CFG), rngs=nnx.Rngs(0)),
                 DenseAttention(16, 4, 2, 8, rngs=nnx.Rngs(0))):

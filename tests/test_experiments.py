@@ -866,6 +866,7 @@ def test_bench_nsa_crossover_verdicts():
   assert crossover_line([(16384, 0.9), (32768, 1.2)]).endswith(": 32768; 16k target NOT met")
   assert crossover_line([(8192, 1.1), (16384, 0.99)]).endswith(": never; 16k target NOT met")
   assert crossover_line([(32768, 0.8), (65536, 0.9)]).endswith(": never; 16k target NOT met")
+  assert crossover_line([(32768, 0.9), (65536, 1.2)]).endswith(": 65536; 16k target NOT met")
 
 
 def test_bench_nsa_mosaic_paths_run_on_cpu(tmp_path):

@@ -549,6 +549,13 @@ def test_sequences_shorter_than_a_compression_block_are_named(caplog):
     with caplog.at_level("WARNING", logger="nsa_jax.training"):
       train.check_batch_layout(c, mesh, model_cfg)
     assert ("shorter than a compression block" in caplog.text) == warned, caplog.text
+  c.data.seq_len = model_cfg.nsa.cmp_block - 1
+  for branches, warned in ((("slc", "win"), True), (("win",), False)):  # scores need cmp blocks
+    c.model.nsa.branches = branches
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nsa_jax.training"):
+      train.check_batch_layout(c, mesh, train.model_config_from(c.model))
+    assert ("shorter than a compression block" in caplog.text) == warned, (branches, caplog.text)
 
 
 def test_document_mask_trains_with_gradient_accumulation():

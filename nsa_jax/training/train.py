@@ -431,8 +431,8 @@ def check_batch_layout(config, mesh, model_cfg):
     raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds config.model.max_seq_len="
                      f"{model_cfg.max_seq_len}. Fix: raise max_seq_len or lower seq_len")
   nsa = model_cfg.nsa
-  if "nsa" in model_cfg.attention_kinds and "cmp" in nsa.branches and \
-      config.data.seq_len < nsa.cmp_block:
+  scores = "cmp" in nsa.branches or ("slc" in nsa.branches and nsa.selector == "nsa")
+  if "nsa" in model_cfg.attention_kinds and scores and config.data.seq_len < nsa.cmp_block:
     log.warning("config.data.seq_len=%d is shorter than a compression block (cmp_block=%d): no "
                 "compressed block is ever complete, so the compression branch sees nothing and "
                 "selection has only its forced blocks. Fix: train on longer sequences, or shrink "
