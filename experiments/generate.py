@@ -246,14 +246,11 @@ def main(argv=None):
         file=sys.stderr)
   utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-  shown = [True]  # the first sample streams up to its stop token
+  def upto_stop(row):  # generate() fills a row with stop_token from its first one on
+    return row[:row.index(args.stop_token)] if args.stop_token in row else row
 
   def stream(toks):
-    row = toks[0].tolist()
-    if args.stop_token is not None and args.stop_token in row:
-      row, shown[0] = (row[:row.index(args.stop_token)] if shown[0] else []), False
-    elif not shown[0]:
-      row = []
+    row = upto_stop(toks[0].tolist())
     sys.stdout.write(utf8.decode(bytes(row)) if byte_level else " " + " ".join(map(str, row)))
     sys.stdout.flush()
 
@@ -270,9 +267,7 @@ def main(argv=None):
   secs = time.perf_counter() - start
   sys.stdout.write(utf8.decode(b"", final=True) + "\n")
   for i in range(1, args.num_samples):
-    row = out[i].tolist()
-    if args.stop_token is not None and args.stop_token in row:
-      row = row[:row.index(args.stop_token)]
+    row = upto_stop(out[i].tolist())
     text = bytes(row).decode("utf-8", "replace") if byte_level else str(row)
     print(f"--- sample {i}\n{args.prompt}{text}")
   print(f"[{out.size} tokens in {secs:.2f} s including compilation]", file=sys.stderr)

@@ -49,9 +49,8 @@ def selection_map(block_idx: np.ndarray, sel_block: int, num_init: int, num_loca
   nb = -(-t_len // sel_block)
   start = np.zeros(t_len, int)  # each query's document start
   if segment_ids is not None:
-    seg = np.asarray(segment_ids).reshape(t_len)
-    new_doc = np.r_[True, seg[1:] != seg[:-1]]
-    start = np.maximum.accumulate(np.where(new_doc, np.arange(t_len), 0))
+    from nsa_jax.reference import document_starts
+    start = np.asarray(document_starts(np.asarray(segment_ids).reshape(1, t_len)))[0]
   t = np.arange(t_len)[:, None]
   j = np.arange(nb)[None, :]
   first = start[:, None] // sel_block

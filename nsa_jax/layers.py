@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nsa_jax.reference import document_starts, segment_runs
+from nsa_jax.reference import document_starts, host_segment_runs
 
 # vocab: token ids; embed: residual width; heads / kv_heads: flattened (heads x head_dim) of the
 # query and of each key/value projection; mlp: feed-forward hidden width. None: replicated.
@@ -126,8 +126,8 @@ def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=
   """The attention layers' input checks, before anything is computed from them: x [B, T, d_model]
   with T >= 1 and a floating dtype; segment_ids, when given, [B, T] integers or booleans (the
   NSA op needs one row per sequence); positions [B, T] or [1, T] (shared by the batch; any real
-  dtype: fractional positions are how RoPE interpolation is done). Returns the segment ids as
-  document runs (reference.segment_runs; None stays None) for the layer to use."""
+  dtype: fractional positions are how RoPE interpolation is done). Returns the segment ids for
+  the layer to use (reference.host_segment_runs: host ids as runs, jax arrays unchanged)."""
   if x.ndim != 3 or x.shape[-1] != d_model:
     raise ValueError(f"{layer} expects x [batch, time, {d_model}], got {x.shape}. Fix: pass the "
                      "hidden states with the layer's d_model as the last axis.")
@@ -141,7 +141,7 @@ def check_layer_inputs(layer: str, x, d_model: int, segment_ids=None, positions=
     raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [batch, time] = "
                      f"{(b, t)} (or [1, time]) from x {x.shape}. Fix: give one position per "
                      "token, shaped like the batch.")
-  return segment_runs(segment_ids, (b, t))  # the one segment-id check (reference), as runs
+  return host_segment_runs(segment_ids, (b, t))  # the one segment-id check (reference)
 
 
 def default_positions(batch, seq_len, segment_ids=None):

@@ -12,7 +12,7 @@ from flax import nnx
 
 from nsa_jax.attention import DenseAttention, NSAAttention
 from nsa_jax.config import ModelConfig
-from nsa_jax.reference import segment_runs
+from nsa_jax.reference import host_segment_runs
 from nsa_jax.layers import (RMSNorm, SwiGLU, annotated, constrain_rows, dtype_of, linear,
                             sharding_scope)
 
@@ -218,7 +218,7 @@ class TransformerLM(nnx.Module):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
     check_token_ids(tokens, self.cfg.vocab_size)
-    segment_ids = segment_runs(segment_ids, tokens.shape)  # checked once, as document runs
+    segment_ids = host_segment_runs(segment_ids, tokens.shape)  # checked; host ids as runs
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                        f"{self.cfg.max_seq_len}. Fix: raise model.max_seq_len or shorten the input.")

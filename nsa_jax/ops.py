@@ -288,12 +288,6 @@ def _packed_or_kernels(q, k, v, segment_ids, window, cap, scale):
                                                       interpret=not on_gpu())[0])
 
 
-def _document_runs(segment_ids, q):
-  """Ids [B, T] (q's first two dims; reference.check_segment_ids) as reference.document_runs:
-  every backend then sees the same documents, one per contiguous run of an id."""
-  return reference.segment_runs(segment_ids, q.shape[:2])
-
-
 def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cudnn=True,
                      backend=None):
   """Sliding-window branch, by window_backend(...) unless `backend` names one of
@@ -305,7 +299,7 @@ def window_attention(q, k, v, window, segment_ids=None, scale=None, *, allow_cud
   from pallas_kernels import window_attention as wk
   window = wk.check_window(window)
   reference.check_qkv(q, k, v, "window_attention")
-  segment_ids = _document_runs(segment_ids, q)
+  segment_ids = reference.segment_runs(segment_ids, q.shape[:2])  # checked, as runs
   be = window_backend(q, v, segment_ids, allow_cudnn) if backend is None else backend
   if be == "cudnn":
     if segment_ids is not None:
@@ -627,7 +621,7 @@ def dense_attention(q, k, v, segment_ids=None, scale=None, implementation="auto"
   Under a mesh in context it runs per device, like nsa_attention."""
   with jax.named_scope("dense_attention"):
     reference.check_qkv(q, k, v, "dense_attention")
-    segment_ids = _document_runs(segment_ids, q)
+    segment_ids = reference.segment_runs(segment_ids, q.shape[:2])  # checked, as runs
     layout = mesh_layout(q.shape[0], k.shape[2], "dense attention")
     if layout is None:
       return _dense_local(q, k, v, segment_ids, scale, implementation)

@@ -420,13 +420,22 @@ def check_segment_ids(segment_ids, shape):
 
 def segment_runs(segment_ids, shape):
   """Checked ids (check_segment_ids against `shape`) as document_runs: the int32 [B, T] run
-  indices that every attention path reads (host ids of any width, lists too); None stays None."""
+  indices that every attention path reads (host ids of any width, lists too); None stays None.
+  Every attention op calls this on entry."""
   if segment_ids is None:
     return None
-  if not hasattr(segment_ids, "dtype"):
-    segment_ids = np.asarray(segment_ids)
   check_segment_ids(segment_ids, shape)
   return document_runs(segment_ids)
+
+
+def host_segment_runs(segment_ids, shape):
+  """For the modules: checked ids, host ids (numpy, lists) turned into their runs here, at full
+  width, before anything narrows them; jax arrays pass through unchanged, since the attention ops
+  convert them (segment_runs), and the modules' own use (document_starts) reads any ids."""
+  if segment_ids is None or isinstance(segment_ids, jax.Array):
+    check_segment_ids(segment_ids, shape)
+    return segment_ids
+  return segment_runs(segment_ids, shape)
 
 
 def check_qkv(q, k, v, op):
